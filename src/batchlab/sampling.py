@@ -1,0 +1,73 @@
+"""Turning a row of logits into a token: greedy, temperature, top-k, top-p.
+
+Every request carries its own ``SamplingParams`` and its own random stream, so a
+request's samples depend only on its seed, never on which requests share its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy (always the most likely token)
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep only the k most likely tokens (0 = all)
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Sampler:
+    """One request's sampler: its parameters plus its private random stream."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Pick a token from one row of float32 logits (not used for greedy rows)."""
+        p = self.params
+        scaled = logits.astype(np.float64) / p.temperature
+        candidates = np.arange(scaled.size)
+        if 0 < p.top_k < scaled.size:
+            candidates = np.argpartition(-scaled, p.top_k)[:p.top_k]
+        order = candidates[np.argsort(-scaled[candidates], kind="stable")]
+        probs = np.exp(scaled[order] - scaled[order[0]])
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            keep = int(np.searchsorted(np.cumsum(probs), p.top_p)) + 1
+            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+        return int(order[self.rng.choice(order.size, p=probs)])
+
+
+def sample_rows(logits: mx.array, samplers: list[Sampler]) -> list[int]:
+    """One token per row of ``logits`` [N, vocab]; greedy rows use a single argmax."""
+    greedy = mx.argmax(logits, axis=-1)
+    if all(s.params.greedy for s in samplers):
+        return greedy.tolist()
+    rows = np.array(logits.astype(mx.float32))
+    picks = greedy.tolist()
+    for i, s in enumerate(samplers):
+        if not s.params.greedy:
+            picks[i] = s.sample(rows[i])
+    return picks

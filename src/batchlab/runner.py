@@ -1,0 +1,140 @@
+"""The model runner (the executor's mechanism): run one batch of ragged sequences as
+ONE forward pass over an mlx-lm Llama-family model, reading and writing paged KV.
+
+A batch is a list of ``Chunk``s. A decode row is a chunk of one token; a prefill chunk
+is several consecutive prompt tokens. All tokens of all chunks are packed into one
+``[1, T]`` sequence, so every linear layer (the bulk of the work) runs once over T
+rows: decode rows ride along on a prefill chunk's matrix multiplies. Only attention
+is per sequence, because each sequence attends to its own keys and values:
+- decode rows together: their contexts gathered from the KV pool, padded, masked;
+- each prefill chunk: causal attention over its own earlier tokens plus itself.
+
+The runner decides nothing: which chunks run is the scheduler's job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from .kv import BlockManager, KVPool
+from .model import LoadedModel
+
+
+@dataclass(frozen=True)
+class Chunk:
+    req_id: str
+    tokens: list[int]  # the tokens to run: one for a decode row, several for a prefill chunk
+    start: int  # position of tokens[0] in its sequence (= tokens already in the KV cache)
+
+
+class ModelRunner:
+    def __init__(self, lm: LoadedModel, blocks: BlockManager):
+        self.lm, self.blocks = lm, blocks
+        model = lm.model
+        self.layers = model.model.layers
+        attn = self.layers[0].self_attn
+        self.n_heads, self.n_kv_heads = attn.n_heads, attn.n_kv_heads
+        self.head_dim = model.model.embed_tokens.weight.shape[1] // self.n_heads \
+            if getattr(lm.args, "head_dim", None) is None else lm.args.head_dim
+        self.scale = attn.scale
+        self.dtype = model.model.embed_tokens.weight.dtype
+        if self.dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized models
+            self.dtype = mx.float16
+        self.pool = KVPool(len(self.layers), blocks.num_blocks, blocks.block_size,
+                           self.n_kv_heads, self.head_dim, self.dtype)
+
+    def forward(self, chunks: list[Chunk]) -> mx.array:
+        """Run all ``chunks`` in one pass; return logits ``[len(chunks), vocab]`` for the
+        last token of each chunk (the distribution of the token that comes next)."""
+        # Decode rows first, then prefill chunks: each group's attention is done together.
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].tokens) > 1)
+        chunks = [chunks[i] for i in order]
+        rows = [c for c in chunks if len(c.tokens) == 1]
+        prefills = [c for c in chunks if len(c.tokens) > 1]
+
+        tokens = mx.array([t for c in chunks for t in c.tokens])
+        positions = mx.array(np.concatenate(
+            [np.arange(c.start, c.start + len(c.tokens)) for c in chunks]).astype(np.int32))
+        writes = mx.array(np.concatenate(
+            [self.blocks.slots(c.req_id, c.start, c.start + len(c.tokens)) for c in chunks]))
+        row_context = self._row_context(rows) if rows else None
+        prefill_context = [self._prefill_context(c) for c in prefills]
+
+        h = self.lm.model.model.embed_tokens(tokens[None])  # [1, T, hidden]
+        for i, layer in enumerate(self.layers):
+            x = layer.input_layernorm(h)
+            h = h + layer.self_attn.o_proj(self._attention(
+                i, layer.self_attn, x, positions, writes, len(rows), row_context,
+                prefills, prefill_context))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+
+        last = mx.array(np.cumsum([len(c.tokens) for c in chunks]) - 1)
+        logits = self._lm_head(self.lm.model.model.norm(h[0, last]))
+        logits = logits[mx.array(np.argsort(order))]  # back to the caller's order
+        mx.eval(logits, self.pool.keys, self.pool.values)
+        return logits
+
+    def _attention(self, i, attn, x, positions, writes, num_rows, row_context,
+                   prefills, prefill_context) -> mx.array:
+        """Self-attention of layer ``i`` for the packed tokens ``x`` [1, T, hidden]."""
+        T, H, KH, D = x.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
+        # Rotary embeddings per token at its own position: treat each token as a batch item.
+        q = attn.rope(attn.q_proj(x).reshape(T, H, 1, D), offset=positions).reshape(T, H, D)
+        k = attn.rope(attn.k_proj(x).reshape(T, KH, 1, D), offset=positions).reshape(T, KH, D)
+        v = attn.v_proj(x).reshape(T, KH, D)
+        # Store this step's keys and values in the pool (a scatter into their slots).
+        self.pool.keys[i][writes] = k
+        self.pool.values[i][writes] = v
+        keys, values = self.pool.keys[i], self.pool.values[i]
+
+        outputs = []
+        if num_rows:  # decode rows: one query each, over its gathered, padded context
+            gather, mask = row_context
+            qr = q[:num_rows].reshape(num_rows, H, 1, D)
+            kr = keys[gather].transpose(0, 2, 1, 3)  # [rows, KH, context, D]
+            vr = values[gather].transpose(0, 2, 1, 3)
+            out = mx.fast.scaled_dot_product_attention(qr, kr, vr, scale=self.scale, mask=mask)
+            outputs.append(out.reshape(num_rows, H * D))
+        offset = num_rows
+        for chunk, (gather, mask) in zip(prefills, prefill_context):
+            L = len(chunk.tokens)
+            qc = q[offset:offset + L].transpose(1, 0, 2)[None]  # [1, H, L, D]
+            if gather is None:  # first chunk of a prompt: its own keys are the whole context
+                kc, vc = k[offset:offset + L], v[offset:offset + L]
+            else:
+                kc, vc = keys[gather], values[gather]
+            kc, vc = kc.transpose(1, 0, 2)[None], vc.transpose(1, 0, 2)[None]
+            out = mx.fast.scaled_dot_product_attention(qc, kc, vc, scale=self.scale, mask=mask)
+            outputs.append(out[0].transpose(1, 0, 2).reshape(L, H * D))
+            offset += L
+        return mx.concatenate(outputs)[None] if len(outputs) > 1 else outputs[0][None]
+
+    def _row_context(self, rows: list[Chunk]):
+        """Gather indices [rows, longest context] and the mask hiding each row's padding."""
+        lengths = [c.start + 1 for c in rows]
+        longest = max(lengths)
+        gather = np.zeros((len(rows), longest), dtype=np.int32)
+        for r, c in enumerate(rows):
+            gather[r, :lengths[r]] = self.blocks.slots(c.req_id, 0, lengths[r])
+        mask = np.arange(longest)[None, :] < np.array(lengths)[:, None]
+        return mx.array(gather), mx.array(mask)[:, None, None, :]
+
+    def _prefill_context(self, chunk: Chunk):
+        """Gather indices of the chunk's whole context (None if it starts the prompt) and
+        its causal mask: query i (at position start+i) sees keys 0..start+i."""
+        L = len(chunk.tokens)
+        if chunk.start == 0:
+            return None, "causal"
+        total = chunk.start + L
+        gather = mx.array(self.blocks.slots(chunk.req_id, 0, total))
+        mask = np.arange(total)[None, :] <= (chunk.start + np.arange(L))[:, None]
+        return gather, mx.array(mask)
+
+    def _lm_head(self, h: mx.array) -> mx.array:
+        model = self.lm.model
+        if hasattr(model, "lm_head"):
+            return model.lm_head(h)
+        return model.model.embed_tokens.as_linear(h)

@@ -1,0 +1,309 @@
+"""The engine: submit / step / poll / cancel, tying a scheduler (policy) to the model
+runner (mechanism), and recording a trace of every step.
+
+Thread safety: ``submit``, ``poll`` and ``cancel`` may be called from any thread while
+another thread calls ``step`` (``EngineLoop`` does exactly that). They only touch
+request bookkeeping under a lock; the forward passes run outside it, so a poll never
+waits for the model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from typing import Sequence
+
+from .kv import BlockManager
+from .model import LoadedModel
+from .prompts import check_prompt_ids, clamp_new_tokens
+from .request import Request, State
+from .runner import Chunk, ModelRunner
+from .sampling import SamplingParams, sample_rows
+from .scheduler import (Batch, ContinuousScheduler, Scheduler, SequentialScheduler,
+                        StallFreeScheduler, StaticScheduler)
+from .trace import StepRecord, Trace
+
+KINDS = ("sequential", "static", "continuous", "stallfree")
+
+
+class Engine:
+    def __init__(self, lm: LoadedModel, scheduler: Scheduler, runner: ModelRunner,
+                 max_seq_len: int):
+        self.lm, self.scheduler, self.runner = lm, scheduler, runner
+        self.blocks = scheduler.blocks
+        self.max_seq_len = max_seq_len
+        self.trace = Trace(scheduler.kind, scheduler.max_batch_size)
+        self.clock = scheduler.clock  # seconds since the engine was made; every timestamp uses it
+        self._lock = threading.Lock()
+        self._requests: dict[str, Request] = {}  # every request not yet reported done by poll
+        self._inbox: list[Request] = []  # submitted, not yet in the scheduler's queue
+        self._cancelled: list[Request] = []  # cancelled, not yet swept out of the scheduler
+        self._ids = itertools.count()
+        self._step_index = 0
+
+    # -- the client side ------------------------------------------------------------------
+    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 32, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+               ignore_eos: bool = False, request_id: str | None = None) -> str:
+        """Queue a request; return its id. Bad arguments raise ValueError and change nothing."""
+        if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
+            raise ValueError("submit takes a list of token ids; encode text with the tokenizer first")
+        prompt_ids = list(prompt_ids)
+        check_prompt_ids(prompt_ids, self.lm.tokenizer.vocab_size, self.max_seq_len)
+        max_new = clamp_new_tokens(len(prompt_ids), max_new_tokens, self.max_seq_len)
+        sampling = SamplingParams(temperature, top_p, top_k, seed)
+        need = self.blocks.blocks_for(len(prompt_ids) + max_new)
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt + max_new_tokens = {len(prompt_ids) + max_new} tokens needs {need} KV blocks, "
+                f"but the engine has {self.blocks.num_blocks} blocks of {self.blocks.block_size} "
+                f"tokens; raise num_kv_blocks")
+        with self._lock:
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            stop = frozenset() if ignore_eos else self.lm.tokenizer.eos_token_ids
+            req = Request(rid, prompt_ids, max_new, sampling, stop, self.clock())
+            self._requests[rid] = req
+            self._inbox.append(req)
+            self.trace.requests[rid] = req.record
+        return rid
+
+    def poll(self, req_id: str) -> tuple[list[int], str, str | None]:
+        """Drain the request's new tokens and read its status in one atomic step.
+
+        Returns ``(new_tokens, status, finish_reason)``; status is "running", "done" or
+        "unknown". Reading tokens and status separately could miss the last tokens
+        (produced between the two calls) -- hence one call under one lock. Once "done" has
+        been reported the engine forgets the request, and later polls say "unknown".
+        """
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None:
+                return [], "unknown", None
+            tokens, req.pending = req.pending, []
+            if req.finished:
+                del self._requests[req_id]
+                return tokens, "done", req.finish_reason
+            return tokens, "running", None
+
+    def cancel(self, req_id: str) -> bool:
+        """Stop a request in any state; True if it was running, False if finished or unknown.
+        Its slot and KV blocks are freed at the start of the next step."""
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None or req.finished:
+                return False
+            req.finish("cancelled", self.clock())
+            self._cancelled.append(req)
+            return True
+
+    # -- the engine side -------------------------------------------------------------------
+    def step(self) -> bool:
+        """One iteration. Returns False when there was nothing to do."""
+        with self._lock:
+            # 1. Sweep cancelled requests out, freeing their slots and KV blocks.
+            for req in self._cancelled:
+                self.scheduler.remove(req)
+            self._cancelled.clear()
+            for req in self._inbox:
+                if not req.finished:
+                    self.scheduler.add(req)
+            self._inbox.clear()
+            if not self.scheduler.has_work():
+                return False
+            record = StepRecord(self._step_index, self.clock(), queued=len(self.scheduler.queue))
+        self._step_index += 1
+        # 2-5. The scheduler hands out one forward pass at a time and sees each result.
+        for batch in self.scheduler.batches():
+            self._run(batch, record)
+        record.slots = [r.id if r is not None else None for r in self.scheduler.slots]
+        record.kv_blocks_used = self.blocks.num_blocks - self.blocks.num_free
+        record.end_s = self.clock()
+        self.trace.steps.append(record)
+        return True
+
+    def run_until_idle(self) -> None:
+        while self.step():
+            pass
+
+    def _run(self, batch: Batch, record: StepRecord) -> None:
+        """Run one forward pass, then sample and record the new tokens."""
+        with self._lock:  # a request cancelled meanwhile does not run
+            decode = [r for r in batch.decode if not r.finished]
+            prefill = [(r, n) for r, n in batch.prefill if not r.finished]
+        chunks, samples = [], []  # samples: (request, chunk index) that get a new token
+        for req in decode:
+            self.blocks.ensure(req.id, req.num_computed + 1)
+            samples.append((req, len(chunks)))
+            chunks.append(Chunk(req.id, req.next_input(), req.num_computed))
+        for req in batch.padding:  # recompute its last position; the result is thrown away
+            chunks.append(Chunk(req.id, req.next_input(), req.num_computed))
+        for req, n in prefill:
+            self.blocks.ensure(req.id, req.num_computed + n)
+            if req.num_computed + n == req.prompt_len:
+                samples.append((req, len(chunks)))
+            chunks.append(Chunk(req.id, req.prompt_ids[req.num_computed:req.num_computed + n],
+                                req.num_computed))
+            record.prefill.append((req.id, req.num_computed, n))
+        if not chunks:
+            return
+        record.decoded += [r.id for r in decode]
+        record.padding += [r.id for r in batch.padding]
+        record.padding_tokens += batch.padding_tokens
+        start = time.perf_counter()
+        logits = self.runner.forward(chunks)
+        tokens = sample_rows(logits[[i for _, i in samples]], [r.sampler for r, _ in samples]) \
+            if samples else []
+        record.forward_s += time.perf_counter() - start
+        record.passes += 1
+        with self._lock:
+            for req in decode:
+                req.num_computed += 1
+            for req, n in prefill:
+                req.num_computed += n
+            now = self.clock()
+            for (req, _), token in zip(samples, tokens):
+                if req.finished:  # cancelled while the pass ran
+                    continue
+                record.emitted.setdefault(req.id, []).append(token)
+                reason = req.add_token(token, now)
+                if reason is not None:
+                    req.finish(reason, now)
+                    record.finished[req.id] = reason
+                    self.scheduler.remove(req)
+
+    # -- what happened ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        steps = self.trace.steps
+        reqs = self.trace.requests.values()
+        elapsed = (steps[-1].end_s - steps[0].start_s) if steps else 0.0
+        tokens = sum(len(r.token_times_s) for r in reqs)
+        decode_steps = [s for s in steps if s.decoded]
+        B = self.scheduler.max_batch_size
+        reasons: dict[str, int] = {}
+        for r in reqs:
+            if r.finish_reason:
+                reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
+        with self._lock:
+            running = sum(1 for r in self._requests.values() if not r.finished)
+        return {
+            "kind": self.trace.kind,
+            "max_batch_size": B,
+            "steps": len(steps),
+            "elapsed_s": elapsed,
+            "output_tokens": tokens,
+            "output_tokens_per_s": tokens / elapsed if elapsed else 0.0,
+            "forward_share": sum(s.forward_s for s in steps) / elapsed if elapsed else 0.0,
+            "slot_occupancy": (sum(len(s.decoded) for s in decode_steps) / (B * len(decode_steps))
+                               if decode_steps else 0.0),
+            "idle_slot_steps": sum(B - len(s.decoded) for s in decode_steps),
+            "padding_rows": sum(len(s.padding) for s in steps),
+            "padding_tokens": sum(s.padding_tokens for s in steps),
+            "finished": reasons,
+            "running": running,
+            "queued": len(self.scheduler.queue),
+            "num_kv_blocks": self.blocks.num_blocks,
+            "free_kv_blocks": self.blocks.num_free,
+        }
+
+
+def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
+                prefill_step: int | None = None, token_budget: int | None = None,
+                kv_block_size: int = 16, num_kv_blocks: int | None = None,
+                max_seq_len: int | None = None) -> Engine:
+    """Build an engine of one kind: sequential | static | continuous | stallfree.
+
+    Options that do not apply to a kind are an error, not silently ignored:
+    sequential takes no batch size; only continuous takes ``prefill_step``; only
+    stallfree takes ``token_budget``.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)}")
+    given = {"max_batch_size": max_batch_size, "prefill_step": prefill_step,
+             "token_budget": token_budget}
+    allowed = {"sequential": set(), "static": {"max_batch_size"},
+               "continuous": {"max_batch_size", "prefill_step"},
+               "stallfree": {"max_batch_size", "token_budget"}}[kind]
+    wrong = [k for k, v in given.items() if v is not None and k not in allowed]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)} does not apply to the {kind} engine")
+    max_seq_len = max_seq_len or lm.max_seq_len
+    if not isinstance(max_seq_len, int) or not 2 <= max_seq_len <= lm.max_seq_len:
+        raise ValueError(f"max_seq_len must be an integer in [2, {lm.max_seq_len}]")
+    batch = 1 if kind == "sequential" else (max_batch_size or 8)
+    if num_kv_blocks is None:  # room for a full-length request, or ~1k tokens per slot
+        num_kv_blocks = math.ceil(max(max_seq_len, (batch + 1) * 1024) / kv_block_size)
+    blocks = BlockManager(num_kv_blocks, kv_block_size)
+    t0 = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - t0
+
+    scheduler = {
+        "sequential": lambda: SequentialScheduler(blocks, clock),
+        "static": lambda: StaticScheduler(batch, blocks, clock),
+        "continuous": lambda: ContinuousScheduler(batch, blocks, clock, prefill_step),
+        "stallfree": lambda: StallFreeScheduler(batch, blocks, clock, token_budget or 256),
+    }[kind]()
+    return Engine(lm, scheduler, ModelRunner(lm, blocks), max_seq_len)
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` in a background thread; submit / poll / cancel from any thread.
+
+    When there is nothing to do the thread sleeps on an event that ``submit`` sets, so an
+    idle engine uses no CPU and a new request starts at once.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> "EngineLoop":
+        if self._thread is not None:
+            raise RuntimeError("this EngineLoop is already started")
+        self._thread = threading.Thread(target=self._loop, name="batchlab-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                if not self.engine.step():
+                    self._wake.wait()
+                    self._wake.clear()
+        except BaseException as e:  # keep it for the caller to see; the loop cannot go on
+            self.error = e
+            raise
+
+    def submit(self, prompt_ids, **kwargs) -> str:
+        rid = self.engine.submit(prompt_ids, **kwargs)
+        self._wake.set()
+        return rid
+
+    def poll(self, req_id: str):
+        return self.engine.poll(req_id)
+
+    def cancel(self, req_id: str) -> bool:
+        done = self.engine.cancel(req_id)
+        self._wake.set()
+        return done
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self) -> "EngineLoop":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,87 @@
+"""A request's whole lifecycle in one place.
+
+    queued -> prefilling -> (awaiting slot) -> decoding -> finished
+
+*Prefill* runs the prompt's tokens through the model to fill the KV cache; it ends by
+sampling the first new token. *Decode* then adds one token per step. A request
+finishes on an EOS token ("stop"), at max_new_tokens or the maximum sequence length
+("length"), or when cancelled ("cancelled").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from .sampling import Sampler, SamplingParams
+from .trace import RequestRecord
+
+
+class State(str, Enum):
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    AWAITING_SLOT = "awaiting_slot"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    id: str
+    prompt_ids: list[int]
+    max_new_tokens: int  # already cut to fit the maximum sequence length
+    sampling: SamplingParams
+    stop_ids: frozenset[int]  # EOS ids (empty when ignore_eos)
+    arrival_s: float
+    state: State = State.QUEUED
+    num_computed: int = 0  # tokens whose keys and values are in the KV cache
+    output_ids: list[int] = field(default_factory=list)
+    pending: list[int] = field(default_factory=list)  # generated, not yet handed out by poll
+    finish_reason: str | None = None
+    slot: int | None = None  # decode slot while it holds one
+    sampler: Sampler = field(init=False)
+    record: RequestRecord = field(init=False)  # timestamps for metrics and timelines
+
+    def __post_init__(self):
+        self.sampler = Sampler(self.sampling)
+        self.record = RequestRecord(self.id, self.prompt_len, self.max_new_tokens, self.arrival_s,
+                                    state_times=[(self.arrival_s, self.state.value)],
+                                    output_ids=self.output_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_left(self) -> int:
+        return max(self.prompt_len - self.num_computed, 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.state is State.FINISHED
+
+    def set_state(self, state: State, now: float) -> None:
+        self.state = state
+        self.record.state_times.append((now, state.value))
+
+    def finish(self, reason: str, now: float) -> None:
+        self.finish_reason = self.record.finish_reason = reason
+        self.record.finished_s = now
+        self.set_state(State.FINISHED, now)
+
+    def next_input(self) -> list[int]:
+        """The token a decode step feeds in: the last one generated."""
+        return [self.output_ids[-1]]
+
+    def add_token(self, token: int, now: float) -> str | None:
+        """Record a new token; return the finish reason if this token ends the request."""
+        self.output_ids.append(token)
+        self.pending.append(token)
+        self.record.token_times_s.append(now)
+        if self.record.first_token_s is None:
+            self.record.first_token_s = now
+        if token in self.stop_ids:
+            return "stop"
+        if len(self.output_ids) >= self.max_new_tokens:
+            return "length"
+        return None

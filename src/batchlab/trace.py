@@ -1,0 +1,70 @@
+"""The trace: what happened at every engine step, for metrics and animations.
+
+Visualisations and metrics read only traces, so any run (live, recorded, or from the
+simulator) can be replayed and checked without the model.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class StepRecord:
+    index: int
+    start_s: float
+    end_s: float = 0.0
+    forward_s: float = 0.0  # time inside the model's forward passes
+    passes: int = 0  # forward passes this step ran (stall-free: always 1)
+    slots: list[str | None] = field(default_factory=list)  # slot -> request id (after the step)
+    decoded: list[str] = field(default_factory=list)  # requests that ran a decode row
+    prefill: list[tuple[str, int, int]] = field(default_factory=list)  # (request, start, length)
+    padding: list[str] = field(default_factory=list)  # static: finished rows still computed
+    padding_tokens: int = 0  # static: prompt padding a rectangular batch would compute
+    emitted: dict[str, list[int]] = field(default_factory=dict)  # new tokens per request
+    finished: dict[str, str] = field(default_factory=dict)  # request -> finish reason
+    queued: int = 0  # requests waiting in the queue when the step began
+    kv_blocks_used: int = 0
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this step pushed through the model (decode rows, padding rows, prefill)."""
+        return len(self.decoded) + len(self.padding) + sum(n for _, _, n in self.prefill)
+
+
+@dataclass
+class RequestRecord:
+    id: str
+    prompt_len: int
+    max_new_tokens: int
+    arrival_s: float
+    state_times: list[tuple[float, str]] = field(default_factory=list)  # (time, state entered)
+    first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    finished_s: float | None = None
+    finish_reason: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Trace:
+    kind: str
+    max_batch_size: int
+    steps: list[StepRecord] = field(default_factory=list)
+    requests: dict[str, RequestRecord] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Trace":
+        data = json.loads(text)
+        steps = [StepRecord(**{**s, "prefill": [tuple(p) for p in s["prefill"]]}) for s in data["steps"]]
+        requests = {k: RequestRecord(**{**r, "state_times": [tuple(t) for t in r["state_times"]]})
+                    for k, r in data["requests"].items()}
+        return cls(data["kind"], data["max_batch_size"], steps, requests)

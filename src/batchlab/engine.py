@@ -29,8 +29,7 @@ KINDS = ("sequential", "static", "continuous", "stallfree")
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, scheduler: Scheduler, runner: ModelRunner,
-                 max_seq_len: int):
+    def __init__(self, lm: LoadedModel, scheduler: Scheduler, runner, max_seq_len: int):
         self.lm, self.scheduler, self.runner = lm, scheduler, runner
         self.blocks = scheduler.blocks
         self.max_seq_len = max_seq_len
@@ -140,6 +139,7 @@ class Engine:
             samples.append((req, len(chunks)))
             chunks.append(Chunk(req.id, req.next_input(), req.num_computed))
         for req in batch.padding:  # recompute its last position; the result is thrown away
+            self.blocks.ensure(req.id, req.num_computed + 1)
             chunks.append(Chunk(req.id, req.next_input(), req.num_computed))
         for req, n in prefill:
             self.blocks.ensure(req.id, req.num_computed + n)
@@ -213,12 +213,13 @@ class Engine:
 def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
                 prefill_step: int | None = None, token_budget: int | None = None,
                 kv_block_size: int = 16, num_kv_blocks: int | None = None,
-                max_seq_len: int | None = None) -> Engine:
+                max_seq_len: int | None = None, executor=ModelRunner) -> Engine:
     """Build an engine of one kind: sequential | static | continuous | stallfree.
 
     Options that do not apply to a kind are an error, not silently ignored:
     sequential takes no batch size; only continuous takes ``prefill_step``; only
-    stallfree takes ``token_budget``.
+    stallfree takes ``token_budget``. ``executor(lm, blocks)`` builds what runs the
+    batches: the real ``ModelRunner`` unless a test or simulator passes another.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)}")
@@ -233,7 +234,7 @@ def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
     max_seq_len = max_seq_len or lm.max_seq_len
     if not isinstance(max_seq_len, int) or not 2 <= max_seq_len <= lm.max_seq_len:
         raise ValueError(f"max_seq_len must be an integer in [2, {lm.max_seq_len}]")
-    batch = 1 if kind == "sequential" else (max_batch_size or 8)
+    batch = 1 if kind == "sequential" else (8 if max_batch_size is None else max_batch_size)
     if num_kv_blocks is None:  # room for a full-length request, or ~1k tokens per slot
         num_kv_blocks = math.ceil(max(max_seq_len, (batch + 1) * 1024) / kv_block_size)
     blocks = BlockManager(num_kv_blocks, kv_block_size)
@@ -246,9 +247,10 @@ def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
         "sequential": lambda: SequentialScheduler(blocks, clock),
         "static": lambda: StaticScheduler(batch, blocks, clock),
         "continuous": lambda: ContinuousScheduler(batch, blocks, clock, prefill_step),
-        "stallfree": lambda: StallFreeScheduler(batch, blocks, clock, token_budget or 256),
+        "stallfree": lambda: StallFreeScheduler(
+            batch, blocks, clock, 256 if token_budget is None else token_budget),
     }[kind]()
-    return Engine(lm, scheduler, ModelRunner(lm, blocks), max_seq_len)
+    return Engine(lm, scheduler, executor(lm, blocks), max_seq_len)
 
 
 class EngineLoop:

@@ -1,0 +1,293 @@
+"""Scheduler and engine logic on the fake model: fast, and exact answers known."""
+
+import random
+import threading
+import time
+
+import pytest
+
+from batchlab import EngineLoop, make_engine
+from batchlab.fake import FakeModel, FakeRunner, reference_output
+from batchlab.request import State
+
+LM = FakeModel()
+EOS = frozenset({LM.eos_id})
+
+
+def workload(n, seed, prompt_range=(5, 300), new_range=(1, 64)):
+    rng = random.Random(seed)
+    return [([rng.randrange(1, LM.vocab_size) for _ in range(rng.randint(*prompt_range))],
+             rng.randint(*new_range)) for _ in range(n)]
+
+
+def fake_engine(kind, **options):
+    return make_engine(kind, LM, executor=FakeRunner, **options)
+
+
+CONFIGS = [("sequential", {})] + [("static", {"max_batch_size": b}) for b in (1, 3, 8)] + [
+    ("continuous", {"max_batch_size": b, "prefill_step": s}) for b in (1, 3, 8) for s in (1, 7, 128, None)
+] + [("stallfree", {"max_batch_size": b, "token_budget": t}) for b in (1, 3, 8) for t in (b, b + 7, b + 128)]
+
+
+def run_all(engine, requests):
+    ids = [engine.submit(p, max_new_tokens=m) for p, m in requests]
+    engine.run_until_idle()
+    return ids, [engine.poll(i) for i in ids]
+
+
+@pytest.mark.parametrize("kind,options", CONFIGS, ids=[f"{k}-{o}" for k, o in CONFIGS])
+def test_every_kind_produces_the_reference_tokens(kind, options):
+    requests = workload(20, seed=1)
+    engine = fake_engine(kind, **options)
+    _, results = run_all(engine, requests)
+    ends_on_eos = 0
+    for (prompt, max_new), (tokens, status, reason) in zip(requests, results):
+        expected = reference_output(prompt, max_new, LM.vocab_size, EOS)
+        assert tokens == expected
+        assert status == "done"
+        assert reason == ("stop" if expected[-1] in EOS else "length")
+        ends_on_eos += reason == "stop"
+    assert ends_on_eos > 0, "the workload should exercise EOS endings"
+    check_trace_invariants(engine, options)
+    assert engine.blocks.num_free == engine.blocks.num_blocks, "every KV block is returned"
+
+
+def check_trace_invariants(engine, options):
+    trace = engine.trace
+    emitted = {rid: [] for rid in trace.requests}
+    decode_steps = {rid: [] for rid in trace.requests}
+    for step in trace.steps:
+        held = [s for s in step.slots if s is not None]
+        assert len(held) == len(set(held)), f"step {step.index}: a request holds two slots"
+        assert len(step.decoded) == len(set(step.decoded)), "a request decoded twice in a step"
+        for rid, tokens in step.emitted.items():
+            emitted[rid] += tokens
+        for rid in step.decoded:
+            decode_steps[rid].append(step.index)
+        if engine.trace.kind == "stallfree":
+            assert step.num_tokens <= options["token_budget"], f"step {step.index} over budget"
+            assert step.passes == 1, "a stall-free step is one forward pass"
+    for rid, record in trace.requests.items():
+        assert emitted[rid] == record.output_ids, f"{rid}: tokens not emitted once and in order"
+        steps = decode_steps[rid]
+        # Once decoding, a request decodes in every step until it finishes: nobody stalls.
+        assert steps == list(range(steps[0], steps[0] + len(steps))) if steps else True
+
+
+def test_stallfree_decodes_never_skip_a_step_while_a_long_prompt_prefills():
+    engine = fake_engine("stallfree", max_batch_size=4, token_budget=16)
+    short = [engine.submit([5] * 8, max_new_tokens=40, ignore_eos=True) for _ in range(3)]
+    engine.step()
+    engine.step()
+    engine.submit(list(range(1, 60)) * 5, max_new_tokens=4)  # 295 prompt tokens
+    engine.run_until_idle()
+    prefill_steps = [s for s in engine.trace.steps if s.prefill and s.index > 2]
+    assert len(prefill_steps) >= 295 // 16
+    for step in prefill_steps:
+        running = [r for r in short if r in step.slots and engine.trace.requests[r].finished_s
+                   and engine.trace.requests[r].finished_s >= step.end_s]
+        assert set(running) <= set(step.decoded)
+
+
+def test_static_batch_keeps_finished_rows_as_padding_and_admits_nobody_midway():
+    engine = fake_engine("static", max_batch_size=2)
+    a = engine.submit([3] * 10, max_new_tokens=2, ignore_eos=True)
+    b = engine.submit([4] * 10, max_new_tokens=6, ignore_eos=True)
+    c = engine.submit([6] * 10, max_new_tokens=1, ignore_eos=True)
+    engine.run_until_idle()
+    steps = engine.trace.steps
+    first_c = next(s.index for s in steps if any(p[0] == c for p in s.prefill))
+    last_b = max(s.index for s in steps if b in s.decoded)
+    assert first_c > last_b, "c must wait for the whole first batch"
+    assert sum(len(s.padding) for s in steps) == 4  # a sat idle for 4 of b's decode steps
+    assert engine.stats()["padding_rows"] == 4
+
+
+def test_continuous_refills_a_slot_as_soon_as_it_frees():
+    engine = fake_engine("continuous", max_batch_size=1)
+    a = engine.submit([3] * 4, max_new_tokens=3, ignore_eos=True)
+    b = engine.submit([4] * 4, max_new_tokens=3, ignore_eos=True)
+    engine.run_until_idle()
+    rec = engine.trace.requests
+    # b is prefilled while a decodes, waits for the slot, and takes it the step a leaves.
+    assert "awaiting_slot" in [s for _, s in rec[b].state_times]
+    a_done = next(s.index for s in engine.trace.steps if a in s.finished)
+    b_first_decode = next(s.index for s in engine.trace.steps if b in s.decoded)
+    assert b_first_decode == a_done + 1
+
+
+CANCEL_CASES = [
+    ("continuous", {"max_batch_size": 1, "prefill_step": 2}, State.QUEUED),
+    ("continuous", {"max_batch_size": 1, "prefill_step": 2}, State.PREFILLING),
+    ("continuous", {"max_batch_size": 1, "prefill_step": 2}, State.AWAITING_SLOT),
+    ("continuous", {"max_batch_size": 1, "prefill_step": 2}, State.DECODING),
+    ("stallfree", {"max_batch_size": 2, "token_budget": 3}, State.QUEUED),
+    ("stallfree", {"max_batch_size": 2, "token_budget": 3}, State.PREFILLING),
+    ("stallfree", {"max_batch_size": 2, "token_budget": 3}, State.DECODING),
+    ("static", {"max_batch_size": 2}, State.QUEUED),
+    ("static", {"max_batch_size": 2}, State.DECODING),
+]
+
+
+@pytest.mark.parametrize("kind,options,state", CANCEL_CASES,
+                         ids=[f"{k}-{s.value}" for k, _, s in CANCEL_CASES])
+def test_cancel_in_every_state_frees_everything_and_spares_the_others(kind, options, state):
+    engine = fake_engine(kind, **options)
+    keep = engine.submit([7] * 12, max_new_tokens=12, ignore_eos=True)
+    victims = [engine.submit([8 + i] * 12, max_new_tokens=12, ignore_eos=True) for i in range(3)]
+    engine.step()
+    target = None
+    for _ in range(100):
+        target = next((r for r in victims if engine._requests[r].state is state), None)
+        if target or not engine.step():
+            break
+    assert target is not None, f"no request ever reached {state.value}"
+    assert engine.cancel(target) is True
+    assert engine.cancel(target) is False, "a second cancel does nothing"
+    assert engine.poll(target)[1:] == ("done", "cancelled")
+    engine.run_until_idle()
+    tokens, status, reason = engine.poll(keep)
+    assert (status, reason) == ("done", "length")
+    assert tokens == reference_output([7] * 12, 12, LM.vocab_size, frozenset())
+    for rid in victims:
+        if rid != target:
+            assert engine.poll(rid)[1:] == ("done", "length")
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert engine.scheduler.slots == [None] * engine.scheduler.max_batch_size
+    assert engine.cancel("no-such-id") is False
+
+
+def test_poll_drains_once_then_forgets():
+    engine = fake_engine("continuous", max_batch_size=2)
+    rid = engine.submit([1, 2, 3], max_new_tokens=5, ignore_eos=True)
+    engine.step()
+    first, status, _ = engine.poll(rid)
+    # one step = the prefill (samples token 1), placement, and a decode pass (token 2)
+    assert status == "running" and len(first) == 2
+    assert engine.poll(rid)[0] == []
+    engine.run_until_idle()
+    rest, status, reason = engine.poll(rid)
+    assert first + rest == reference_output([1, 2, 3], 5, LM.vocab_size, frozenset())
+    assert (status, reason) == ("done", "length")
+    assert engine.poll(rid) == ([], "unknown", None)
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(prompt_ids=[]), "empty"),
+    (dict(prompt_ids="hello"), "token ids"),
+    (dict(prompt_ids=[1, 2, 10_000]), "[0, 64)"),
+    (dict(prompt_ids=[1] * 4096), "maximum sequence length is 4096"),
+    (dict(prompt_ids=[1], max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_ids=[1], temperature=-1.0), "temperature"),
+    (dict(prompt_ids=[1], top_p=0.0), "top_p"),
+    (dict(prompt_ids=[1], top_p=1.5), "top_p"),
+    (dict(prompt_ids=[1], top_k=-2), "top_k"),
+    (dict(prompt_ids=[1], seed=-1), "seed"),
+])
+def test_bad_requests_are_rejected_and_the_engine_keeps_serving(bad, message):
+    engine = fake_engine("stallfree", max_batch_size=2, token_budget=8)
+    good = engine.submit([9, 9], max_new_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace(")", r"\)")):
+        engine.submit(**bad)
+    engine.run_until_idle()
+    assert engine.poll(good)[0] == reference_output([9, 9], 4, LM.vocab_size, frozenset())
+
+
+def test_max_new_tokens_is_cut_at_the_maximum_sequence_length():
+    engine = make_engine("continuous", LM, executor=FakeRunner, max_seq_len=20)
+    rid = engine.submit([1] * 15, max_new_tokens=100, ignore_eos=True)
+    engine.run_until_idle()
+    tokens, _, reason = engine.poll(rid)
+    assert len(tokens) == 5 and reason == "length"
+
+
+def test_a_request_larger_than_the_kv_pool_is_refused():
+    engine = fake_engine("continuous", max_batch_size=2, num_kv_blocks=4, kv_block_size=4)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        engine.submit([1] * 10, max_new_tokens=10)
+
+
+def test_requests_wait_for_kv_blocks_instead_of_failing():
+    engine = fake_engine("stallfree", max_batch_size=4, token_budget=8, num_kv_blocks=4, kv_block_size=4)
+    ids = [engine.submit([i + 1] * 6, max_new_tokens=6, ignore_eos=True) for i in range(3)]
+    engine.run_until_idle()
+    for i, rid in enumerate(ids):
+        assert engine.poll(rid)[0] == reference_output([i + 1] * 6, 6, LM.vocab_size, frozenset())
+    assert max(s.kv_blocks_used for s in engine.trace.steps) <= 4
+
+
+@pytest.mark.parametrize("kind,options,message", [
+    ("turbo", {}, "unknown engine kind"),
+    ("sequential", {"max_batch_size": 4}, "max_batch_size does not apply"),
+    ("static", {"prefill_step": 16}, "prefill_step does not apply"),
+    ("continuous", {"token_budget": 64}, "token_budget does not apply"),
+    ("stallfree", {"prefill_step": 16}, "prefill_step does not apply"),
+    ("stallfree", {"max_batch_size": 8, "token_budget": 4}, "token_budget must be"),
+    ("continuous", {"prefill_step": 0}, "prefill_step must be"),
+    ("static", {"max_batch_size": 0}, "max_batch_size must be"),
+])
+def test_make_engine_rejects_options_that_do_not_apply(kind, options, message):
+    with pytest.raises(ValueError, match=message):
+        fake_engine(kind, **options)
+
+
+def test_concurrent_clients_lose_and_duplicate_nothing():
+    engine = fake_engine("stallfree", max_batch_size=4, token_budget=32)
+    results, errors = {}, []
+
+    def client(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(6):
+                prompt = [rng.randrange(1, LM.vocab_size) for _ in range(rng.randint(3, 40))]
+                max_new = rng.randint(1, 20)
+                rid = loop.submit(prompt, max_new_tokens=max_new)
+                cancel_after = rng.choice([None, None, 0.0, 0.002])
+                got, start = [], time.monotonic()
+                while True:
+                    if cancel_after is not None and time.monotonic() - start > cancel_after:
+                        loop.cancel(rid)
+                        cancel_after = None
+                    tokens, status, reason = loop.poll(rid)
+                    got += tokens
+                    if status == "done":
+                        break
+                    time.sleep(0.0005)
+                results[rid] = (prompt, max_new, got, reason)
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    with EngineLoop(engine) as loop:
+        threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert not errors
+    assert len(results) == 48
+    cancelled = 0
+    for prompt, max_new, got, reason in results.values():
+        expected = reference_output(prompt, max_new, LM.vocab_size, EOS)
+        if reason == "cancelled":
+            cancelled += 1
+            assert got == expected[:len(got)], "a cancelled stream is a prefix of the answer"
+        else:
+            assert got == expected
+    assert cancelled > 0
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_engine_loop_sleeps_when_idle_and_stops_cleanly():
+    engine = fake_engine("continuous", max_batch_size=2)
+    loop = EngineLoop(engine).start()
+    time.sleep(0.1)
+    steps_idle = engine._step_index
+    time.sleep(0.2)
+    assert engine._step_index == steps_idle, "an idle loop must not step"
+    rid = loop.submit([1, 2], max_new_tokens=3, ignore_eos=True)
+    deadline = time.monotonic() + 5
+    while loop.poll(rid)[1] != "done" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.stop()
+    assert not loop._thread
+    assert loop.error is None

@@ -1,0 +1,141 @@
+"""The slot animation in a real browser: JupyterLab on 127.0.0.1, driven by Playwright
+with Debian's Chromium (no browser download).
+
+Opens ``NOTEBOOK``, runs all cells from the Run menu, checks the slot grid has
+``EXPECTED_SLOTS`` slots, presses play, checks the frame advances, and keeps a
+screenshot in ``artifacts/``. JupyterLab serves a temporary copy of the notebook's
+folder, so running cells never touches the repository's files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+NOTEBOOK = REPO / "tests" / "data" / "widget_demo.ipynb"
+EXPECTED_SLOTS = 3  # max_batch_size of the run the notebook's first slot view shows
+SCREENSHOT = REPO / "artifacts" / "widget.png"
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason=f"needs Debian's chromium at {CHROMIUM}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_until_serving(url: str, server: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"JupyterLab exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/api/status", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"JupyterLab did not answer within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def _stop(server: subprocess.Popen, url: str) -> None:
+    """Shut the kernels down through the API (they run in sessions of their own), then end
+    the server's process group."""
+    try:
+        with urllib.request.urlopen(f"{url}/api/kernels", timeout=2) as answer:
+            kernels = json.load(answer)
+        for kernel in kernels:
+            request = urllib.request.Request(f"{url}/api/kernels/{kernel['id']}", method="DELETE")
+            urllib.request.urlopen(request, timeout=10).close()
+    except OSError:
+        pass  # the server is already gone; the process group below still ends
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(server.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            server.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@pytest.fixture
+def jupyterlab(tmp_path):
+    """A token-less JupyterLab on 127.0.0.1 serving a copy of the notebook's folder, with its
+    own settings and workspaces (no user state leaks in); yields the base URL."""
+    root = tmp_path / "root"
+    shutil.copytree(NOTEBOOK.parent, root)
+    settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "jupyterlab.log"
+    with log.open("w") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+             "--ServerApp.port_retries=0", "--IdentityProvider.token=", "--allow-root",
+             "--ServerApp.terminals_enabled=False", "--LabApp.extension_manager=readonly",
+             f"--ServerApp.root_dir={root}"],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True)
+    try:
+        _wait_until_serving(url, server, log)
+        yield url
+    finally:
+        _stop(server, url)
+
+
+def test_slot_animation_plays_in_jupyterlab(jupyterlab):
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto(f"{jupyterlab}/lab/tree/{NOTEBOOK.name}")
+            page.locator(".jp-Notebook .jp-Cell").first.wait_for(timeout=30_000)
+            page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").click()  # more room
+            page.locator("#jp-MainMenu .lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-item", has_text=re.compile(r"^Run All Cells")).click()
+
+            grid = page.locator(".batchlab-slots").first
+            grid.wait_for(timeout=40_000)
+            assert grid.locator(".bl-lane[data-slot]").count() == EXPECTED_SLOTS
+            assert int(grid.get_attribute("data-num-slots")) == EXPECTED_SLOTS
+            first_step = int(grid.get_attribute("data-step"))
+            assert grid.locator(f'.bl-cell[data-step="{first_step}"][data-lane]').count() >= EXPECTED_SLOTS
+
+            page.locator(".batchlab-play button").first.click()
+            page.wait_for_function(
+                "first => +document.querySelector('.batchlab-slots').dataset.step >= first + 3",
+                arg=first_step, timeout=15_000)
+            counter = page.locator(".batchlab-slots .bl-counter").first
+            assert int(counter.get_attribute("data-step")) > first_step
+            assert grid.locator('.bl-cell[data-kind="decode"]').count() > 0
+
+            SCREENSHOT.parent.mkdir(exist_ok=True)
+            page.locator(".batchlab-slotview").first.scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOT))
+        finally:
+            browser.close()

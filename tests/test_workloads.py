@@ -1,0 +1,326 @@
+"""Workloads are deterministic, have the lengths and distributions they promise, are made
+of the shipped real text, and the driver submits them on time and gets them done."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import batchlab
+from batchlab import metrics as M
+from batchlab import workloads as W
+from batchlab.trace import RequestRecord, StepRecord, Trace
+
+
+@pytest.fixture(scope="module")
+def tok(lm):
+    return lm.tokenizer
+
+
+def fingerprint(w: W.Workload):
+    return [(r.id, list(r.prompt_ids), r.max_new_tokens, r.arrival_s, r.messages) for r in w]
+
+
+QUICK = {
+    "mixed": {},
+    "high_variance": {"size": "quick"},
+    "high_variance_poisson": {"size": "quick", "arrivals": "poisson", "rate": 1.0},
+    "sharegpt": {"size": "quick"},
+    "sharegpt_bursty": {"size": "quick", "arrivals": "bursty", "rate": 1.0, "cv": 3.0},
+    "interference": {"size": "quick"},
+}
+
+
+def make(name, tok, **kw):
+    kind = name.split("_poisson")[0].split("_bursty")[0]
+    return W.make_workload(kind, tok, **{**QUICK[name], **kw})
+
+
+# -- determinism ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(QUICK))
+def test_same_seed_same_workload_other_seed_differs(tok, name):
+    a, b = make(name, tok, seed=3), make(name, tok, seed=3)
+    assert fingerprint(a) == fingerprint(b)
+    c = make(name, tok, seed=4)
+    assert [r.prompt_ids for r in a] != [r.prompt_ids for r in c]
+    assert a.prompt_lens != c.prompt_lens
+
+
+# -- prompts: real text, the chat template, exact lengths ---------------------------------------
+def test_prompt_ids_are_the_chat_template_encoding_of_the_messages(tok):
+    for name in QUICK:
+        for r in make(name, tok):
+            assert r.prompt_ids == tok.encode_chat(r.messages), r.id
+            assert r.max_new_tokens >= 1
+
+
+def test_prompts_are_an_instruction_then_shipped_paragraphs(tok):
+    paragraphs = W.corpus_paragraphs()
+    assert len(paragraphs) > 500
+    whole = set(paragraphs)
+    for r in make("sharegpt", tok):
+        (message,) = r.messages
+        assert message["role"] == "user"
+        instruction, text = message["content"].split("\n\n", 1)
+        assert instruction in W.INSTRUCTIONS
+        *full, last = text.split("\n\n")
+        assert all(p in whole for p in full), r.id
+        assert last and any(p.startswith(last) for p in paragraphs), r.id
+        assert len(text.split()) >= 3
+
+
+@pytest.mark.parametrize("target", [38, 41, 50, 64, 100, 257, 512, 777, 1024])
+def test_prompt_maker_hits_the_target_length_exactly(tok, target):
+    rng = np.random.default_rng(target)
+    ids, messages = W.PromptMaker(tok).make(target, rng)
+    assert len(tok.encode_chat(messages)) == target
+    assert ids == tok.encode_chat(messages)
+
+
+def test_too_short_a_prompt_is_refused(tok):
+    with pytest.raises(ValueError, match="too short"):
+        W.PromptMaker(tok).make(20, np.random.default_rng(0))
+
+
+# -- each workload's shape ----------------------------------------------------------------------
+def test_mixed_is_small_fixed_and_in_range(tok):
+    w = W.mixed(tok)
+    assert len(w) == 16 and w.seed == 0
+    assert all(40 <= n <= 300 for n in w.prompt_lens)
+    assert all(4 <= n <= 64 for n in w.output_lens)
+    assert w.arrivals == [0.0] * 16
+    assert len(set(r.id for r in w)) == 16
+    assert max(w.prompt_lens) - min(w.prompt_lens) > 100  # really mixed
+    assert fingerprint(W.mixed(tok)) == fingerprint(w)
+
+
+def test_high_variance_outputs_are_exponential(tok):
+    w = W.high_variance(tok, size="full", mean_output=64, max_output=512)
+    o = np.array(w.output_lens)
+    assert len(w) == 256
+    assert o.min() >= 1 and o.max() <= 512
+    # ceil(Exponential(64)) has mean 64.5 and a standard deviation of about 64;
+    # over 256 draws the sample mean is within 15 % (2.4 standard errors).
+    assert abs(o.mean() - 64.5) < 0.15 * 64.5
+    assert 0.75 < o.std() / o.mean() < 1.25  # coefficient of variation 1
+    assert 0.27 < np.mean(o > 64) < 0.47  # P(X > mean) = 1/e = 0.37
+    assert all(40 <= n <= 128 for n in w.prompt_lens)
+    assert w.arrivals == [0.0] * 256
+    assert len(W.high_variance(tok)) == 32
+
+
+def test_sharegpt_lengths_are_lognormal_and_clipped(tok):
+    w = W.sharegpt(tok, size="full")
+    p, o = np.array(w.prompt_lens), np.array(w.output_lens)
+    assert len(w) == 200
+    assert p.min() >= 40 and p.max() <= 1024 and o.min() >= 4 and o.max() <= 512
+    # log-length ~ Normal(log median, sigma): median within 15 %, spread near sigma
+    # (clipping trims the tails a little, so the bands are a little wide).
+    assert abs(np.median(p) / 128 - 1) < 0.15
+    assert abs(np.median(o) / 64 - 1) < 0.15
+    assert 0.5 < np.log(p).std() < 0.85
+    assert 0.6 < np.log(o).std() < 0.95
+    # a long right tail: mean above median
+    assert p.mean() > np.median(p) and o.mean() > np.median(o)
+    # Poisson arrivals at 0.5/s by default: 199 gaps, rate within 20 %
+    a = np.array(w.arrivals)
+    assert a[0] == 0 and np.all(np.diff(a) >= 0)
+    assert abs((len(a) - 1) / a[-1] / 0.5 - 1) < 0.2
+
+
+def test_interference_long_prompts_arrive_while_the_batch_decodes(tok):
+    speeds = W.Speeds(decode_step_s=0.1, prefill_tokens_per_s=250)
+    w = W.interference(tok, size="quick", batch_size=16, speeds=speeds)
+    short = [r for r in w if r.arrival_s == 0]
+    long = [r for r in w if r.arrival_s > 0]
+    assert len(short) == 15 and len(long) == 3  # one slot left for the long prompts
+    assert all(r.prompt_len >= 512 for r in long)
+    assert all(r.prompt_len < 100 for r in short)
+    assert len({r.max_new_tokens for r in short}) == 1
+    # at the given speeds: the short ones are decoding before the first long prompt comes...
+    decoding_from = sum(r.prompt_len for r in short) / 250 + len(short) * 0.1
+    assert long[0].arrival_s > decoding_from
+    # ...each long one is prefilled and done before the next arrives...
+    for a, b in zip(long, long[1:]):
+        assert b.arrival_s > a.arrival_s + a.prompt_len / 250 + a.max_new_tokens * 0.1
+    # ...and the short ones are still decoding when the last long one is done.
+    last = long[-1]
+    assert decoding_from + short[0].max_new_tokens * 0.1 > \
+        last.arrival_s + last.prompt_len / 250 + last.max_new_tokens * 0.1
+    full = W.interference(tok, size="full", batch_size=8)
+    assert sum(r.arrival_s > 0 for r in full) > 3 and sum(r.arrival_s == 0 for r in full) == 7
+
+
+# -- arrivals -----------------------------------------------------------------------------------
+def test_poisson_arrivals_have_the_rate_and_exponential_gaps():
+    t = W.arrival_times(4000, "poisson", rate=2.0, rng=np.random.default_rng(1))
+    gaps = np.diff(t)
+    assert t[0] == 0.0 and np.all(gaps >= 0)
+    assert abs(len(gaps) / t[-1] / 2.0 - 1) < 0.05  # standard error 1.6 %
+    assert 0.9 < gaps.std() / gaps.mean() < 1.1
+
+
+def test_bursty_arrivals_have_the_rate_and_more_variable_gaps():
+    t = W.arrival_times(4000, "bursty", rate=2.0, cv=3.0, rng=np.random.default_rng(1))
+    gaps = np.diff(t)
+    assert abs(len(gaps) / t[-1] / 2.0 - 1) < 0.15  # standard error 4.7 %
+    assert 2.4 < gaps.std() / gaps.mean() < 3.6
+    # clumps: most gaps far below the mean gap
+    assert np.median(gaps) < 0.2 * gaps.mean()
+
+
+def test_arrival_options_are_checked():
+    assert list(W.arrival_times(3, "all")) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        W.arrival_times(3, "poisson")
+    with pytest.raises(ValueError):
+        W.arrival_times(3, "uniform", rate=1.0)
+
+
+def test_with_arrivals_head_capped(tok):
+    w = W.mixed(tok)
+    p = w.with_arrivals("poisson", rate=4.0)
+    assert [r.prompt_ids for r in p] == [r.prompt_ids for r in w]
+    assert p.arrivals[0] == 0 and all(b > a for a, b in zip(p.arrivals, p.arrivals[1:]))
+    assert p.arrivals == w.with_arrivals("poisson", rate=4.0).arrivals
+    h = w.head(3).capped(5)
+    assert [r.id for r in h] == [r.id for r in w][:3]
+    assert h.output_lens == [min(n, 5) for n in w.output_lens[:3]]
+    assert w.output_lens != h.output_lens[:3] or max(w.output_lens[:3]) <= 5
+    assert len(w) == 16  # the original is untouched
+    s = w.summary()
+    assert s["requests"] == 16 and s["prompt_tokens"] == sum(w.prompt_lens)
+
+
+def test_bad_names_are_refused(tok):
+    with pytest.raises(ValueError):
+        W.make_workload("nope", tok)
+    with pytest.raises(ValueError):
+        W.high_variance(tok, size="huge")
+
+
+# -- the driver on a stand-in engine (no model: fast, exact timing) ------------------------------
+class ToyEngine:
+    """One token per running request per step; each step takes ``step_s``."""
+
+    def __init__(self, step_s=0.02):
+        self.step_s = step_s
+        t0 = time.perf_counter()
+        self.clock = lambda: time.perf_counter() - t0
+        self.trace = Trace("toy", 4)
+        self.live: dict[str, RequestRecord] = {}
+        self.polled: set[str] = set()
+        self.cancelled: list[str] = []
+
+    def submit(self, prompt_ids, max_new_tokens, ignore_eos, temperature, request_id):
+        assert ignore_eos is True
+        rec = RequestRecord(request_id, len(prompt_ids), max_new_tokens, self.clock())
+        self.trace.requests[request_id] = rec
+        self.live[request_id] = rec
+        return request_id
+
+    def step(self):
+        if not self.live:
+            return False
+        rec = StepRecord(len(self.trace.steps), self.clock())
+        time.sleep(self.step_s)
+        now = self.clock()
+        for rid, r in list(self.live.items()):
+            r.token_times_s.append(now)
+            r.output_ids.append(7)
+            r.first_token_s = r.first_token_s or now
+            rec.decoded.append(rid)
+            if len(r.output_ids) == r.max_new_tokens:
+                r.finished_s, r.finish_reason = now, "length"
+                del self.live[rid]
+        rec.end_s = self.clock()
+        self.trace.steps.append(rec)
+        return True
+
+    def poll(self, rid):
+        r = self.trace.requests[rid]
+        return [], ("done" if r.finished_s is not None else "running"), r.finish_reason
+
+    def cancel(self, rid):
+        r = self.live.pop(rid, None)
+        if r is None:
+            return False
+        r.finished_s, r.finish_reason = self.clock(), "cancelled"
+        self.cancelled.append(rid)
+        return True
+
+
+def toy_workload(arrivals, outputs):
+    reqs = [W.WorkloadRequest(f"t{i}", [1, 2, 3], n, a) for i, (a, n) in
+            enumerate(zip(arrivals, outputs))]
+    return W.Workload("toy", "", reqs)
+
+
+def test_driver_submits_on_time_and_sleeps_when_idle():
+    eng = ToyEngine(step_s=0.02)
+    eng.submit([1], 1, True, 0.0, "old")  # an earlier run: not part of this run's trace
+    eng.step()
+    w = toy_workload([0.0, 0.0, 0.3, 0.05], [3, 2, 2, 4])
+    t_start = eng.clock()
+    tr = W.run_workload(eng, w, progress=False)
+    assert set(tr.requests) == {"t0", "t1", "t2", "t3"}
+    assert list(tr.requests) == ["t0", "t1", "t3", "t2"]  # in arrival order
+    for r in w:
+        rec = tr.requests[r.id]
+        assert len(rec.token_times_s) == r.max_new_tokens
+        due = rec.arrival_s
+        assert abs(due - (t_start + r.arrival_s)) < 0.01  # the due time, not the submit time
+        # submitted (engine's own record) at or after due, and at most a step late
+        submitted = eng.trace.requests[r.id].arrival_s
+        assert due <= submitted + 1e-9 < due + 0.02 + 0.015
+    # t3 (due 0.05) came while a step ran: its TTFT counts from 0.05, not from submission
+    assert tr.requests["t3"].first_token_s - tr.requests["t3"].arrival_s > \
+        tr.requests["t3"].first_token_s - eng.trace.requests["t3"].arrival_s - 1e-9
+    # between t3's end (~0.15 s) and t2's arrival (0.3 s) the engine was idle: no steps
+    t3_end, t2_due = tr.requests["t3"].finished_s, tr.requests["t2"].arrival_s
+    assert t3_end < t2_due
+    assert not [s for s in tr.steps if t3_end < s.start_s < t2_due - 0.001]
+    assert tr.steps[0].index == 1 and all(s.start_s >= t_start for s in tr.steps)
+    # records are copies: the engine's own trace is unchanged
+    assert eng.trace.requests["t2"] is not tr.requests["t2"]
+
+
+def test_driver_timeout_cancels_what_is_still_running():
+    eng = ToyEngine(step_s=0.02)
+    tr = W.run_workload(eng, toy_workload([0.0, 0.0, 5.0], [2, 1000, 1]), progress=False,
+                        timeout_s=0.2)
+    assert tr.requests["t0"].finish_reason == "length"
+    assert tr.requests["t1"].finish_reason == "cancelled"
+    assert "t2" not in tr.requests  # never due before the timeout
+    assert eng.cancelled == ["t1"]
+
+
+def test_driver_refuses_duplicate_ids():
+    w = toy_workload([0, 0], [1, 1])
+    w.requests[1].id = "t0"
+    with pytest.raises(ValueError, match="unique"):
+        W.run_workload(ToyEngine(), w, progress=False)
+
+
+# -- the real engine ------------------------------------------------------------------------------
+def test_quick_mixed_subset_on_a_real_continuous_engine(lm):
+    w = W.mixed(lm).head(3).capped(6)
+    eng = batchlab.make_engine("continuous", lm, max_batch_size=4)
+    tr = W.run_workload(eng, w, progress=False)
+    assert list(tr.requests) == [r.id for r in w]
+    for r in w:
+        rec = tr.requests[r.id]
+        assert rec.finish_reason == "length"
+        assert len(rec.output_ids) == len(rec.token_times_s) == r.max_new_tokens
+        assert rec.prompt_len == r.prompt_len
+    s = M.summarize(tr)
+    assert s["completed"] == 3 and s["output_tokens"] == sum(w.output_lens)
+    assert s["slot_occupancy"] == pytest.approx(eng.stats()["slot_occupancy"])
+    assert 0 < s["scheduler_share"] < 0.5
+    # a second run on the same engine: its trace has only its own steps and requests
+    w2 = W.Workload("again", "", [W.WorkloadRequest("late", w.requests[0].prompt_ids[:40], 2, 0.0)])
+    tr2 = W.run_workload(eng, w2, progress=False)
+    assert list(tr2.requests) == ["late"] and len(tr2.requests["late"].output_ids) == 2
+    assert tr2.steps[0].index == len(tr.steps)

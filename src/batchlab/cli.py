@@ -1,4 +1,4 @@
-"""The ``batchlab`` command: info, generate (and more as the course grows)."""
+"""The ``batchlab`` command: info, generate, demo."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from .engine import KINDS
 
 
 def _cmd_info(args) -> int:
@@ -78,21 +80,52 @@ def read_requests(path: Path, lm) -> list[dict]:
     return requests
 
 
+def engine_options(args) -> dict:
+    """The make_engine options the user actually gave (the rest keep their defaults)."""
+    return {k: v for k, v in (("max_batch_size", args.batch_size), ("prefill_step", args.prefill_step),
+                              ("token_budget", args.token_budget)) if v is not None}
+
+
 def _cmd_generate(args) -> int:
-    from .generate import generate
+    from .engine import make_engine
     from .model import load_model
 
     lm = load_model(args.model)
     requests = read_requests(Path(args.input), lm)
+    engine = make_engine(args.engine, lm, **engine_options(args))
+    ids = [engine.submit(r["prompt_ids"], max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                         ignore_eos=args.ignore_eos) for r in requests]
+    engine.run_until_idle()
     with open(args.output, "w") as out:
-        for req in requests:
-            g = generate(lm, req["prompt_ids"], args.max_new_tokens, temperature=args.temperature,
-                         top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
-            out.write(json.dumps({"id": req["id"], "token_ids": g.token_ids, "text": g.text,
-                                  "finish_reason": g.finish_reason, "ttft_s": g.ttft_s,
-                                  "token_times_s": g.token_times_s}) + "\n")
-    print(f"wrote {len(requests)} results to {args.output}", file=sys.stderr)
+        for req, rid in zip(requests, ids):
+            tokens, _, reason = engine.poll(rid)
+            rec = engine.trace.requests[rid]
+            out.write(json.dumps({
+                "id": req["id"], "token_ids": tokens,
+                "text": lm.tokenizer.decode(tokens, skip_special_tokens=True),
+                "finish_reason": reason, "ttft_s": rec.first_token_s - rec.arrival_s,
+                "token_times_s": [t - rec.arrival_s for t in rec.token_times_s]}) + "\n")
+    stats = engine.stats()
+    print(f"wrote {len(requests)} results to {args.output}: {stats['output_tokens']} tokens in "
+          f"{stats['elapsed_s']:.1f} s ({stats['output_tokens_per_s']:.1f} tokens/s, "
+          f"{args.engine})", file=sys.stderr)
     return 0
+
+
+def _cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.engine, args.model, requests=args.requests, **engine_options(args))
+
+
+def _add_engine_options(parser, kinds, default):
+    parser.add_argument("--engine", choices=kinds, default=default)
+    parser.add_argument("--batch-size", type=int, default=None, help="decode slots (not for sequential)")
+    parser.add_argument("--prefill-step", type=int, default=None,
+                        help="continuous: prompt tokens per prefill chunk (default: whole prompt)")
+    parser.add_argument("--token-budget", type=int, default=None,
+                        help="stallfree: tokens per step (default 256)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("info", help="versions, backend, BLAS in use, and the model")
 
     gen = sub.add_parser("generate", help="generate for every request of a JSONL file")
-    gen.add_argument("--engine", choices=["sequential"], default="sequential")
+    _add_engine_options(gen, list(KINDS), "sequential")
     gen.add_argument("--max-new-tokens", type=int, required=True)
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS tokens")
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -112,12 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--input", required=True, help='JSONL: {"id", "prompt_ids"|"prompt"|"messages"}')
     gen.add_argument("--output", required=True, help="JSONL results, one line per request")
+
+    demo = sub.add_parser("demo", help="a short live continuous-batching demo in the terminal")
+    _add_engine_options(demo, [k for k in KINDS if k != "sequential"], "stallfree")
+    demo.add_argument("--requests", type=int, default=10)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"info": _cmd_info, "generate": _cmd_generate}[args.command]
+    handler = {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as e:

@@ -57,8 +57,12 @@ def _text(cell) -> str:
 
 
 def is_exercise_cell(cell) -> bool:
-    return cell.get("cell_type") == "code" and any(
-        line.strip() == BEGIN for line in _text(cell).splitlines())
+    """A code cell holding a solution region, or (in a learner copy) its placeholder."""
+    if cell.get("cell_type") != "code":
+        return False
+    lines = [line.strip() for line in _text(cell).splitlines()]
+    return BEGIN in lines or any(a == PLACEHOLDER and b.startswith("raise NotImplementedError(")
+                                 for a, b in zip(lines, lines[1:]))
 
 
 def strip_solutions(source: str, where: str = "cell") -> str:

@@ -28,7 +28,11 @@ class BlockManager:
         self.reserved: dict[str, int] = {}  # blocks promised to a request, taken or not
 
     def blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
+        return self.blocks_needed(num_tokens, self.block_size)
+
+    @staticmethod
+    def blocks_needed(num_tokens: int, block_size: int) -> int:
+        return math.ceil(num_tokens / block_size)
 
     @property
     def num_free(self) -> int:

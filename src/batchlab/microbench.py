@@ -1,0 +1,53 @@
+"""Micro-benchmarks of single forward passes on the real model.
+
+Machines are noisy, so every comparison here times its variants interleaved
+(A, B, C, A, B, C, ...) in one run and reports medians and their ratios.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from .kv import BlockManager
+from .model import LoadedModel
+from .runner import Chunk, ModelRunner
+
+
+def fused_step_ratio(lm: LoadedModel, decodes: int = 16, chunk: int = 128, context: int = 256,
+                     repeats: int = 7) -> dict:
+    """Time one hybrid pass (``decodes`` decode rows + a ``chunk``-token prefill chunk)
+    against the chunk alone and the decode rows alone.
+
+    ``fused_over_chunk_alone`` near 1 means the decode rows rode along almost for free
+    on the chunk's matrix multiplies (Sarathi-Serve's point); ``fused_over_separate``
+    below 1 is what one fused pass saves over two separate passes.
+    """
+    blocks = BlockManager(BlockManager.blocks_needed(context + chunk, 16) * (decodes + 1), 16)
+    runner = ModelRunner(lm, blocks)
+    filler = [(i * 7919) % 1000 + 100 for i in range(context + chunk)]
+    rows = []
+    for d in range(decodes + 1):
+        blocks.reserve(f"r{d}", context + chunk)
+        blocks.ensure(f"r{d}", context + chunk)
+    for d in range(decodes):  # fill each decode row's cache with `context` tokens
+        runner.forward([Chunk(f"r{d}", filler[:context], 0)])
+        rows.append(Chunk(f"r{d}", [filler[context]], context))
+    runner.forward([Chunk(f"r{decodes}", filler[:context], 0)])
+    prefill = Chunk(f"r{decodes}", filler[context:context + chunk], context)  # a continuing chunk
+    variants = {"chunk_alone": [prefill], "decode_alone": rows, "fused": rows + [prefill]}
+    times = {name: [] for name in variants}
+    for name, chunks in variants.items():  # warm-up
+        runner.forward(chunks)
+    for _ in range(repeats):
+        for name, chunks in variants.items():
+            start = time.perf_counter()
+            runner.forward(chunks)
+            times[name].append(time.perf_counter() - start)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "decodes": decodes, "chunk": chunk, "context": context, "repeats": repeats,
+        **{f"{name}_s": v for name, v in med.items()},
+        "fused_over_chunk_alone": med["fused"] / med["chunk_alone"],
+        "fused_over_separate": med["fused"] / (med["chunk_alone"] + med["decode_alone"]),
+    }

@@ -104,9 +104,11 @@ def test_slot_animation_plays_in_jupyterlab(jupyterlab):
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         try:
-            page.goto(f"{jupyterlab}/lab/tree/{NOTEBOOK.name}")
+            # Run All only once the kernel is connected and idle: sooner races its startup.
+            with page.expect_websocket(lambda ws: "/api/kernels/" in ws.url, timeout=30_000):
+                page.goto(f"{jupyterlab}/lab/tree/{NOTEBOOK.name}")
+            page.locator(".jp-StatusBar-Widget").get_by_text(re.compile(r"\| Idle$")).wait_for(timeout=30_000)
             page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").click()  # more room
-            page.locator('.jp-NotebookPanel-toolbar [data-status="idle"]').wait_for(timeout=30_000)
             page.locator("#jp-MainMenu .lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
             page.locator(".lm-Menu-item", has_text=re.compile(r"^Run All Cells")).click()
 

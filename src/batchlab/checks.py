@@ -212,8 +212,8 @@ def _last_logits(lm, ids: list[int]) -> mx.array:
     if key not in _LOGITS_CACHE:
         row = lm.model(mx.array([ids]))[0, -1]
         mx.eval(row)
-        _LOGITS_CACHE[key] = row
-    return _LOGITS_CACHE[key]
+        _LOGITS_CACHE[key] = (lm.model, row)  # holding the model keeps its id unique
+    return _LOGITS_CACHE[key][1]
 
 
 def greedy_pick(fn: Callable, lm=None) -> Verdict:
@@ -265,10 +265,11 @@ def _reference_tokens(lm, ids: list[int], n: int) -> list[int]:
     from .generate import generate
 
     key = (id(lm.model), tuple(ids))
-    longest = _GENERATED.get(key, [])
+    longest = _GENERATED.get(key, (None, []))[1]
     done = bool(longest) and longest[-1] in lm.tokenizer.eos_token_ids
     if len(longest) < n and not done:  # greedy is deterministic: a shorter run is a prefix
-        longest = _GENERATED[key] = generate(lm, list(ids), max_new_tokens=n).token_ids
+        longest = generate(lm, list(ids), max_new_tokens=n).token_ids
+        _GENERATED[key] = (lm.model, longest)  # holding the model keeps its id unique
     return longest[:n]
 
 

@@ -1,4 +1,4 @@
-"""The ``batchlab`` command: info, generate, demo."""
+"""The ``batchlab`` command: info, generate, demo, serve."""
 
 from __future__ import annotations
 
@@ -119,6 +119,15 @@ def _cmd_demo(args) -> int:
     return run_demo(args.engine, args.model, requests=args.requests, **engine_options(args))
 
 
+def _cmd_serve(args) -> int:
+    from .model import load_model
+    from .server import serve
+
+    serve(load_model(args.model), args.engine, host=args.host, port=args.port,
+          max_queue=args.max_queue, **engine_options(args))
+    return 0
+
+
 def _add_engine_options(parser, kinds, default):
     parser.add_argument("--engine", choices=kinds, default=default)
     parser.add_argument("--batch-size", type=int, default=None, help="decode slots (not for sequential)")
@@ -149,12 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="a short live continuous-batching demo in the terminal")
     _add_engine_options(demo, [k for k in KINDS if k != "sequential"], "stallfree")
     demo.add_argument("--requests", type=int, default=10)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible streaming server")
+    _add_engine_options(srv, list(KINDS), "stallfree")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo}[args.command]
+    handler = {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo,
+               "serve": _cmd_serve}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as e:

@@ -9,6 +9,7 @@ waits for the model.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import threading
@@ -29,11 +30,17 @@ KINDS = ("sequential", "static", "continuous", "stallfree")
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, scheduler: Scheduler, runner, max_seq_len: int):
+    def __init__(self, lm: LoadedModel, scheduler: Scheduler, runner, max_seq_len: int,
+                 trace_limit: int | None = None):
         self.lm, self.scheduler, self.runner = lm, scheduler, runner
         self.blocks = scheduler.blocks
         self.max_seq_len = max_seq_len
         self.trace = Trace(scheduler.kind, scheduler.max_batch_size)
+        # A long-running server keeps only the last `trace_limit` steps, and forgets a
+        # request's record once poll has reported it done, so memory stays bounded.
+        self.trace_limit = trace_limit
+        if trace_limit is not None:
+            self.trace.steps = collections.deque(maxlen=trace_limit)
         self.clock = scheduler.clock  # seconds since the engine was made; every timestamp uses it
         self._lock = threading.Lock()
         self._requests: dict[str, Request] = {}  # every request not yet reported done by poll
@@ -41,6 +48,7 @@ class Engine:
         self._cancelled: list[Request] = []  # cancelled, not yet swept out of the scheduler
         self._ids = itertools.count()
         self._step_index = 0
+        self.finished_by_reason: dict[str, int] = {}
 
     # -- the client side ------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 32, temperature: float = 0.0,
@@ -85,6 +93,8 @@ class Engine:
             tokens, req.pending = req.pending, []
             if req.finished:
                 del self._requests[req_id]
+                if self.trace_limit is not None:
+                    self.trace.requests.pop(req_id, None)
                 return tokens, "done", req.finish_reason
             return tokens, "running", None
 
@@ -95,7 +105,7 @@ class Engine:
             req = self._requests.get(req_id)
             if req is None or req.finished:
                 return False
-            req.finish("cancelled", self.clock())
+            self._finish(req, "cancelled")
             self._cancelled.append(req)
             return True
 
@@ -171,24 +181,30 @@ class Engine:
                 record.emitted.setdefault(req.id, []).append(token)
                 reason = req.add_token(token, now)
                 if reason is not None:
-                    req.finish(reason, now)
+                    self._finish(req, reason)
                     record.finished[req.id] = reason
                     self.scheduler.remove(req)
 
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish(reason, self.clock())
+        self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
+
+    def queue_depth(self) -> int:
+        """Requests submitted but not yet admitted (for admission control and /metrics)."""
+        with self._lock:
+            return len(self._inbox) + len(self.scheduler.queue)
+
     # -- what happened ----------------------------------------------------------------------
     def stats(self) -> dict:
-        steps = self.trace.steps
-        reqs = self.trace.requests.values()
+        with self._lock:
+            steps = list(self.trace.steps)
+            reqs = list(self.trace.requests.values())
+            running = sum(1 for r in self._requests.values() if not r.finished)
+            reasons = dict(self.finished_by_reason)
         elapsed = (steps[-1].end_s - steps[0].start_s) if steps else 0.0
         tokens = sum(len(r.token_times_s) for r in reqs)
         decode_steps = [s for s in steps if s.decoded]
         B = self.scheduler.max_batch_size
-        reasons: dict[str, int] = {}
-        for r in reqs:
-            if r.finish_reason:
-                reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
-        with self._lock:
-            running = sum(1 for r in self._requests.values() if not r.finished)
         return {
             "kind": self.trace.kind,
             "max_batch_size": B,
@@ -213,7 +229,8 @@ class Engine:
 def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
                 prefill_step: int | None = None, token_budget: int | None = None,
                 kv_block_size: int = 16, num_kv_blocks: int | None = None,
-                max_seq_len: int | None = None, executor=ModelRunner) -> Engine:
+                max_seq_len: int | None = None, executor=ModelRunner,
+                trace_limit: int | None = None) -> Engine:
     """Build an engine of one kind: sequential | static | continuous | stallfree.
 
     Options that do not apply to a kind are an error, not silently ignored:
@@ -250,7 +267,7 @@ def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
         "stallfree": lambda: StallFreeScheduler(
             batch, blocks, clock, 256 if token_budget is None else token_budget),
     }[kind]()
-    return Engine(lm, scheduler, executor(lm, blocks), max_seq_len)
+    return Engine(lm, scheduler, executor(lm, blocks), max_seq_len, trace_limit)
 
 
 class EngineLoop:

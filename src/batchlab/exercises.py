@@ -14,6 +14,8 @@ The convention every lesson follows
 * The **checker cell** is the next code cell after an exercise cell. It calls a checker
   from :mod:`batchlab.checks` (imported as ``check``), e.g. ``check.greedy_pick(greedy_pick)``,
   and carries ``# NBVAL_CHECK_OUTPUT`` so the test suite compares its verdict.
+* In a learner copy, an exercise cell is recognised by its placeholder (``# YOUR CODE HERE``
+  followed by ``raise NotImplementedError(...)``), so the copies can be checked too.
 * Nothing after an exercise may depend on the learner's function except its checker
   (exercises come at the end of a lesson).
 * Exercise and checker cells may use only what they define themselves plus ``mx``

@@ -448,9 +448,9 @@ def run_workload(engine, workload: Workload, progress: bool = True,
     ids = [r.id for r in reqs]
     if len(set(ids)) != len(ids):
         raise ValueError("workload request ids must be unique")
-    first_step = len(engine.trace.steps)
     t0 = engine.clock()
     due: dict[str, float] = {}
+    records = {}  # the engine's live records (an engine with trace_limit drops them once done)
     running: set[str] = set()
     nxt = 0
     bar = tqdm(total=sum(r.max_new_tokens for r in reqs), unit="tok", desc=workload.name,
@@ -470,6 +470,7 @@ def run_workload(engine, workload: Workload, progress: bool = True,
                 rid = engine.submit(r.prompt_ids, max_new_tokens=r.max_new_tokens,
                                     ignore_eos=True, temperature=temperature, request_id=r.id)
                 due[rid] = t0 + r.arrival_s
+                records[rid] = engine.trace.requests[rid]
                 running.add(rid)
                 nxt += 1
             worked = engine.step()
@@ -486,11 +487,11 @@ def run_workload(engine, workload: Workload, progress: bool = True,
                                        f"not done: {sorted(running)[:5]}")
     finally:
         bar.close()
-    trace = engine.trace
-    records = {}
+    out = {}
     for rid in ids:
         if rid in due:
-            rec = copy.deepcopy(trace.requests[rid])
+            out[rid] = rec = copy.deepcopy(records[rid])
             rec.arrival_s = due[rid]
-            records[rid] = rec
-    return Trace(trace.kind, trace.max_batch_size, list(trace.steps[first_step:]), records)
+    trace = engine.trace
+    steps = [s for s in list(trace.steps) if s.start_s >= t0]  # this run's steps only
+    return Trace(trace.kind, trace.max_batch_size, steps, out)

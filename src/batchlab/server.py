@@ -1,0 +1,272 @@
+"""An OpenAI-compatible HTTP server on top of the poll interface.
+
+One ``EngineLoop`` runs the engine in its own thread. Each HTTP request submits to
+it and then polls for new tokens between short sleeps, so no client ever blocks the
+scheduler and the scheduler never waits for a client. A client that goes away
+cancels its request, which frees its slot at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .engine import EngineLoop
+from .model import LoadedModel
+
+POLL_INTERVAL_S = 0.005
+DEFAULT_MAX_TOKENS = 512
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields both endpoints share. Unknown fields are ignored, as OpenAI's API does;
+    known fields of the wrong type or out of range are a 400."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)  # one choice per request
+
+    @field_validator("stop")
+    @classmethod
+    def _at_most_four(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ValueError("stop must be up to 4 non-empty strings")
+        return stops
+
+
+class ChatRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int]
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+    return JSONResponse(status_code=status, content={
+        "error": {"message": message, "type": kind, "param": param, "code": None}})
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text. Text that might be the start of a stop
+    string is held back until we know, so a stop string is never half-sent."""
+
+    def __init__(self, stops: list[str]):
+        self.stops, self.buffer = stops, ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Return (text safe to send, whether a stop string was found)."""
+        self.buffer += text
+        hits = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.buffer = self.buffer[:min(hits)], ""
+            return out, True
+        hold = max((k for s in self.stops for k in range(1, len(s)) if self.buffer.endswith(s[:k])),
+                   default=0)
+        out = self.buffer[:len(self.buffer) - hold]
+        self.buffer = self.buffer[len(out):]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.buffer = self.buffer, ""
+        return out
+
+
+class Server:
+    def __init__(self, lm: LoadedModel, loop: EngineLoop, model_id: str, max_queue: int = 64):
+        self.lm, self.loop, self.model_id, self.max_queue = lm, loop, model_id, max_queue
+        self.started = int(time.time())
+
+    def submit(self, prompt_ids: list[int], req: SamplingFields) -> str:
+        """Raises ValueError for a request the engine refuses (too long, bad ids...)."""
+        max_new = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
+        return self.loop.submit(prompt_ids, max_new_tokens=max_new, temperature=req.temperature,
+                                top_p=req.top_p, seed=req.seed)
+
+    async def events(self, rid: str, stops: list[str]) -> AsyncIterator[tuple[str, str | None, int]]:
+        """Yield (new text, finish reason or None, tokens so far) until the request ends.
+        If the consumer goes away (a disconnect cancels this generator), cancel the request."""
+        detok, stopper = self.lm.tokenizer.detokenizer(), StopMatcher(stops)
+        eos, count, done = self.lm.tokenizer.eos_token_ids, 0, False
+        try:
+            while True:
+                tokens, status, reason = self.loop.poll(rid)
+                text = ""
+                for token in tokens:
+                    count += 1
+                    if token not in eos:
+                        text += detok.add(token)
+                if status == "done":
+                    text += detok.flush()
+                sent, hit = stopper.feed(text)
+                if hit:
+                    self.loop.cancel(rid)
+                    done = True
+                    yield sent, "stop", count
+                    return
+                if status != "running":
+                    done = True
+                    yield sent + stopper.flush(), reason if reason != "cancelled" else "stop", count
+                    return
+                if sent:
+                    yield sent, None, count
+                await asyncio.sleep(POLL_INTERVAL_S)
+        finally:
+            if not done:
+                self.loop.cancel(rid)
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="batchlab", version="0.1")
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error(400, "the request body is not valid JSON")
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
+
+    @app.get("/health")
+    async def health():
+        if server.loop.error is not None:
+            return error(503, f"engine stopped: {server.loop.error!r}", "server_error")
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_id, "object": "model",
+                                            "created": server.started, "owned_by": "batchlab"}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        engine = server.loop.engine
+        stats = engine.stats()
+        recent = [s for s in list(engine.trace.steps)[-200:] if s.end_s > engine.clock() - 10]
+        tokens = sum(len(t) for s in recent for t in s.emitted.values())
+        busy = sum(r is not None for r in engine.scheduler.slots)
+        lines = [
+            "# HELP batchlab_queue_depth Requests waiting to be admitted.",
+            f"batchlab_queue_depth {engine.queue_depth()}",
+            f"batchlab_slots_busy {busy}",
+            f"batchlab_slots_total {engine.scheduler.max_batch_size}",
+            f"batchlab_requests_running {stats['running']}",
+            "# HELP batchlab_tokens_per_second Output tokens per second over the last 10 s.",
+            f"batchlab_tokens_per_second {tokens / 10:.3f}",
+            f"batchlab_kv_blocks_free {stats['free_kv_blocks']}",
+            f"batchlab_kv_blocks_total {stats['num_kv_blocks']}",
+        ] + [f'batchlab_requests_finished_total{{reason="{r}"}} {n}'
+             for r, n in sorted(stats["finished"].items())]
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    async def respond(http: Request, req: SamplingFields, prompt_ids: list[int], chat: bool):
+        if server.loop.error is not None:
+            return error(503, "the engine has stopped", "server_error")
+        if server.loop.engine.queue_depth() >= server.max_queue:
+            return error(429, f"the queue is full ({server.max_queue} waiting); retry later",
+                         "rate_limit_error")
+        try:
+            rid = server.submit(prompt_ids, req)
+        except ValueError as e:
+            return error(400, str(e))
+        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        kind = "chat.completion" if chat else "text_completion"
+        created = int(time.time())
+
+        def usage(count):
+            return {"prompt_tokens": len(prompt_ids), "completion_tokens": count,
+                    "total_tokens": len(prompt_ids) + count}
+
+        def choice(text, reason, final):
+            if chat:
+                body = {"delta": {"content": text} if text else {}} if not final else \
+                    {"message": {"role": "assistant", "content": text}}
+            else:
+                body = {"text": text}
+            return {"index": 0, **body, "finish_reason": reason, "logprobs": None}
+
+        if not req.stream:
+            text, reason, count = "", None, 0
+            async for piece, reason, count in server.events(rid, req.stop):
+                text += piece
+                if await http.is_disconnected():
+                    server.loop.cancel(rid)
+                    return error(499, "client closed the request")
+            return {"id": ident, "object": kind, "created": created, "model": server.model_id,
+                    "choices": [choice(text, reason, final=True)], "usage": usage(count)}
+
+        async def sse():
+            obj = kind + (".chunk" if chat else "")
+
+            def chunk(choices, **extra):
+                return "data: " + json.dumps({"id": ident, "object": obj, "created": created,
+                                              "model": server.model_id, "choices": choices,
+                                              **extra}) + "\n\n"
+
+            if chat:
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "finish_reason": None}])
+            count = 0
+            async for piece, reason, count in server.events(rid, req.stop):
+                if piece or reason:
+                    yield chunk([choice(piece, reason, final=False)])
+            if req.stream_options and req.stream_options.include_usage:
+                yield chunk([], usage=usage(count))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, http: Request):
+        try:
+            prompt_ids = server.lm.tokenizer.encode_chat([m.model_dump() for m in req.messages])
+        except ValueError as e:
+            return error(400, str(e), param="messages")
+        return await respond(http, req, prompt_ids, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, http: Request):
+        prompt = req.prompt
+        prompt_ids = server.lm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        return await respond(http, req, prompt_ids, chat=False)
+
+    return app
+
+
+def serve(lm: LoadedModel, kind: str, host: str = "127.0.0.1", port: int = 8000,
+          max_queue: int = 64, **engine_options) -> None:
+    """Run the server until interrupted (``batchlab serve``)."""
+    import uvicorn
+
+    from .engine import make_engine
+
+    engine = make_engine(kind, lm, trace_limit=2000, **engine_options)
+    with EngineLoop(engine) as loop:
+        app = create_app(Server(lm, loop, lm.info.name, max_queue))
+        uvicorn.run(app, host=host, port=port, log_level="info")

@@ -3,6 +3,7 @@ of the shipped real text, and the driver submits them on time and gets them done
 
 from __future__ import annotations
 
+import collections
 import time
 
 import numpy as np
@@ -205,11 +206,14 @@ def test_bad_names_are_refused(tok):
 class ToyEngine:
     """One token per running request per step; each step takes ``step_s``."""
 
-    def __init__(self, step_s=0.02):
+    def __init__(self, step_s=0.02, bounded=False):
         self.step_s = step_s
         t0 = time.perf_counter()
         self.clock = lambda: time.perf_counter() - t0
         self.trace = Trace("toy", 4)
+        self.bounded = bounded  # like a server's engine: few steps kept, done records dropped
+        if bounded:
+            self.trace.steps = collections.deque(maxlen=1000)
         self.live: dict[str, RequestRecord] = {}
         self.polled: set[str] = set()
         self.cancelled: list[str] = []
@@ -241,6 +245,8 @@ class ToyEngine:
 
     def poll(self, rid):
         r = self.trace.requests[rid]
+        if r.finished_s is not None and self.bounded:
+            del self.trace.requests[rid]
         return [], ("done" if r.finished_s is not None else "running"), r.finish_reason
 
     def cancel(self, rid):
@@ -294,6 +300,16 @@ def test_driver_timeout_cancels_what_is_still_running():
     assert tr.requests["t1"].finish_reason == "cancelled"
     assert "t2" not in tr.requests  # never due before the timeout
     assert eng.cancelled == ["t1"]
+
+
+def test_driver_works_with_an_engine_that_forgets_done_requests():
+    eng = ToyEngine(step_s=0.01, bounded=True)
+    eng.submit([1], 1, True, 0.0, "old")
+    eng.step()
+    tr = W.run_workload(eng, toy_workload([0.0, 0.02], [3, 2]), progress=False)
+    assert not eng.trace.requests  # the engine dropped them all...
+    assert [len(tr.requests[r].token_times_s) for r in ("t0", "t1")] == [3, 2]  # ...we did not
+    assert len(tr.steps) == 3 and all("old" not in s.decoded for s in tr.steps)
 
 
 def test_driver_refuses_duplicate_ids():

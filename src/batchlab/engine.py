@@ -161,6 +161,8 @@ class Engine:
         if not chunks:
             return
         record.decoded += [r.id for r in decode]
+        record.slot_of.update({r.id: r.slot for r in decode + [r for r, _ in prefill] + batch.padding
+                               if r.slot is not None})
         record.padding += [r.id for r in batch.padding]
         record.padding_tokens += batch.padding_tokens
         start = time.perf_counter()
@@ -192,7 +194,7 @@ class Engine:
     def queue_depth(self) -> int:
         """Requests submitted but not yet admitted (for admission control and /metrics)."""
         with self._lock:
-            return len(self._inbox) + len(self.scheduler.queue)
+            return sum(not r.finished for r in (*self._inbox, *self.scheduler.queue))
 
     # -- what happened ----------------------------------------------------------------------
     def stats(self) -> dict:

@@ -18,6 +18,7 @@ class StepRecord:
     forward_s: float = 0.0  # time inside the model's forward passes
     passes: int = 0  # forward passes this step ran (stall-free: always 1)
     slots: list[str | None] = field(default_factory=list)  # slot -> request id (after the step)
+    slot_of: dict[str, int] = field(default_factory=dict)  # slot of each request that ran here
     decoded: list[str] = field(default_factory=list)  # requests that ran a decode row
     prefill: list[tuple[str, int, int]] = field(default_factory=list)  # (request, start, length)
     padding: list[str] = field(default_factory=list)  # static: finished rows still computed
@@ -59,12 +60,14 @@ class Trace:
     requests: dict[str, RequestRecord] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        # steps may be a bounded deque (a server's trace): store it as a list
+        return json.dumps({**asdict(self), "steps": [asdict(s) for s in self.steps]})
 
     @classmethod
     def from_json(cls, text: str) -> "Trace":
         data = json.loads(text)
-        steps = [StepRecord(**{**s, "prefill": [tuple(p) for p in s["prefill"]]}) for s in data["steps"]]
+        steps = [StepRecord(**{**s, "prefill": [tuple(p) for p in s["prefill"]],
+                                "slot_of": s.get("slot_of", {})}) for s in data["steps"]]
         requests = {k: RequestRecord(**{**r, "state_times": [tuple(t) for t in r["state_times"]]})
                     for k, r in data["requests"].items()}
         return cls(data["kind"], data["max_batch_size"], steps, requests)

@@ -20,10 +20,12 @@ import base64
 import colorsys
 import html
 import io
+import itertools
 import re
 import time
+import zlib
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -35,9 +37,9 @@ from .trace import RequestRecord, StepRecord, Trace
 
 __all__ = ["CELL_KINDS", "Cell", "Occupancy", "SlotView", "frame_html", "lane_names",
            "occupancy_so_far", "plot_latency_cdfs", "plot_occupancy", "plot_side_by_side",
-           "plot_slot_grid", "plot_tbt", "plot_timeline", "plot_tokens", "request_colors",
-           "short_label", "slot_grid", "state_at", "state_intervals", "step_cells",
-           "time_origin", "token_gaps", "trace_of", "ttfts"]
+           "plot_slot_grid", "plot_tbt", "plot_timeline", "plot_tokens", "prefill_lane_count",
+           "request_color", "request_colors", "short_label", "slot_grid", "state_at", "state_intervals",
+           "step_cells", "time_origin", "token_gaps", "trace_of", "ttfts"]
 
 # What one lane did in one step.
 DECODE = "decode"  # one decode row: the request produced a token
@@ -79,13 +81,21 @@ def _request_ids(step: StepRecord) -> list[str]:
     return ids + [rid for rid, _, _ in step.prefill]
 
 
+def request_color(request_id: str) -> str:
+    """A request's colour, from its id alone: the same in every frame, figure and trace
+    (req-3 of a static run matches req-3 of a continuous run), however many requests a
+    live or bounded trace adds or forgets. The engine's ids "req-N" take the N-th colour."""
+    number = re.fullmatch(r"req-(\d+)", request_id)
+    return _palette(int(number.group(1)) if number else zlib.crc32(request_id.encode()))
+
+
 def request_colors(trace: Trace) -> dict[str, str]:
-    """A colour per request, fixed by arrival order: a request keeps its colour in every
-    frame and figure, also while a live run adds requests."""
+    """The colour of every request in the trace, in arrival order (then any request named
+    only in its steps, as in a hand-made trace)."""
     ids = dict.fromkeys(dict(trace.requests))
-    for step in list(trace.steps):  # a hand-made trace may name requests only in its steps
+    for step in list(trace.steps):
         ids.update(dict.fromkeys(_request_ids(step)))
-    return {rid: _palette(i) for i, rid in enumerate(ids)}
+    return {rid: request_color(rid) for rid in ids}
 
 
 def short_label(request_id: str) -> str:
@@ -116,43 +126,39 @@ class Occupancy:
         return self.decode_rows / self.slot_steps if self.slot_steps else 0.0
 
 
+def _prefill_lanes(kind: str, steps: list[StepRecord]) -> int:
+    return max([1] + [len(s.prefill) for s in steps]) if kind in SLOTLESS_PREFILL_KINDS else 0
+
+
 def prefill_lane_count(trace: Trace) -> int:
     """Lanes for prefill chunks that run outside any slot (none for engines where they hold one)."""
-    if trace.kind not in SLOTLESS_PREFILL_KINDS:
-        return 0
-    return max([1] + [len(s.prefill) for s in list(trace.steps)])
+    return _prefill_lanes(trace.kind, list(trace.steps))
+
+
+def _lane_names(size: int, prefill_lanes: int) -> list[str]:
+    extra = ["prefill"] if prefill_lanes == 1 else [f"prefill {j}" for j in range(prefill_lanes)]
+    return [f"slot {i}" for i in range(size)] + extra
 
 
 def lane_names(trace: Trace) -> list[str]:
     """Row names of the grid: the slots, then the prefill lane(s) if the engine has them."""
-    prefill_lanes = prefill_lane_count(trace)
-    extra = ["prefill"] if prefill_lanes == 1 else [f"prefill {j}" for j in range(prefill_lanes)]
-    return [f"slot {i}" for i in range(trace.max_batch_size)] + extra
+    return _lane_names(trace.max_batch_size, prefill_lane_count(trace))
 
 
 def _slot_table(slots: list[str | None], size: int) -> list[str | None]:
     return list(slots) + [None] * (size - len(slots))
 
 
-def _step_cells(trace: Trace, k: int, prefill_lanes: int) -> list[Cell]:
-    size = trace.max_batch_size
-    step = trace.steps[k]
+def _step_cells(steps: list[StepRecord], size: int, k: int, prefill_lanes: int) -> list[Cell]:
+    step = steps[k]
     after = _slot_table(step.slots, size)
-    before = _slot_table(trace.steps[k - 1].slots, size) if k > 0 else [None] * size
+    # every request that ran in a slot this step (even one that also left it) is in slot_of
     lane = {rid: i for i, rid in enumerate(after) if rid is not None}
-    for i, rid in enumerate(before):  # left its slot during this step (finished)
-        if rid is not None and rid not in lane and after[i] is None:
-            lane[rid] = i
+    lane.update(step.slot_of)
     prefill_tokens: dict[str, int] = {}
     for rid, _, n in step.prefill:
         prefill_tokens[rid] = prefill_tokens.get(rid, 0) + n
     slot_prefill = prefill_lanes == 0
-    working = step.decoded + step.padding + (list(prefill_tokens) if slot_prefill else [])
-    taken = set(lane.values())
-    free = [i for i in range(size) if before[i] is None and after[i] is None and i not in taken]
-    for rid in dict.fromkeys(working):  # got a slot and left it within this step
-        if rid not in lane and free:
-            lane[rid] = free.pop(0)
 
     cells = [Cell(HELD, rid) if rid is not None else Cell(IDLE) for rid in after]
     for rid in step.padding:
@@ -172,27 +178,24 @@ def _step_cells(trace: Trace, k: int, prefill_lanes: int) -> list[Cell]:
 
 
 def step_cells(trace: Trace, k: int) -> list[Cell]:
-    """The cells of step ``k``, one per lane of ``lane_names``.
-
-    ``StepRecord.slots`` is the slot table *after* the step, so a request that finished
-    during step k is found in the table before it; one that got a slot and finished
-    within the same step is in neither and goes to the lowest slot free before and
-    after -- the one the scheduler takes.
-    """
-    return _step_cells(trace, k, prefill_lane_count(trace))
+    """The cells of step ``k`` (a position in ``trace.steps``), one per lane of ``lane_names``."""
+    steps = list(trace.steps)
+    return _step_cells(steps, trace.max_batch_size, k, _prefill_lanes(trace.kind, steps))
 
 
 def slot_grid(trace: Trace, upto: int | None = None) -> list[list[Cell]]:
     """Every step's cells up to and including step ``upto`` (default: all): grid[step][lane]."""
-    last = len(trace.steps) - 1 if upto is None else upto
-    prefill_lanes = prefill_lane_count(trace)
-    return [_step_cells(trace, k, prefill_lanes) for k in range(last + 1)]
+    steps = list(trace.steps)
+    last = len(steps) - 1 if upto is None else upto
+    prefill_lanes = _prefill_lanes(trace.kind, steps)
+    return [_step_cells(steps, trace.max_batch_size, k, prefill_lanes) for k in range(last + 1)]
 
 
 def occupancy_so_far(trace: Trace, k: int) -> Occupancy:
     """Decode rows ÷ (slots × steps) over steps 0..k: the share of slot-steps that made a
-    token. Steps that only prefill count as idle slot-steps."""
-    rows = sum(len(s.decoded) for s in trace.steps[:k + 1])
+    token. Steps that only prefill count as idle slot-steps. (A bounded trace counts the
+    steps it still holds.)"""
+    rows = sum(len(s.decoded) for s in list(trace.steps)[:k + 1])
     return Occupancy(rows, trace.max_batch_size * (k + 1))
 
 
@@ -217,7 +220,7 @@ def state_intervals(record: RequestRecord, until: float) -> list[tuple[str, floa
 def token_gaps(record: RequestRecord) -> list[tuple[float, float]]:
     """(time of a token, seconds since the request's previous token) for tokens 2, 3, ..."""
     times = list(record.token_times_s)
-    return [(later, later - earlier) for earlier, later in zip(times, times[1:])]
+    return [(later, later - earlier) for earlier, later in itertools.pairwise(times)]
 
 
 def ttfts(trace: Trace) -> list[float]:
@@ -229,7 +232,7 @@ def ttfts(trace: Trace) -> list[float]:
 def time_origin(trace: Trace) -> float:
     """The moment the run started: its first arrival (or first step, if earlier)."""
     starts = [r.arrival_s for r in dict(trace.requests).values()]
-    starts += [trace.steps[0].start_s] if trace.steps else []
+    starts += [step.start_s for step in list(trace.steps)[:1]]
     return min(starts, default=0.0)
 
 
@@ -245,6 +248,7 @@ def trace_of(source) -> Trace:
 
 
 # -- one frame as HTML ------------------------------------------------------------------------
+_HATCH = "repeating-linear-gradient(135deg,var(--c) 0 3px,#fff 3px 6px)"
 _CSS = """
 .bl-root{font:12px/1.4 system-ui,-apple-system,sans-serif;color:#222;max-width:100%}
 .bl-root .bl-grid{display:grid;gap:2px;align-items:center;margin:6px 0;overflow-x:auto;
@@ -255,30 +259,25 @@ _CSS = """
 .bl-root .bl-col.bl-current{color:#000;font-weight:700}
 .bl-root .bl-cell{height:20px;border-radius:3px;font-size:10px;line-height:20px;
   text-align:center;overflow:hidden;box-sizing:border-box;white-space:nowrap}
-.bl-root .bl-idle{background:#fff;border:1px solid #ddd}
-.bl-root .bl-future{background:#fafafa;border:1px dashed #ececec}
-.bl-root .bl-padding{background:repeating-linear-gradient(45deg,#8f8f8f 0 2px,#d0d0d0 2px 5px)}
+.bl-root .bl-decode{background:var(--c);color:var(--t)}
+.bl-root .bl-prefill{background:HATCH}
+.bl-root .bl-prefill_decode{background:linear-gradient(var(--c),var(--c)) bottom/100% 45% no-repeat,HATCH}
 .bl-root .bl-prefill span,.bl-root .bl-prefill_decode span{color:#111;background:#fffd;
   border-radius:2px;padding:0 1px;line-height:12px}
+.bl-root .bl-padding{background:repeating-linear-gradient(45deg,#8f8f8f 0 2px,#d0d0d0 2px 5px)}
+.bl-root .bl-held{background:#fff;border:2px solid var(--c)}
+.bl-root .bl-idle{background:#fff;border:1px solid #ddd}
+.bl-root .bl-future{background:#fafafa;border:1px dashed #ececec}
 .bl-root .bl-current-cell{outline:2px solid #222}
-.bl-root .bl-legend span.bl-swatch{display:inline-block;width:14px;height:14px;
-  vertical-align:middle;margin:0 3px 0 10px;border-radius:3px;box-sizing:border-box}
+.bl-root .bl-legend .bl-swatch{display:inline-block;width:14px;height:14px;
+  vertical-align:middle;margin:0 3px 0 10px;border-radius:3px;box-sizing:border-box;--c:#4e79a7}
 .bl-root .bl-readout b{font-variant-numeric:tabular-nums}
-"""
-_HATCH = "repeating-linear-gradient(135deg,{c} 0 3px,#fff 3px 6px)"
+""".replace("HATCH", _HATCH)
 
 
 def _cell_style(cell: Cell, color: str) -> str:
-    if cell.kind == DECODE:
-        return f"background:{color};color:{_text_color(color)}"
-    if cell.kind == PREFILL:
-        return "background:" + _HATCH.format(c=color)
-    if cell.kind == PREFILL_DECODE:  # hatched prompt on top, solid first decode below
-        return f"background:linear-gradient({color},{color}) bottom/100% 45% no-repeat," \
-               + _HATCH.format(c=color)
-    if cell.kind == HELD:
-        return f"background:#fff;border:2px solid {color}"
-    return ""
+    """The request's colour as CSS variables; the kind's class draws with them."""
+    return f"--c:{color};--t:{_text_color(color)}" if cell.request and cell.kind != PADDING else ""
 
 
 def _cell_title(cell: Cell, step: int, lane: str) -> str:
@@ -290,13 +289,10 @@ def _cell_title(cell: Cell, step: int, lane: str) -> str:
 
 
 def _legend_html() -> str:
-    sample = "#4e79a7"
-    swatches = [("decode", f"background:{sample}"), ("prefill", "background:" + _HATCH.format(c=sample)),
-                ("padding (wasted)", "background:repeating-linear-gradient(45deg,#8f8f8f 0 2px,#d0d0d0 2px 5px)"),
-                ("holds slot, no work", f"background:#fff;border:2px solid {sample}"),
-                ("idle", "background:#fff;border:1px solid #ddd")]
+    swatches = [(DECODE, "decode"), (PREFILL, "prefill"), (PADDING, "padding (wasted)"),
+                (HELD, "holds slot, no work"), (IDLE, "idle")]
     return '<div class="bl-legend">' + "".join(
-        f'<span class="bl-swatch" style="{style}"></span>{name}' for name, style in swatches) + "</div>"
+        f'<span class="bl-swatch bl-{kind}"></span>{name}' for kind, name in swatches) + "</div>"
 
 
 def _readout_html(trace: Trace, k: int, steps: list[StepRecord]) -> str:
@@ -305,7 +301,7 @@ def _readout_html(trace: Trace, k: int, steps: list[StepRecord]) -> str:
         return ('<div class="bl-readout"><span class="bl-counter" data-step="-1">no steps yet</span>'
                 f' · {size} slots · waiting for the engine</div>')
     step = steps[k]
-    occ = occupancy_so_far(trace, k)
+    occ = Occupancy(sum(len(s.decoded) for s in steps[:k + 1]), size * (k + 1))
     records = list(dict(trace.requests).values())
     counts: dict[str, int] = {}
     for rec in records:
@@ -324,8 +320,9 @@ def _readout_html(trace: Trace, k: int, steps: list[StepRecord]) -> str:
                         for s in ("queued", "prefilling", "awaiting_slot", "decoding", "finished"))
     return (
         '<div class="bl-readout">'
-        f'<div><span class="bl-counter" data-step="{k}"><b>step {k}</b></span> of {len(steps)} '
-        f'(0–{len(steps) - 1}) · t = {step.end_s - time_origin(trace):.2f} s · '
+        f'<div><span class="bl-counter" data-step="{k}"><b>step {step.index}</b></span>'
+        f' (steps {steps[0].index}–{steps[-1].index})'
+        f' · t = {step.end_s - time_origin(trace):.2f} s · '
         f'this step {step.duration_s * 1000:.0f} ms, {step.passes} forward pass(es)</div>'
         f'<div class="bl-occupancy" data-decode-rows="{occ.decode_rows}" data-slot-steps="{occ.slot_steps}">'
         f'occupancy so far: <b>{occ.decode_rows}</b> decode rows ÷ ({size} slots × {k + 1} steps)'
@@ -342,21 +339,22 @@ def frame_html(trace: Trace, step: int, window: int = 40) -> str:
     ``data-kind`` and ``data-request`` on cells) so tests can read the picture.
     """
     steps = list(trace.steps)
-    k = min(step, len(steps) - 1)
-    lanes = lane_names(trace)
-    prefill_lanes = prefill_lane_count(trace)
+    k = min(max(step, 0), len(steps) - 1)  # -1: no steps yet
+    prefill_lanes = _prefill_lanes(trace.kind, steps)
+    lanes = _lane_names(trace.max_batch_size, prefill_lanes)
     first = max(0, k - window + 1)
     columns = list(range(first, min(len(steps), first + window)))
     colors = request_colors(trace)
-    parts = [f'<div class="batchlab-slots bl-root" data-num-slots="{trace.max_batch_size}" '
-             f'data-step="{k}" data-num-steps="{len(steps)}" data-kind="{html.escape(trace.kind)}">'
+    parts = [(f'<div class="batchlab-slots bl-root" data-num-slots="{trace.max_batch_size}" '
+              f'data-step="{k}" data-num-steps="{len(steps)}" data-kind="{html.escape(trace.kind)}">'),
              f"<style>{_CSS}</style>", _readout_html(trace, k, steps),
              f'<div class="bl-grid" style="grid-template-columns:5.5em{" 18px" * len(columns)}">',
              '<div class="bl-lane"></div>']
     for c in columns:
-        label = str(c) if c == k or (c % 5 == 0 and abs(c - k) > 2) else ""
+        index = steps[c].index
+        label = str(index) if c == k or (index % 5 == 0 and abs(c - k) > 2) else ""
         parts.append(f'<div class="bl-col{" bl-current" if c == k else ""}">{label}</div>')
-    cells = {c: _step_cells(trace, c, prefill_lanes) for c in columns if c <= k}
+    cells = {c: _step_cells(steps, trace.max_batch_size, c, prefill_lanes) for c in columns if c <= k}
     for li, lane in enumerate(lanes):
         slot = f'data-slot="{li}"' if li < trace.max_batch_size else \
             f'data-prefill-lane="{li - trace.max_batch_size}"'
@@ -375,7 +373,7 @@ def frame_html(trace: Trace, step: int, window: int = 40) -> str:
             parts.append(
                 f'<div class="bl-cell bl-{cell.kind}{current}" data-lane="{li}" data-step="{c}" '
                 f'data-kind="{cell.kind}"{request} style="{_cell_style(cell, colors.get(cell.request, ""))}" '
-                f'title="{html.escape(_cell_title(cell, c, lane))}">{label}</div>')
+                f'title="{html.escape(_cell_title(cell, steps[c].index, lane))}">{label}</div>')
             previous = cell
     parts += ["</div>", _legend_html(), "</div>"]
     return "".join(parts)
@@ -417,7 +415,7 @@ class SlotView(widgets.VBox):
 
     @property
     def step(self) -> int:
-        """The step the frame shows."""
+        """The step the frame shows (a position in ``trace.steps``)."""
         return self._slider.value
 
     def show_step(self, k: int) -> None:
@@ -467,10 +465,11 @@ class SlotView(widgets.VBox):
 def _run_is_over(trace: Trace) -> bool:
     """Every request finished, and the step that finished the last one is in the trace."""
     records = list(dict(trace.requests).values())
-    if not records or not trace.steps or any(r.finished_s is None for r in records):
+    steps = list(trace.steps)
+    if not records or not steps or any(r.finished_s is None for r in records):
         return False
     served = [r.finished_s for r in records if r.finish_reason != "cancelled"]
-    return trace.steps[-1].end_s >= max(served, default=0.0)
+    return steps[-1].end_s >= max(served, default=0.0)
 
 
 # -- matplotlib figures -----------------------------------------------------------------------
@@ -554,7 +553,7 @@ def plot_timeline(trace: Trace, ax=None) -> Figure:
     records = list(dict(trace.requests).values())
     fig, ax = _axes(ax, figsize=(10, 1.2 + 0.3 * max(len(records), 3)))
     t0 = time_origin(trace)
-    end = max([s.end_s for s in trace.steps[-1:]] + [r.finished_s or 0.0 for r in records] + [t0])
+    end = max([s.end_s for s in list(trace.steps)[-1:]] + [r.finished_s or 0.0 for r in records] + [t0])
     bars: dict[str, list[tuple[int, float, float]]] = {state: [] for state in STATE_COLORS}
     for row, record in enumerate(records):
         for state, start, stop in state_intervals(record, end):
@@ -586,7 +585,7 @@ def plot_tbt(trace: Trace, ax=None, mark_prefill: bool = True) -> Figure:
     colors = request_colors(trace)
     records = [r for r in dict(trace.requests).values() if len(r.token_times_s) >= 2]
     if mark_prefill:
-        for i, step in enumerate(s for s in trace.steps if s.prefill):
+        for i, step in enumerate(s for s in list(trace.steps) if s.prefill):
             ax.axvspan(step.start_s - t0, step.end_s - t0, color=STATE_COLORS["prefilling"], alpha=0.15,
                        lw=0, label="step with a prefill chunk" if i == 0 else None)
     for record in records:

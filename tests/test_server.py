@@ -1,0 +1,226 @@
+"""The OpenAI-compatible server, started on a free 127.0.0.1 port and stopped after.
+
+Clients are real: the official ``openai`` package and raw ``httpx`` streams.
+"""
+
+import json
+import random
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import uvicorn
+from openai import OpenAI
+
+from batchlab import EngineLoop, generate, make_engine
+from batchlab.server import Server, StopMatcher, create_app
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at",
+           "My favourite colour is", "The best way to learn is", "In 1969,", "Dear friend,",
+           "Cats and dogs", "The recipe needs", "Three facts about the Moon:", "Hello! I am"]
+MAX_TOKENS = 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    engine = make_engine("stallfree", lm, max_batch_size=4, token_budget=64, trace_limit=5000)
+    loop = EngineLoop(engine).start()
+    app = create_app(Server(lm, loop, "smollm2", max_queue=6))
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", engine=engine, loop=loop)
+    uv.should_exit = True
+    thread.join(timeout=30)
+    loop.stop()
+
+
+def wait_until_idle(engine, seconds=20):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(s is None for s in engine.scheduler.slots) and engine.stats()["running"] == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.fixture(scope="module")
+def references(lm):
+    """Each prompt's greedy continuation from the engine run alone (what the server must send)."""
+    refs = {}
+    for prompt in PROMPTS:
+        tokens = generate(lm, lm.tokenizer.encode(prompt), MAX_TOKENS).token_ids
+        refs[prompt] = tokens
+    return refs
+
+
+def expected_text(lm, tokens, max_tokens):
+    kept = [t for t in tokens[:max_tokens] if t not in lm.tokenizer.eos_token_ids]
+    return lm.tokenizer.decode(kept)
+
+
+def test_openai_client_streams_a_chat_completion(lm, server):
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == ["smollm2"]
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    stream = client.chat.completions.create(model="smollm2", messages=question, temperature=0,
+                                            max_tokens=30, stream=True,
+                                            stream_options={"include_usage": True})
+    pieces, reasons, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    expected = generate(lm, question, 30)
+    assert "".join(pieces) == expected.text == "The capital of France is Paris."
+    assert reasons[-1] == "stop" and len([p for p in pieces if p]) > 3, "streamed in pieces"
+    assert usage.completion_tokens == len(expected.token_ids)
+    assert usage.prompt_tokens == len(lm.tokenizer.encode_chat(question))
+
+
+def test_completion_with_a_stop_string_is_cut_before_it(lm, server, references):
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    full = expected_text(lm, references["Once upon a time"], MAX_TOKENS)
+    stop = full.split()[3]  # a word in the middle of the answer
+    reply = client.completions.create(model="smollm2", prompt="Once upon a time", temperature=0,
+                                      max_tokens=MAX_TOKENS, stop=[stop])
+    assert reply.choices[0].text == full[:full.index(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+    assert wait_until_idle(server.engine)
+
+
+def test_stop_matcher_holds_back_a_possible_stop_string():
+    m = StopMatcher(["STOP"])
+    assert m.feed("abc ST") == ("abc ", False)
+    assert m.feed("O") == ("", False)
+    assert m.feed("Px") == ("", True)
+    m = StopMatcher(["ab"])
+    assert m.feed("xa") == ("x", False)
+    assert m.feed("c") == ("ac", False)
+    assert m.flush() == ""
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
+    before = server.engine.finished_by_reason.get("cancelled", 0)
+    body = {"prompt": "Tell me a very long story", "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            got = [line for line, _ in zip(lines, range(3))]
+            assert got[0].startswith("data: ")
+    assert wait_until_idle(server.engine, seconds=10), "the slot was not freed"
+    assert server.engine.finished_by_reason.get("cancelled", 0) == before + 1
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", "{not json", None),
+    ("/v1/chat/completions", {"messages": []}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"},
+     "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+     "temperature"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": ""}, None),
+    ("/v1/completions", {"prompt": [1, 2, 999999]}, None),
+    ("/v1/completions", {"prompt": [5] * 9000}, None),
+    ("/v1/completions", {}, "prompt"),
+])
+def test_bad_bodies_get_400_with_an_openai_error(server, path, body, param):
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param
+
+
+def test_a_full_queue_gets_429_and_others_are_not_disturbed(lm, server, references):
+    fillers = [server.loop.submit(lm.tokenizer.encode("Count to a thousand:"), max_new_tokens=200,
+                                  ignore_eos=True) for _ in range(4 + 6)]  # 4 slots + 6 queued
+    try:
+        deadline = time.monotonic() + 10
+        while server.engine.queue_depth() < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 429
+        assert r.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        for rid in fillers:
+            server.loop.cancel(rid)
+    assert wait_until_idle(server.engine)
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    reply = client.completions.create(model="smollm2", prompt="Water boils at", temperature=0,
+                                      max_tokens=MAX_TOKENS)
+    assert reply.choices[0].text == expected_text(lm, references["Water boils at"], MAX_TOKENS)
+
+
+def test_soak_300_requests_8_clients_random_disconnects(lm, server, references):
+    """Nothing lost, nothing duplicated: every completed stream is exactly the greedy text,
+    every abandoned one a prefix of it, and every slot is free at the end."""
+    results, errors = [], []
+
+    def client(seed):
+        rng = random.Random(seed)
+        with httpx.Client(timeout=60) as http:
+            for _ in range(300 // 8 + (seed < 300 % 8)):
+                prompt, max_tokens = rng.choice(PROMPTS), rng.randint(1, MAX_TOKENS)
+                leave_after = rng.choice([None] * 4 + [1, 2, 3])
+                body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+                text, finish, chunks = "", None, 0
+                try:
+                    with http.stream("POST", server.url + "/v1/completions", json=body) as r:
+                        assert r.status_code == 200, r.status_code
+                        for line in r.iter_lines():
+                            if not line.startswith("data: ") or line == "data: [DONE]":
+                                continue
+                            choice = json.loads(line[6:])["choices"][0]
+                            text += choice["text"]
+                            finish = choice["finish_reason"] or finish
+                            chunks += 1
+                            if leave_after is not None and chunks >= leave_after:
+                                break
+                except Exception as e:  # surfaced below
+                    errors.append(repr(e))
+                results.append((prompt, max_tokens, text, finish, leave_after is not None and
+                                finish is None))
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    assert not errors, errors[:3]
+    assert len(results) == 300
+    abandoned = 0
+    for prompt, max_tokens, text, finish, left in results:
+        expected = expected_text(lm, references[prompt], max_tokens)
+        if left:
+            abandoned += 1
+            assert expected.startswith(text)
+        else:
+            assert text == expected, (prompt, max_tokens)
+            assert finish in ("stop", "length")
+    assert abandoned > 0
+    assert wait_until_idle(server.engine), "slots still busy after the soak"
+    assert server.engine.queue_depth() == 0

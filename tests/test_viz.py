@@ -1,0 +1,405 @@
+"""batchlab.viz: the slot grid as data, the HTML frame, the widget and the figures.
+
+Most tests use traces built by hand, whose right answers are written out below; the
+recorded traces in tests/data and one live run on the real model check the same
+invariants on real engine output.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections import deque
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from batchlab import viz
+from batchlab.trace import RequestRecord, StepRecord, Trace
+from batchlab.viz import Cell
+
+DATA = Path(__file__).parent / "data"
+RECORDED = ["static", "continuous", "stallfree"]
+
+
+def step(index, slots, decoded=(), prefill=(), padding=(), finished=None, start=None, emitted=None,
+         slot_of=None):
+    start = float(index) if start is None else start
+    return StepRecord(index, start, start + 1.0, slots=list(slots), slot_of=dict(slot_of or {}),
+                      decoded=list(decoded),
+                      prefill=list(prefill), padding=list(padding), finished=dict(finished or {}),
+                      emitted=dict(emitted or {}), passes=1)
+
+
+def continuous_trace() -> Trace:
+    """Two slots. a prefills in two chunks (steps 0-1) and decodes in slot 0 until step 3,
+    where it finishes and leaves the table; b prefills and decodes from step 2; c prefills
+    in step 3, waits for a slot, then is placed and finishes within step 4 (so it appears in
+    no slot table)."""
+    steps = [
+        step(0, [None, None], prefill=[("a", 0, 3)]),
+        step(1, ["a", None], decoded=["a"], prefill=[("a", 3, 2)], slot_of={"a": 0}),
+        step(2, ["a", "b"], decoded=["a", "b"], prefill=[("b", 0, 4)], slot_of={"a": 0, "b": 1}),
+        step(3, [None, "b"], decoded=["a", "b"], prefill=[("c", 0, 2)], finished={"a": "length"},
+             slot_of={"a": 0, "b": 1}),
+        step(4, [None, None], decoded=["c", "b"], finished={"c": "stop", "b": "length"},
+             slot_of={"c": 0, "b": 1}),
+    ]
+    requests = {
+        "a": RequestRecord("a", 5, 4, 0.0, [(0.0, "queued"), (0.0, "prefilling"), (1.5, "awaiting_slot"),
+                                             (1.5, "decoding"), (4.0, "finished")],
+                           first_token_s=2.0, token_times_s=[2.0, 2.5, 3.0, 4.0], finished_s=4.0,
+                           finish_reason="length"),
+        "b": RequestRecord("b", 4, 4, 0.5, [(0.5, "queued"), (2.0, "prefilling"), (2.5, "decoding"),
+                                             (5.0, "finished")],
+                           first_token_s=2.6, token_times_s=[2.6, 3.0, 4.0, 5.0], finished_s=5.0,
+                           finish_reason="length"),
+        "c": RequestRecord("c", 2, 4, 1.0, [(1.0, "queued"), (3.0, "prefilling"), (3.5, "awaiting_slot"),
+                                             (4.2, "decoding"), (5.0, "finished")],
+                           first_token_s=4.0, token_times_s=[4.0, 5.0], finished_s=5.0,
+                           finish_reason="stop"),
+    }
+    return Trace("continuous", 2, steps, requests)
+
+
+def static_trace() -> Trace:
+    """Three slots, two requests: x and y prefill and decode together in step 0; y finishes
+    in step 1 and is padding in step 2, when x finishes and the batch frees every slot."""
+    steps = [
+        step(0, ["x", "y", None], decoded=["x", "y"], prefill=[("x", 0, 5), ("y", 0, 3)],
+             slot_of={"x": 0, "y": 1}),
+        step(1, ["x", "y", None], decoded=["x", "y"], finished={"y": "stop"}, slot_of={"x": 0, "y": 1}),
+        step(2, [None, None, None], decoded=["x"], padding=["y"], finished={"x": "length"},
+             slot_of={"x": 0, "y": 1}),
+    ]
+    return Trace("static", 3, steps)
+
+
+def stallfree_trace() -> Trace:
+    """Two slots held from admission: p prefills in step 0; in step 1 q prefills while p,
+    out of budget, holds its slot and runs nothing; in step 2 p decodes."""
+    steps = [
+        step(0, ["p", None], prefill=[("p", 0, 4)], slot_of={"p": 0}),
+        step(1, ["p", "q"], prefill=[("q", 0, 4)], slot_of={"q": 1}),
+        step(2, ["p", "q"], decoded=["p"], prefill=[("q", 4, 1)], slot_of={"p": 0, "q": 1}),
+    ]
+    return Trace("stallfree", 2, steps)
+
+
+def recorded(kind: str) -> Trace:
+    return Trace.from_json((DATA / f"{kind}_trace.json").read_text())
+
+
+class Elements(HTMLParser):
+    """Every element's tag and attributes, in document order."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.found: list[tuple[str, dict]] = []
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.found.append((tag, dict(attrs)))
+
+    def having(self, **wanted) -> list[dict]:
+        wanted = {k.rstrip("_").replace("_", "-"): v for k, v in wanted.items()}  # class_ -> class
+        return [a for _, a in self.found if all(a.get(k) == v for k, v in wanted.items())]
+
+
+# -- the grid as data ------------------------------------------------------------------------
+D, I = "decode", "idle"
+
+
+def kinds(cells):
+    return [(c.kind, c.request) for c in cells]
+
+
+def test_continuous_cells_put_prefill_in_its_own_lane_and_find_leaving_requests():
+    trace = continuous_trace()
+    assert viz.lane_names(trace) == ["slot 0", "slot 1", "prefill"]
+    grid = viz.slot_grid(trace)
+    assert kinds(grid[0]) == [(I, None), (I, None), ("prefill", "a")]
+    assert grid[0][2].prefill_tokens == 3
+    assert kinds(grid[1]) == [(D, "a"), (I, None), ("prefill", "a")]
+    assert kinds(grid[2]) == [(D, "a"), (D, "b"), ("prefill", "b")]
+    # a finished in step 3: gone from the table after the step, found in the one before
+    assert kinds(grid[3]) == [(D, "a"), (D, "b"), ("prefill", "c")]
+    # c got a slot and finished within step 4: slot_of says which
+    assert kinds(grid[4]) == [(D, "c"), (D, "b"), (I, None)]
+    assert viz.step_cells(trace, 4) == grid[4]
+    assert len(viz.slot_grid(trace, upto=2)) == 3
+
+
+def test_static_cells_show_prompt_plus_first_decode_then_padding():
+    grid = viz.slot_grid(static_trace())
+    assert viz.lane_names(static_trace()) == ["slot 0", "slot 1", "slot 2"]
+    assert grid[0] == [Cell("prefill_decode", "x", 5), Cell("prefill_decode", "y", 3), Cell(I)]
+    assert kinds(grid[1]) == [(D, "x"), (D, "y"), (I, None)]
+    assert kinds(grid[2]) == [(D, "x"), ("padding", "y"), (I, None)]
+
+
+def test_stallfree_prefill_sits_in_its_slot_and_an_idle_holder_is_held():
+    grid = viz.slot_grid(stallfree_trace())
+    assert len(grid[0]) == 2  # no prefill lane: prefilling requests hold a slot
+    assert grid[0] == [Cell("prefill", "p", 4), Cell(I)]
+    assert grid[1] == [Cell("held", "p"), Cell("prefill", "q", 4)]
+    assert grid[2] == [Cell(D, "p"), Cell("prefill", "q", 1)]
+
+
+def test_occupancy_so_far_counts_decode_rows_over_slot_steps():
+    trace = continuous_trace()
+    expected = [(0, 2), (1, 4), (3, 6), (5, 8), (7, 10)]
+    occupancies = [viz.occupancy_so_far(trace, k) for k in range(5)]
+    assert [(o.decode_rows, o.slot_steps) for o in occupancies] == expected
+    assert viz.occupancy_so_far(trace, 3).fraction == pytest.approx(5 / 8)
+    assert viz.occupancy_so_far(static_trace(), 2).fraction == pytest.approx(5 / 9)
+
+
+@pytest.mark.parametrize("kind", RECORDED)
+def test_recorded_runs_every_token_and_prompt_token_lands_in_the_grid(kind):
+    """On real engine output: each request's decode cells are its tokens after the first
+    (which prefill makes), and its prefill cells add up to its prompt."""
+    trace = recorded(kind)
+    cells = [c for column in viz.slot_grid(trace) for c in column]
+    for rid, record in trace.requests.items():
+        decodes = sum(1 for c in cells if c.request == rid and c.kind in ("decode", "prefill_decode"))
+        assert decodes == len(record.token_times_s) - 1, rid
+        assert sum(c.prefill_tokens for c in cells if c.request == rid) == record.prompt_len, rid
+    decode_rows = sum(1 for c in cells if c.kind in ("decode", "prefill_decode"))
+    assert viz.occupancy_so_far(trace, len(trace.steps) - 1).decode_rows == decode_rows
+
+
+def test_colors_are_distinct_and_stable_as_requests_come_and_go():
+    trace = continuous_trace()
+    colors = viz.request_colors(trace)
+    assert list(colors) == ["a", "b", "c"]
+    trace.requests["d"] = RequestRecord("d", 3, 2, 6.0)
+    del trace.requests["a"]  # a bounded trace forgets finished requests
+    changed = viz.request_colors(trace)
+    assert (changed["b"], changed["c"]) == (colors["b"], colors["c"])
+    engine_ids = [f"req-{i}" for i in range(12)]
+    many = viz.request_colors(Trace("static", 1, [], {r: RequestRecord(r, 1, 1, 0.0) for r in engine_ids}))
+    assert list(many) == engine_ids and len(set(many.values())) == 12
+    assert viz.request_color("req-3") == many["req-3"]  # the same in every trace
+    # requests named only in steps (a hand-made trace) still get colours
+    assert list(viz.request_colors(static_trace())) == ["x", "y"]
+
+
+def test_short_labels_and_request_state_queries():
+    assert viz.short_label("req-12") == "12"
+    assert viz.short_label("alpha") == "alp"
+    c = continuous_trace().requests["c"]
+    assert viz.state_at(c, 0.5) is None
+    assert viz.state_at(c, 3.6) == "awaiting_slot"
+    assert viz.state_at(c, 9.0) == "finished"
+    assert viz.state_intervals(c, 9.0) == [("queued", 1.0, 3.0), ("prefilling", 3.0, 3.5),
+                                           ("awaiting_slot", 3.5, 4.2), ("decoding", 4.2, 5.0)]
+    unfinished = RequestRecord("u", 1, 1, 0.0, [(0.0, "queued"), (1.0, "decoding")])
+    assert viz.state_intervals(unfinished, 7.0)[-1] == ("decoding", 1.0, 7.0)
+    assert viz.token_gaps(c) == [(5.0, 1.0)]
+    assert viz.ttfts(continuous_trace()) == pytest.approx([2.0, 2.1, 3.0])
+    assert viz.time_origin(continuous_trace()) == 0.0
+
+
+def test_trace_of_accepts_a_trace_an_engine_or_a_loop():
+    trace = static_trace()
+
+    class Engine:
+        pass
+
+    class Loop:
+        pass
+
+    engine, loop = Engine(), Loop()
+    engine.trace, loop.engine = trace, engine
+    assert viz.trace_of(trace) is trace
+    assert viz.trace_of(engine) is trace
+    assert viz.trace_of(loop) is trace
+    with pytest.raises(TypeError, match="Trace"):
+        viz.trace_of("not a trace")
+
+
+# -- one frame as HTML -----------------------------------------------------------------------
+def test_frame_html_marks_slots_cells_and_the_readout():
+    trace = continuous_trace()
+    page = Elements(viz.frame_html(trace, 3))
+    root = page.having(data_num_slots="2")
+    assert len(root) == 1 and root[0]["data-step"] == "3" and root[0]["data-num-steps"] == "5"
+    assert [a["data-slot"] for a in page.having() if "data-slot" in a] == ["0", "1"]
+    assert len([a for a in page.having() if "data-prefill-lane" in a]) == 1
+    current = page.having(data_step="3", data_lane="0")
+    assert current[0]["data-kind"] == "decode" and current[0]["data-request"] == "a"
+    assert viz.request_colors(trace)["a"] in current[0]["style"]
+    assert page.having(data_step="3", data_lane="2")[0]["data-kind"] == "prefill"
+    assert len([a for a in page.having() if "bl-future" in a.get("class", "")]) == 3  # step 4, 3 lanes
+    assert page.having(class_="bl-counter")[0]["data-step"] == "3"
+    occupancy = page.having(class_="bl-occupancy")[0]
+    assert (occupancy["data-decode-rows"], occupancy["data-slot-steps"]) == ("5", "8")
+
+
+def test_frame_html_shows_padding_and_a_window_of_recent_steps():
+    page = Elements(viz.frame_html(static_trace(), 2))
+    assert page.having(data_step="2", data_lane="1")[0]["data-kind"] == "padding"
+    long = Trace("static", 1, [step(k, ["r"], decoded=["r"]) for k in range(30)])
+    steps_shown = {a["data-step"] for a in Elements(viz.frame_html(long, 29, window=10)).having()
+                   if "data-lane" in a}
+    assert steps_shown == {str(k) for k in range(20, 30)}
+
+
+def test_a_bounded_trace_keeps_its_recent_steps_and_shows_their_numbers():
+    """An engine with ``trace_limit`` keeps its steps in a deque that drops the oldest."""
+    full = continuous_trace()
+    bounded = Trace("continuous", 2, deque(full.steps, maxlen=3), full.requests)
+    assert viz.slot_grid(bounded) == viz.slot_grid(full)[2:]
+    assert viz.occupancy_so_far(bounded, 2) == viz.Occupancy(6, 6)
+    page = Elements(viz.frame_html(bounded, 2))
+    assert page.having(class_="bl-counter")[0]["data-step"] == "2"
+    assert "step 4</b>" in viz.frame_html(bounded, 2)
+    assert viz.plot_timeline(bounded).axes[0].patches
+
+
+def test_frame_html_of_an_empty_trace_still_shows_the_slots():
+    page = Elements(viz.frame_html(Trace("continuous", 4), 0))
+    assert len([a for a in page.having() if "data-slot" in a]) == 4
+    assert page.having(class_="bl-counter")[0]["data-step"] == "-1"
+    assert not [a for a in page.having() if "data-lane" in a]
+
+
+# -- the widget ------------------------------------------------------------------------------
+def shown_step(view: viz.SlotView) -> str:
+    return Elements(view._frame.value).having(data_num_slots=str(view.trace.max_batch_size))[0]["data-step"]
+
+
+def test_slot_view_replays_a_trace_step_by_step():
+    view = viz.SlotView(continuous_trace())
+    assert (view._slider.max, view._play.max, view.step) == (4, 4, 0)
+    assert shown_step(view) == "0"
+    view.show_step(3)
+    assert shown_step(view) == "3"
+    view.show_step(99)
+    assert view.step == 4
+    assert view.to_html(1) == viz.frame_html(view.trace, 1)
+    assert "batchlab-play" in view._play._dom_classes
+    assert repr(view) == "SlotView(continuous trace, 2 slots, 5 steps)"
+
+
+def test_slot_view_live_follows_a_growing_trace():
+    full = continuous_trace()
+    trace = Trace("continuous", 2, [], full.requests)
+    view = viz.SlotView(trace, live=True)
+    assert shown_step(view) == "-1"
+    replay = viz.SlotView(trace)
+    for k, record in enumerate(full.steps):
+        trace.steps.append(record)
+        view.refresh()
+        replay.refresh()
+        assert (view.step, shown_step(view)) == (k, str(k))
+    assert (replay.step, replay._slider.max) == (0, 4)  # a replay keeps its place
+
+
+def test_follow_returns_when_the_run_is_over_or_time_is_up():
+    view = viz.SlotView(continuous_trace())
+    start = time.monotonic()
+    view.follow(seconds=10)
+    assert time.monotonic() - start < 1.0
+    assert view.live and view.step == 4
+    unfinished = continuous_trace()
+    unfinished.requests["c"].finished_s = None
+    start = time.monotonic()
+    viz.SlotView(unfinished).follow(seconds=0.3, interval=0.05)
+    assert 0.3 <= time.monotonic() - start < 2.0
+
+
+def test_slot_view_carries_a_png_of_the_grid_for_viewers_without_widgets():
+    bundle = viz.SlotView(static_trace())._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
+    assert "image/png" not in viz.SlotView(Trace("static", 2), live=True)._repr_mimebundle_()
+
+
+# -- figures ---------------------------------------------------------------------------------
+def test_plot_slot_grid_draws_one_box_per_run():
+    fig = viz.plot_slot_grid(continuous_trace())
+    ax = fig.axes[0]
+    # slot 0: a (steps 1-3), c (4); slot 1: b (2-4); prefill lane: a (0-1), b, c
+    assert len(ax.patches) == 6
+    assert ax.get_xlabel() == "engine step" and ax.get_ylabel() == "lane"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["slot 0", "slot 1", "prefill"]
+    static = viz.plot_slot_grid(static_trace()).axes[0]
+    # x and y: prompt+decode (2 boxes each) then decode; y's padding
+    assert len(static.patches) == 2 + 1 + 2 + 1 + 1
+    assert "occupancy 56%" in static.get_title()
+
+
+def test_plot_timeline_has_one_bar_per_state_interval():
+    fig = viz.plot_timeline(continuous_trace())
+    ax = fig.axes[0]
+    # a: queued (0 s long, skipped), prefilling, awaiting (0 s, skipped), decoding;
+    # b: queued, prefilling, decoding; c: queued, prefilling, awaiting, decoding
+    assert len(ax.patches) == 2 + 3 + 4
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b", "c"]
+    assert ax.get_xlabel() == "time since first arrival (s)" and ax.get_ylabel() == "request"
+    assert len(ax.collections[0].get_offsets()) == 10  # one tick per token
+
+
+def test_plot_tbt_has_a_line_per_request_and_shades_prefill_steps():
+    ax = viz.plot_tbt(continuous_trace()).axes[0]
+    assert len(ax.lines) == 3
+    assert list(ax.lines[2].get_ydata()) == pytest.approx([1000.0])  # c: one gap of 1 s
+    assert len(ax.patches) == 4  # steps 0-3 ran a prefill chunk
+    assert ax.get_ylabel() == "time between tokens (ms)"
+    assert len(viz.plot_tbt(continuous_trace(), mark_prefill=False).axes[0].patches) == 0
+
+
+def test_plot_latency_cdfs_draws_one_line_per_trace_on_each_axis():
+    traces = {kind: recorded(kind) for kind in RECORDED}
+    fig = viz.plot_latency_cdfs(traces)
+    ttft_ax, tbt_ax = fig.axes
+    assert len(ttft_ax.lines) == len(tbt_ax.lines) == 3
+    assert ttft_ax.get_xlabel() == "time to first token (s)"
+    assert tbt_ax.get_xlabel() == "time between tokens (ms)"
+    assert tbt_ax.get_ylabel() == "fraction of token gaps"
+    assert ttft_ax.lines[0].get_ydata()[-1] == pytest.approx(1.0)
+
+
+def test_plot_occupancy_and_tokens_overlay_traces():
+    ax = viz.plot_occupancy({"continuous": continuous_trace(), "static": static_trace()}).axes[0]
+    assert len(ax.lines) == 2
+    assert list(ax.lines[0].get_ydata()) == pytest.approx([0, 50, 100, 100, 100, 100])
+    assert ax.get_ylabel() == "slot occupancy (%)"
+    assert ax.get_legend().get_texts()[0].get_text() == "continuous (overall 70%)"
+    ax = viz.plot_tokens(continuous_trace()).axes[0]
+    assert len(ax.lines) == 1 and ax.lines[0].get_ydata()[-1] == 10
+    assert ax.get_ylabel() == "output tokens so far"
+
+
+def test_plot_side_by_side_gives_each_trace_its_own_titled_axes():
+    traces = {kind: recorded(kind) for kind in RECORDED}
+    fig = viz.plot_side_by_side(traces, viz.plot_timeline)
+    assert [ax.get_title(loc="left") for ax in fig.axes] == RECORDED
+    assert all(ax.get_xlabel() == "time since first arrival (s)" for ax in fig.axes)
+    grids = viz.plot_side_by_side(traces)
+    assert [len(ax.get_yticklabels()) for ax in grids.axes] == [3, 4, 3]
+
+
+# -- a live run on the real model ------------------------------------------------------------
+def test_live_view_follows_a_real_engine_loop(lm):
+    import batchlab
+
+    engine = batchlab.make_engine("continuous", lm, max_batch_size=2)
+    loop = batchlab.EngineLoop(engine)
+    view = viz.SlotView(loop, live=True)
+    questions = ["What is 2+2?", "Name a colour.", "Say hello."]
+    with loop:
+        for question in questions:
+            loop.submit(lm.tokenizer.encode_chat([{"role": "user", "content": question}]), max_new_tokens=6)
+        view.follow(seconds=60, interval=0.1)
+    trace = engine.trace
+    assert len(trace.requests) == 3 and all(r.finished_s is not None for r in trace.requests.values())
+    assert shown_step(view) == str(len(trace.steps) - 1)
+    cells = [c for column in viz.slot_grid(trace) for c in column]
+    for rid, record in trace.requests.items():
+        assert sum(1 for c in cells if c.request == rid and c.kind == "decode") \
+            == len(record.token_times_s) - 1, rid
+        assert sum(c.prefill_tokens for c in cells if c.request == rid) == record.prompt_len, rid

@@ -34,7 +34,7 @@ def free_port() -> int:
 def server(lm):
     engine = make_engine("stallfree", lm, max_batch_size=4, token_budget=64, trace_limit=5000)
     loop = EngineLoop(engine).start()
-    app = create_app(Server(lm, loop, "smollm2", max_queue=6))
+    app = create_app(Server(lm, loop, "smollm2", max_queue=8))  # > clients in the soak
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -157,10 +157,10 @@ def test_bad_bodies_get_400_with_an_openai_error(server, path, body, param):
 
 def test_a_full_queue_gets_429_and_others_are_not_disturbed(lm, server, references):
     fillers = [server.loop.submit(lm.tokenizer.encode("Count to a thousand:"), max_new_tokens=200,
-                                  ignore_eos=True) for _ in range(4 + 6)]  # 4 slots + 6 queued
+                                  ignore_eos=True) for _ in range(4 + 8)]  # 4 slots + 8 queued
     try:
         deadline = time.monotonic() + 10
-        while server.engine.queue_depth() < 6 and time.monotonic() < deadline:
+        while server.engine.queue_depth() < 8 and time.monotonic() < deadline:
             time.sleep(0.01)
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 429

@@ -224,3 +224,21 @@ def test_soak_300_requests_8_clients_random_disconnects(lm, server, references):
     assert abandoned > 0
     assert wait_until_idle(server.engine), "slots still busy after the soak"
     assert server.engine.queue_depth() == 0
+
+
+def test_export_mlx_round_trips_through_mlx_lm(lm, tmp_path):
+    """mlx-lm's own loader reads the exported folder and generates the same tokens."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    from batchlab.export import export_mlx
+
+    export_mlx(lm, tmp_path)
+    model, wrapper = mlx_lm.load(str(tmp_path))
+    chat = [{"role": "user", "content": "Name a planet."}]
+    ids = wrapper.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    assert list(ids) == lm.tokenizer.encode_chat(chat)
+    assert set(wrapper.eos_token_ids) == set(lm.tokenizer.eos_token_ids)
+    theirs = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=12), range(12))]
+    assert theirs == generate(lm, ids, 12, ignore_eos=True).token_ids

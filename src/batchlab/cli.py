@@ -1,4 +1,4 @@
-"""The ``batchlab`` command: info, generate, demo, serve."""
+"""The ``batchlab`` command: info, generate, demo, serve, export-mlx."""
 
 from __future__ import annotations
 
@@ -128,6 +128,15 @@ def _cmd_serve(args) -> int:
     return 0
 
 
+def _cmd_export_mlx(args) -> int:
+    from .export import export_mlx
+    from .model import load_model
+
+    out = export_mlx(load_model(args.model), args.dir)
+    print(f"wrote an mlx-lm model folder to {out}; serve it with: mlx_lm.server --model {out}")
+    return 0
+
+
 def _add_engine_options(parser, kinds, default):
     parser.add_argument("--engine", choices=kinds, default=default)
     parser.add_argument("--batch-size", type=int, default=None, help="decode slots (not for sequential)")
@@ -164,13 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+
+    exp = sub.add_parser("export-mlx", help="write the model as an mlx-lm folder (for mlx_lm.server)")
+    exp.add_argument("dir")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo,
-               "serve": _cmd_serve}[args.command]
+               "serve": _cmd_serve, "export-mlx": _cmd_export_mlx}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as e:

@@ -94,8 +94,9 @@ class ModelRunner:
         if num_rows:  # decode rows: one query each, over its gathered, padded context
             gather, mask = row_context
             qr = q[:num_rows].reshape(num_rows, H, 1, D)
-            kr = keys[gather].transpose(0, 2, 1, 3)  # [rows, KH, context, D]
-            vr = values[gather].transpose(0, 2, 1, 3)
+            # [rows, KH, context, D]; made contiguous, which the CPU attention needs to be fast
+            kr = mx.contiguous(keys[gather].transpose(0, 2, 1, 3))
+            vr = mx.contiguous(values[gather].transpose(0, 2, 1, 3))
             out = mx.fast.scaled_dot_product_attention(qr, kr, vr, scale=self.scale, mask=mask)
             outputs.append(out.reshape(num_rows, H * D))
         offset = num_rows
@@ -106,7 +107,8 @@ class ModelRunner:
                 kc, vc = k[offset:offset + L], v[offset:offset + L]
             else:
                 kc, vc = keys[gather], values[gather]
-            kc, vc = kc.transpose(1, 0, 2)[None], vc.transpose(1, 0, 2)[None]
+            kc = mx.contiguous(kc.transpose(1, 0, 2))[None]
+            vc = mx.contiguous(vc.transpose(1, 0, 2))[None]
             out = mx.fast.scaled_dot_product_attention(qc, kc, vc, scale=self.scale, mask=mask)
             outputs.append(out[0].transpose(1, 0, 2).reshape(L, H * D))
             offset += L

@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Sequence
 
+from . import metrics
 from .kv import BlockManager
 from .model import LoadedModel
 from .prompts import check_prompt_ids, clamp_new_tokens
@@ -113,10 +114,7 @@ class Engine:
     def step(self) -> bool:
         """One iteration. Returns False when there was nothing to do."""
         with self._lock:
-            # 1. Sweep cancelled requests out, freeing their slots and KV blocks.
-            for req in self._cancelled:
-                self.scheduler.remove(req)
-            self._cancelled.clear()
+            self._sweep()  # 1. cancelled requests leave, freeing their slots and KV blocks
             for req in self._inbox:
                 if not req.finished:
                     self.scheduler.add(req)
@@ -133,6 +131,16 @@ class Engine:
         record.end_s = self.clock()
         self.trace.steps.append(record)
         return True
+
+    def sweep(self) -> None:
+        """Free what cancelled requests hold now (``step`` does this first anyway)."""
+        with self._lock:
+            self._sweep()
+
+    def _sweep(self) -> None:
+        for req in self._cancelled:
+            self.scheduler.remove(req)
+        self._cancelled.clear()
 
     def run_until_idle(self) -> None:
         while self.step():
@@ -198,34 +206,17 @@ class Engine:
 
     # -- what happened ----------------------------------------------------------------------
     def stats(self) -> dict:
+        """Live counters (queue, running, KV blocks, finishes) plus every metric of
+        ``metrics.summarize`` over the trace so far."""
         with self._lock:
-            steps = list(self.trace.steps)
-            reqs = list(self.trace.requests.values())
+            snapshot = Trace(self.trace.kind, self.trace.max_batch_size, list(self.trace.steps),
+                             dict(self.trace.requests))
             running = sum(1 for r in self._requests.values() if not r.finished)
-            reasons = dict(self.finished_by_reason)
-        elapsed = (steps[-1].end_s - steps[0].start_s) if steps else 0.0
-        tokens = sum(len(r.token_times_s) for r in reqs)
-        decode_steps = [s for s in steps if s.decoded]
-        B = self.scheduler.max_batch_size
-        return {
-            "kind": self.trace.kind,
-            "max_batch_size": B,
-            "steps": len(steps),
-            "elapsed_s": elapsed,
-            "output_tokens": tokens,
-            "output_tokens_per_s": tokens / elapsed if elapsed else 0.0,
-            "forward_share": sum(s.forward_s for s in steps) / elapsed if elapsed else 0.0,
-            "slot_occupancy": (sum(len(s.decoded) for s in decode_steps) / (B * len(decode_steps))
-                               if decode_steps else 0.0),
-            "idle_slot_steps": sum(B - len(s.decoded) for s in decode_steps),
-            "padding_rows": sum(len(s.padding) for s in steps),
-            "padding_tokens": sum(s.padding_tokens for s in steps),
-            "finished": reasons,
-            "running": running,
-            "queued": len(self.scheduler.queue),
-            "num_kv_blocks": self.blocks.num_blocks,
-            "free_kv_blocks": self.blocks.num_free,
-        }
+            finished = dict(self.finished_by_reason)
+            queued = sum(not r.finished for r in (*self._inbox, *self.scheduler.queue))
+        return {**metrics.summarize(snapshot), "running": running, "queued": queued,
+                "finished": finished, "num_kv_blocks": self.blocks.num_blocks,
+                "free_kv_blocks": self.blocks.num_free}
 
 
 def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
@@ -322,6 +313,7 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.engine.sweep()  # cancels that came after the last step still free their memory
 
     def __enter__(self) -> "EngineLoop":
         return self.start()

@@ -1,4 +1,4 @@
-"""The ``batchlab`` command: info, generate, demo, serve, export-mlx."""
+"""The ``batchlab`` command: info, generate, demo, serve, export-mlx, bench."""
 
 from __future__ import annotations
 
@@ -137,6 +137,17 @@ def _cmd_export_mlx(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from .bench import format_table, run_bench
+    from .model import load_model
+
+    result = run_bench(load_model(args.model), quick=args.quick, json_out=args.json)
+    print(format_table(result))
+    if args.json:
+        print(f"\nwrote {args.json} (and plots beside it)")
+    return 0
+
+
 def _add_engine_options(parser, kinds, default):
     parser.add_argument("--engine", choices=kinds, default=default)
     parser.add_argument("--batch-size", type=int, default=None, help="decode slots (not for sequential)")
@@ -174,6 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
 
+    bench = sub.add_parser("bench", help="every engine and mlx-lm's BatchGenerator, side by side")
+    bench.add_argument("--quick", action="store_true", help="small workloads (a few minutes)")
+    bench.add_argument("--json", metavar="OUT", help="write results here, plots beside it")
+
     exp = sub.add_parser("export-mlx", help="write the model as an mlx-lm folder (for mlx_lm.server)")
     exp.add_argument("dir")
     return parser
@@ -182,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo,
-               "serve": _cmd_serve, "export-mlx": _cmd_export_mlx}[args.command]
+               "serve": _cmd_serve, "export-mlx": _cmd_export_mlx,
+               "bench": _cmd_bench}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as e:

@@ -9,6 +9,9 @@ from __future__ import annotations
 import statistics
 import time
 
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
 from .kv import BlockManager
 from .model import LoadedModel
 from .runner import Chunk, ModelRunner
@@ -51,3 +54,28 @@ def fused_step_ratio(lm: LoadedModel, decodes: int = 16, chunk: int = 128, conte
         "fused_over_chunk_alone": med["fused"] / med["chunk_alone"],
         "fused_over_separate": med["fused"] / (med["chunk_alone"] + med["decode_alone"]),
     }
+
+
+def decode_scaling(lm: LoadedModel, batch_sizes: list[int], prompt_len: int = 64, warmup: int = 3,
+                   steps: int = 20) -> dict[int, dict]:
+    """Decode step time and tokens/s at each batch size, with mlx-lm's own model and dense
+    KV cache (so it measures the model, not our scheduler): B prompts of ``prompt_len``
+    tokens, one prefill, ``warmup`` untimed steps, then the median of ``steps`` timed ones."""
+    text = [(i * 7919) % 20000 + 100 for i in range(prompt_len + max(batch_sizes))]
+    out = {}
+    for batch in batch_sizes:
+        cache = make_prompt_cache(lm.model)
+        rows = mx.array([text[i:i + prompt_len] for i in range(batch)])  # differing rows
+        token = mx.argmax(lm.model(rows, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+        mx.eval(token)
+        times = []
+        for step in range(warmup + steps):
+            start = time.perf_counter()
+            token = mx.argmax(lm.model(token, cache=cache)[:, -1, :], axis=-1, keepdims=True)
+            mx.eval(token)
+            if step >= warmup:
+                times.append(time.perf_counter() - start)
+        step_s = statistics.median(times)
+        out[batch] = {"batch": batch, "step_s": step_s, "tokens_per_s": batch / step_s,
+                      "step_min_s": min(times), "step_max_s": max(times)}
+    return out

@@ -56,6 +56,9 @@ def hf_gguf(gguf_file):
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+    # One thread: the reference's speed hardly matters, and OpenMP threads spinning next to
+    # MLX's and OpenBLAS's own threads on a 2-core machine slow everything down badly.
+    torch.set_num_threads(1)
     config = AutoConfig.from_pretrained(str(gguf_file.parent), gguf_file=gguf_file.name)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).float().eval()

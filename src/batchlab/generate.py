@@ -45,7 +45,7 @@ def generate(lm: LoadedModel, prompt: Any, max_new_tokens: int = 64, temperature
         if not ignore_eos and token in lm.tokenizer.eos_token_ids:
             reason = "stop"
             break
-        if len(tokens) == budget:
+        if len(tokens) >= budget:
             reason = "length"
             break
         logits = lm.model(mx.array([[token]]), cache=cache)[:, -1, :]  # decode: one token

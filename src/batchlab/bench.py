@@ -43,8 +43,8 @@ def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, li
     tok = lm.tokenizer
     if quick:
         return [
-            ("high_variance", workloads.high_variance(tok, num_requests=16, mean_output=24,
-                                                       max_output=96), [8, 16]),
+            ("high_variance", workloads.high_variance(tok, num_requests=12, mean_output=16,
+                                                       max_output=64), [8, 16]),
             ("interference", workloads.interference(tok, batch_size=8, num_long=1,
                                                      long_range=(512, 640)), [8]),
         ]

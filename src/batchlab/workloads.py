@@ -156,10 +156,31 @@ class Workload:
 class Speeds:
     """How fast the machine is, used only to place the arrivals of ``interference`` so the
     long prompts land while the batch decodes. The defaults are the 2-core CPU the course
-    was measured on (float32 + OpenBLAS); lesson 0 measures your own."""
+    was measured on (float32 + OpenBLAS); ``Speeds.measure(lm)`` measures yours."""
 
     decode_step_s: float = 0.10  # one decode step of a batch of 16
     prefill_tokens_per_s: float = 250.0
+
+    @classmethod
+    def measure(cls, lm, batch_size: int = 16) -> "Speeds":
+        """Measure them on this machine (about 10 s on a 2-core CPU): the median step of a
+        continuous engine decoding ``batch_size`` requests, and the prefill throughput of
+        a sequential engine on a 256-token prompt (the second of two; the first warms up)."""
+        from . import metrics
+        from .engine import make_engine
+
+        maker, rng = _maker(getattr(lm, "tokenizer", lm)), np.random.default_rng(0)
+        reqs = [WorkloadRequest(f"decode-{i}", maker.make(40, rng)[0], batch_size + 8)
+                for i in range(batch_size)]
+        trace = run_workload(make_engine("continuous", lm, max_batch_size=batch_size),
+                             Workload("speeds", "", reqs), progress=False)
+        step = metrics.decode_step_s(trace, batch_size)
+        reqs = [WorkloadRequest(f"prefill-{i}", maker.make(256, rng)[0], 1) for i in range(2)]
+        trace = run_workload(make_engine("sequential", lm), Workload("speeds", "", reqs),
+                             progress=False)
+        last = [s for s in trace.steps if s.prefill][-1]
+        return cls(decode_step_s=step,
+                   prefill_tokens_per_s=sum(n for _, _, n in last.prefill) / last.forward_s)
 
 
 # -- text ------------------------------------------------------------------------------------
@@ -193,21 +214,24 @@ class PromptMaker:
         if rendered.count(marker) != 1:
             raise ValueError("the chat template does not insert the message verbatim")
         self.prefix, self.suffix = rendered.split(marker)
+        self._min_len: dict[str, int] = {}
 
     def encode(self, content: str) -> list[int]:
         return self.tok.encode(self.prefix + content + self.suffix)
 
-    @functools.lru_cache(maxsize=64)
     def min_len(self, instruction: str) -> int:
         """The shortest prompt with this instruction and one token of text."""
-        return len(self.encode(instruction + "\n\nThe"))
+        if instruction not in self._min_len:
+            self._min_len[instruction] = len(self.encode(instruction + "\n\nThe"))
+        return self._min_len[instruction]
 
     def make(self, target_len: int, rng: np.random.Generator,
              instruction: str | None = None) -> tuple[list[int], list[dict]]:
         """Prompt ids of exactly ``target_len`` tokens (chat template included), and the
         messages they encode: an instruction, a blank line, then real text trimmed to fit."""
         if instruction is None:  # a random instruction among those that leave room for text
-            fits = [i for i in INSTRUCTIONS if self.min_len(i) <= target_len] or [min(INSTRUCTIONS, key=self.min_len)]
+            fits = [i for i in INSTRUCTIONS if self.min_len(i) <= target_len]
+            fits = fits or [min(INSTRUCTIONS, key=self.min_len)]  # (then too short: an error)
             instruction = fits[int(rng.integers(len(fits)))]
         head = instruction + "\n\n"
         need = target_len - len(self.encode(head))  # tokens of text we need, roughly
@@ -367,8 +391,11 @@ def interference(tokenizer, size: str = "quick", seed: int = 0, batch_size: int 
     right after its prefill -- its gaps then measure stalls, not a wait for a slot (and
     stall-free scheduling, which gives a prefilling request a slot, can admit it at all).
     The long prompts arrive one at a time, spaced so each is done before the next comes
-    (on a machine as fast as ``speeds``), and the short requests generate enough tokens
-    to still be decoding when the last long one finishes.
+    (with 50 % to spare, on a machine as fast as ``speeds``), and the short requests
+    generate enough tokens to still be decoding when the last long one finishes. Arrival
+    times are seconds, so on a machine much faster or slower than the default ``Speeds``
+    pass ``speeds=Speeds.measure(lm, batch_size)``; otherwise the long prompts come after
+    the batch is done, or pile up and wait for the free slot.
     """
     if batch_size < 2:
         raise ValueError("interference needs batch_size >= 2 (decoders plus a free slot)")

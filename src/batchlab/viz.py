@@ -680,7 +680,11 @@ def plot_side_by_side(traces: Mapping[str, Trace], plot: Callable[..., Figure] =
     fig, axes = plt.subplots(len(named), 1, figsize=(11, 3.2 * len(named)), sharex=sharex,
                              sharey=sharey, layout="constrained", squeeze=False)
     plt.close(fig)
+    spans = []
     for ax, (name, trace) in zip(axes[:, 0], named.items()):
         plot(trace, ax=ax, **plot_kw)
         ax.set_title(name, loc="left", fontweight="bold")
+        spans.append(ax.get_xlim())
+    if sharex:  # each plot set its own range; show the widest so no trace is cut off
+        axes[0, 0].set_xlim(min(a for a, _ in spans), max(b for _, b in spans))
     return fig

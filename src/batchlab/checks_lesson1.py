@@ -1,0 +1,343 @@
+"""Checkers for lesson 1 (static batching).
+
+Every checker here runs on the fake model (``batchlab.fake``), so it answers at once.
+The right answers are not written down by hand: each case runs the library's own
+``StaticScheduler`` on the same requests and compares.
+
+- ``static_batches(MyScheduler)``: a ``StaticScheduler`` subclass whose ``batches()`` the
+  learner wrote, driven by the real ``Engine`` with the fake model;
+- ``wasted_slot_steps(fn)``: ``fn(output_lens, B)``, the slot-steps one static batch wastes;
+- ``static_steps(fn)``: ``fn(output_lens, B)``, the engine steps a whole workload takes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .checks import Case, Verdict, run_cases
+from .engine import Engine
+from .fake import FakeModel, FakeRunner, reference_output
+from .kv import BlockManager
+from .scheduler import StaticScheduler
+
+__all__ = ["static_batches", "wasted_slot_steps", "static_steps"]
+
+MAX_STEPS = 2000  # a learner's scheduler that never finishes is stopped here
+
+
+# ---------------------------------------------------------------------------------------
+# Running a scheduler on the fake model and describing what happened.
+
+def fake_engine(make_scheduler: Callable, max_batch_size: int, fake: FakeModel | None = None) -> Engine:
+    """An ``Engine`` on the fake model whose scheduler is ``make_scheduler(B, blocks, clock)``."""
+    fake = fake or FakeModel()
+    blocks = BlockManager(math.ceil((max_batch_size + 1) * 1024 / 16), 16)
+    t0 = time.perf_counter()
+
+    def clock() -> float:
+        return time.perf_counter() - t0
+
+    scheduler = make_scheduler(max_batch_size, blocks, clock)
+    return Engine(fake, scheduler, FakeRunner(fake, blocks), fake.max_seq_len)
+
+
+@dataclass(frozen=True)
+class Req:
+    """One request of a hand-made case."""
+
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    ignore_eos: bool = True
+
+
+@dataclass
+class Run:
+    """What an engine did with a list of requests: per step, and per request."""
+
+    steps: list[dict] = field(default_factory=list)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    reasons: dict[str, str | None] = field(default_factory=dict)
+    stuck: str | None = None  # why the run was stopped before it finished
+    free_blocks_left: bool = True  # every KV block free again at the end
+
+    @property
+    def padding_rows(self) -> int:
+        return sum(len(s["padding"]) for s in self.steps)
+
+    @property
+    def padding_tokens(self) -> int:
+        return sum(s["padding_tokens"] for s in self.steps)
+
+
+def run_requests(engine: Engine, reqs: list[Req]) -> Run:
+    """Submit ``reqs`` at once and step the engine until it is idle (or stuck)."""
+    ids = [engine.submit(list(r.prompt), max_new_tokens=r.max_new_tokens, ignore_eos=r.ignore_eos)
+           for r in reqs]
+    run = Run()
+    while engine.step():
+        step = engine.trace.steps[-1]
+        run.steps.append({"prefill": [(rid, n) for rid, _, n in step.prefill],
+                          "decoded": list(step.decoded), "padding": list(step.padding),
+                          "padding_tokens": step.padding_tokens,
+                          "slots": [s for s in step.slots],
+                          "finished": dict(step.finished)})
+        if len(run.steps) >= MAX_STEPS:
+            run.stuck = f"the engine was still busy after {MAX_STEPS} steps"
+            break
+        recent = run.steps[-5:]
+        if len(recent) == 5 and not any(s["prefill"] or s["decoded"] or s["padding"] for s in recent):
+            run.stuck = ("the engine kept stepping without running anything (5 empty steps in a "
+                         "row): the scheduler says it has work, but batches() yields nothing. "
+                         "When a batch is over, free its requests and empty self.batch, so "
+                         "the next call starts a new batch")
+            break
+    for rid in ids:
+        record = engine.trace.requests[rid]
+        run.outputs[rid] = list(record.output_ids)
+        run.reasons[rid] = record.finish_reason
+    run.free_blocks_left = engine.blocks.num_free == engine.blocks.num_blocks
+    return run
+
+
+def _eos_prompt(fake: FakeModel) -> tuple[tuple[int, ...], int]:
+    """A prompt whose fake continuation hits EOS after a few tokens, and that length."""
+    for seed in range(10_000):
+        prompt = _prompt(6, 1000 + seed)
+        out = reference_output(list(prompt), 12, fake.vocab_size, frozenset({fake.eos_id}))
+        if 3 <= len(out) <= 6 and out[-1] == fake.eos_id:
+            return prompt, len(out)
+    raise RuntimeError("no EOS prompt found")  # never happens with the default fake model
+
+
+def _prompt(n: int, seed: int) -> tuple[int, ...]:
+    """``n`` fake prompt tokens (never the EOS id 0)."""
+    rng = np.random.default_rng(seed)
+    return tuple(int(t) for t in rng.integers(1, FakeModel().vocab_size, n))
+
+
+def _names(ids) -> str:
+    ids = list(ids)
+    return ", ".join(ids) if ids else "none"
+
+
+def _describe_step(s: dict, other: dict) -> str:
+    """One step in words (``other``: the step it is compared with, to show what differs)."""
+    parts = []
+    if s["prefill"]:
+        parts.append("prefill " + ", ".join(f"{rid} ({n} tokens)" for rid, n in s["prefill"]))
+    parts.append(f"decode rows {_names(s['decoded'])}")
+    if s["padding"] or other["padding"]:
+        parts.append(f"padding rows {_names(s['padding'])}")
+    if s["padding_tokens"] or other["padding_tokens"]:
+        parts.append(f"{s['padding_tokens']} padding tokens")
+    if s["slots"] != other["slots"]:
+        parts.append("slots after the step [" + ", ".join(r or "free" for r in s["slots"]) + "]")
+    return "; ".join(parts)
+
+
+def _show_run(run) -> str:
+    if not isinstance(run, Run):
+        return repr(run)
+    return (f"{len(run.steps)} steps{' (then stopped)' if run.stuck else ''}, "
+            f"{run.padding_rows} padding rows, {run.padding_tokens} padding tokens")
+
+
+def compare_runs(got: Run, expected: Run, reqs: list[Req], fake: FakeModel,
+                 hints: Callable[[dict, dict, int], str | None] | None = None) -> str | None:
+    """None if ``got`` did what ``expected`` did; else the first difference, in words.
+    ``hints(got_step, expected_step, k)`` may explain a differing step better."""
+    for rid, req in zip(got.outputs, reqs):
+        want = reference_output(list(req.prompt), req.max_new_tokens, fake.vocab_size,
+                                frozenset() if req.ignore_eos else frozenset({fake.eos_id}))
+        if got.outputs[rid] != want:
+            have = got.outputs[rid]
+            if have == want[:len(have)]:
+                return (f"{rid} got only {len(have)} of its {len(want)} tokens: it must keep "
+                        f"decoding until it finishes" + (f" ({got.stuck})" if got.stuck else ""))
+            return f"{rid}'s tokens are wrong: expected {want}, got {have}"
+    if got.stuck:
+        return got.stuck
+    for k, (g, e) in enumerate(zip(got.steps, expected.steps)):
+        if g == e:
+            continue
+        why = hints(g, e, k) if hints else None
+        return (f"step {k} differs.\n      expected: {_describe_step(e, g)}\n"
+                f"      got:      {_describe_step(g, e)}" + (f"\n    {why}" if why else ""))
+    if len(got.steps) != len(expected.steps):
+        return f"expected {len(expected.steps)} steps, got {len(got.steps)}"
+    if not got.free_blocks_left:
+        return ("at the end some KV blocks were still held: when a batch is over, free each of "
+                "its requests with Scheduler.remove(self, req)")
+    return None
+
+
+# ---------------------------------------------------------------------------------------
+# Exercise: the static batch loop.
+
+def _static_hint(g: dict, e: dict, k: int) -> str | None:
+    if g["prefill"] and not e["prefill"]:
+        return ("a new request started while the batch was still running: in static batching "
+                "nobody joins until every request of the batch is done")
+    if e["prefill"] and g["prefill"] and len(g["prefill"]) != len(e["prefill"]):
+        return ("a new batch takes up to max_batch_size requests from the front of the queue "
+                "(in arrival order), all at once")
+    if e["padding"] and not g["padding"]:
+        return ("a finished request stays in the batch as a padding row until the whole batch "
+                "ends: yield Batch(decode=<live rows>, padding=<finished rows>)")
+    if g["padding_tokens"] != e["padding_tokens"]:
+        return ("padding_tokens counts what a padded prefill would add: for every request of the "
+                f"batch, the longest prompt minus its own prompt length (expected "
+                f"{e['padding_tokens']}, got {g['padding_tokens']})")
+    if set(g["decoded"]) - set(e["decoded"]):
+        return "only requests that are not finished get a decode row"
+    return None
+
+
+def static_batches(cls) -> Verdict:
+    """Check a ``StaticScheduler`` subclass whose ``batches()`` the learner wrote: run it in
+    the engine on the fake model and compare every step with the library's scheduler."""
+    fake = FakeModel()
+    eos_prompt, eos_len = _eos_prompt(fake)
+    rng = np.random.default_rng(0)  # lengths drawn like the mixed workload's
+    mixed_p, mixed_o = rng.integers(40, 301, 16), rng.integers(4, 65, 16)
+    rows = [
+        ("one batch with fewer requests than slots: 3 requests (prompts of 5, 9 and 3 tokens, "
+         "outputs of 4, 2 and 6 tokens), B=4",
+         4, [Req(_prompt(5, 1), 4), Req(_prompt(9, 2), 2), Req(_prompt(3, 3), 6)]),
+        ("two batches: 5 requests with B=3; the 4th and 5th wait until all of the first three "
+         "are done", 3, [Req(_prompt(4 + i, 10 + i), o) for i, o in enumerate([3, 7, 2, 5, 4])]),
+        ("every request wants a single token (3 requests, B=2): the prefill makes it, no decode rows",
+         2, [Req(_prompt(6, 20 + i), 1) for i in range(3)]),
+        (f"a request stops early on EOS (the fake model's token 0, after {eos_len} tokens) and "
+         "stays in its batch as a padding row", 3,
+         [Req(_prompt(7, 30), 9), Req(eos_prompt, 12, ignore_eos=False), Req(_prompt(5, 31), 8)]),
+        ("B=1: one request at a time", 1, [Req(_prompt(4, 40 + i), o) for i, o in enumerate([3, 1, 4])]),
+        ("16 requests with prompt and output lengths drawn like the mixed workload's, B=8", 8,
+         [Req(_prompt(int(p), 50 + i), int(o)) for i, (p, o) in enumerate(zip(mixed_p, mixed_o))]),
+    ]
+
+    def case(label, B, reqs):
+        expected = run_requests(fake_engine(StaticScheduler, B, fake), reqs)
+
+        def call(c):
+            if not (isinstance(c, type) and issubclass(c, StaticScheduler)):
+                raise TypeError("pass your scheduler class (a subclass of StaticScheduler), "
+                                "e.g. check.static_batches(MyStaticScheduler)")
+            return run_requests(fake_engine(c, B, fake), reqs)
+
+        return Case(label, call, expected,
+                    lambda got, exp: compare_runs(got, exp, reqs, fake, _static_hint),
+                    show=_show_run)
+
+    return run_cases("static_batches", cls, [case(*row) for row in rows])
+
+
+# ---------------------------------------------------------------------------------------
+# Exercise: the slot-steps one static batch wastes.
+
+def _number(got) -> str | None:
+    if isinstance(got, bool) or not isinstance(got, (int, np.integer)):
+        return f"expected a whole number (a Python int), but you returned a {type(got).__name__}"
+    return None
+
+
+def wasted_slot_steps(fn: Callable) -> Verdict:
+    """Check ``fn(output_lens, B) -> int``: one static batch of ``len(output_lens) <= B``
+    requests runs ``max(output_lens) - 1`` decode steps of ``B`` slots each; the slot-steps
+    that make no token (padding rows and empty slots) are wasted."""
+
+    def truth(lens, B):
+        run = run_requests(fake_engine(StaticScheduler, B),
+                           [Req(_prompt(5, 60 + i), o) for i, o in enumerate(lens)])
+        decode_steps = [s for s in run.steps if s["decoded"]]
+        return sum(B - len(s["decoded"]) for s in decode_steps)
+
+    def compare_for(lens, B):
+        def compare(got, expected):
+            problem = _number(got)
+            if problem:
+                return problem
+            if got == expected:
+                return None
+            m = max(lens)
+            if got == sum(m - o for o in lens) and len(lens) < B:
+                empty = B - len(lens)
+                return (f"that counts the padding rows, but {empty} of the {B} slots "
+                        f"{'holds' if empty == 1 else 'hold'} no request at all: "
+                        f"{'it wastes' if empty == 1 else 'they waste'} every decode step too")
+            if got == B * m - sum(lens) or got == sum(m - o for o in lens) + (B - len(lens)) * m:
+                return (f"the batch runs max - 1 = {m - 1} decode steps, not {m}: each request's "
+                        "first token comes from the prefill, not from a decode row")
+            return ""
+        return compare
+
+    rows = [
+        ("outputs [5, 2, 3] filling B=3 slots", [5, 2, 3], 3),
+        ("outputs [5, 2, 3] in B=4 slots (one slot stays empty)", [5, 2, 3], 4),
+        ("four equal outputs [6, 6, 6, 6], B=4: nothing wasted", [6, 6, 6, 6], 4),
+        ("outputs [1, 10], B=2: one short request beside a long one", [1, 10], 2),
+        ("outputs [1, 1], B=2: the prefill makes every token, there is no decode step", [1, 1], 2),
+        ("the first batch of the mixed workload: [42, 37, 38, 61, 20, 53, 44, 4], B=8",
+         [42, 37, 38, 61, 20, 53, 44, 4], 8),
+    ]
+    cases = [Case(label, lambda f, l=lens, b=B: f(list(l), b), truth(lens, B), compare_for(lens, B),
+                  hint="count, over the max(output_lens) - 1 decode steps, the slots that made no "
+                       "token: B slots per step minus the decode rows of requests still running")
+             for label, lens, B in rows]
+    return run_cases("wasted_slot_steps", fn, cases)
+
+
+# ---------------------------------------------------------------------------------------
+# Exercise: how many steps static batching takes.
+
+def static_steps(fn: Callable) -> Verdict:
+    """Check ``fn(output_lens, B) -> int``: the engine steps a static engine with ``B`` slots
+    takes for requests that all arrive at once and generate ``output_lens`` tokens."""
+
+    def truth(lens, B):
+        run = run_requests(fake_engine(StaticScheduler, B),
+                           [Req(_prompt(5, 70 + i), o) for i, o in enumerate(lens)])
+        return len(run.steps)
+
+    def compare_for(lens, B):
+        groups = [lens[i:i + B] for i in range(0, len(lens), B)]
+
+        def compare(got, expected):
+            problem = _number(got)
+            if problem:
+                return problem
+            if got == expected:
+                return None
+            if got == sum(max(g) for g in groups):
+                return ("each batch takes max - 1 steps, not max: the prefill makes every "
+                        "request's first token in the batch's first step, together with the "
+                        "first decode row")
+            if got == sum(max(g) - 1 for g in groups):
+                return ("a batch whose requests all want a single token still takes one step "
+                        "(its prefill)")
+            if len(groups) > 1 and got in (max(lens) - 1, max(lens)):
+                return (f"with B={B}, the {len(lens)} requests run as {len(groups)} batches, one "
+                        f"after the other, in arrival order")
+            return ""
+        return compare
+
+    rows = [
+        ("one request with 3 output tokens, B=1", [3], 1),
+        ("outputs [5, 2, 3] as one batch, B=3", [5, 2, 3], 3),
+        ("outputs [5, 2, 3] with B=2: batches [5, 2] then [3]", [5, 2, 3], 2),
+        ("outputs [1, 1, 1] with B=2: two batches of single-token requests", [1, 1, 1], 2),
+        ("outputs [4, 9, 2, 2, 7] with B=1: one request at a time", [4, 9, 2, 2, 7], 1),
+        ("the mixed workload's outputs, B=8", [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14], 8),
+        ("the mixed workload's outputs, B=16 (a single batch)",
+         [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14], 16),
+    ]
+    cases = [Case(label, lambda f, l=lens, b=B: f(list(l), b), truth(lens, B), compare_for(lens, B),
+                  hint="split the requests into batches of B in arrival order; a batch lasts "
+                       "until its longest request is done")
+             for label, lens, B in rows]
+    return run_cases("static_steps", fn, cases)

@@ -400,6 +400,8 @@ def tokens_per_second(fn: Callable) -> Verdict:
                   hint="tokens made = batch x number of steps; time taken = the sum of the step times")
              for label, steps, batch in rows]
     return run_cases("tokens_per_second", fn, cases)
+from .checks_lesson3 import *  # noqa: E402,F401,F403
+from .checks_lesson4 import *  # noqa: E402,F401,F403
 from .checks_lesson5 import *  # noqa: E402,F401,F403
 from .checks_lesson6 import *  # noqa: E402,F401,F403
 from .checks_lesson1 import *  # noqa: E402,F401,F403

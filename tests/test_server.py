@@ -5,18 +5,16 @@ Clients are real: the official ``openai`` package and raw ``httpx`` streams.
 
 import json
 import random
-import socket
 import threading
 import time
 from types import SimpleNamespace
 
 import httpx
 import pytest
-import uvicorn
 from openai import OpenAI
 
-from batchlab import EngineLoop, generate, make_engine
-from batchlab.server import Server, StopMatcher, create_app
+from batchlab import generate
+from batchlab.server import StopMatcher, serve_in_thread
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at",
            "My favourite colour is", "The best way to learn is", "In 1969,", "Dear friend,",
@@ -24,29 +22,11 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
 MAX_TOKENS = 10
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(lm):
-    engine = make_engine("stallfree", lm, max_batch_size=4, token_budget=64, trace_limit=5000)
-    loop = EngineLoop(engine).start()
-    app = create_app(Server(lm, loop, "smollm2", max_queue=8))  # > clients in the soak
-    port = free_port()
-    uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", engine=engine, loop=loop)
-    uv.should_exit = True
-    thread.join(timeout=30)
-    loop.stop()
+    with serve_in_thread(lm, "stallfree", model_id="smollm2", max_queue=8,  # > clients in the soak
+                         max_batch_size=4, token_budget=64) as handle:
+        yield SimpleNamespace(url=handle.base_url, engine=handle.engine, loop=handle.loop)
 
 
 def wait_until_idle(engine, seconds=20):

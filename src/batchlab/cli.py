@@ -1,4 +1,4 @@
-"""The ``batchlab`` command: info, generate, demo, serve, export-mlx, bench."""
+"""The ``batchlab`` command: info, generate, demo, serve, loadgen, export-mlx, bench."""
 
 from __future__ import annotations
 
@@ -128,6 +128,39 @@ def _cmd_serve(args) -> int:
     return 0
 
 
+def loadgen_workload(name: str, tokenizer, size: str, requests: int | None, seed: int):
+    """The workload ``batchlab loadgen`` sends: ``name`` at ``size``, its first ``requests``."""
+    from .workloads import make_workload
+
+    options = {"seed": seed} if name == "mixed" else {"seed": seed, "size": size}
+    if name == "mixed" and requests is not None:
+        options["num_requests"] = requests
+    workload = make_workload(name, tokenizer, **options)
+    if requests is not None:
+        if requests < 1 or requests > len(workload):
+            raise ValueError(f"--requests must be between 1 and {len(workload)} for the {name} "
+                             f"workload at size {size}" + (" (try --size full)" if size == "quick" else ""))
+        workload = workload.head(requests)
+    return workload
+
+
+def _cmd_loadgen(args) -> int:
+    from .loadgen import run_loadgen
+    from .model import load_model
+
+    workload = loadgen_workload(args.workload, load_model(args.model).tokenizer, args.size,
+                                args.requests, args.seed)
+    result = run_loadgen(args.base_url, workload, model=args.served_model,
+                         concurrency=args.concurrency, rate=args.rate, seed=args.seed,
+                         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
+                         usage=not args.no_usage)
+    print(result.table())
+    if args.json:
+        result.write_json(args.json)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
 def _cmd_export_mlx(args) -> int:
     from .export import export_mlx
     from .model import load_model
@@ -185,6 +218,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
 
+    load = sub.add_parser("loadgen", help="measure any OpenAI-compatible server with a workload")
+    load.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    load.add_argument("--model", dest="served_model", default=None,
+                      help="the model name to ask for (default: the first at /v1/models)")
+    load.add_argument("--workload", default="mixed",
+                      choices=["mixed", "high_variance", "sharegpt", "interference"])
+    load.add_argument("--size", default="quick", choices=["quick", "full"])
+    load.add_argument("--rate", type=float, default=None,
+                      help="Poisson arrivals, requests per second (default: all at once)")
+    load.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
+    load.add_argument("--requests", type=int, default=None, help="send only the first N")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT limit (s)")
+    load.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT limit (s)")
+    load.add_argument("--no-usage", action="store_true",
+                      help="do not ask for usage (for servers that refuse stream_options)")
+    load.add_argument("--json", metavar="OUT", help="write the summary and every request here")
+
     bench = sub.add_parser("bench", help="every engine and mlx-lm's BatchGenerator, side by side")
     bench.add_argument("--quick", action="store_true", help="small workloads (a few minutes)")
     bench.add_argument("--json", metavar="OUT", help="write results here, plots beside it")
@@ -197,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo,
-               "serve": _cmd_serve, "export-mlx": _cmd_export_mlx,
+               "serve": _cmd_serve, "loadgen": _cmd_loadgen, "export-mlx": _cmd_export_mlx,
                "bench": _cmd_bench}[args.command]
     try:
         return handler(args)

@@ -110,32 +110,30 @@ class Server:
                                 top_p=req.top_p, seed=req.seed)
 
     async def events(self, rid: str, stops: list[str]) -> AsyncIterator[tuple[str, str | None, int]]:
-        """Yield (new text, finish reason or None, tokens so far) until the request ends.
+        """Yield (new text, finish reason or None, tokens so far) until the request ends:
+        one piece per token that adds text, so a client can time every token (ITL).
         If the consumer goes away (a disconnect cancels this generator), cancel the request."""
         detok, stopper = self.lm.tokenizer.detokenizer(), StopMatcher(stops)
         eos, count, done = self.lm.tokenizer.eos_token_ids, 0, False
         try:
             while True:
                 tokens, status, reason = self.loop.poll(rid)
-                text = ""
-                for token in tokens:
+                for token in tokens:  # one piece per token, as OpenAI's servers stream
                     count += 1
-                    if token not in eos:
-                        text += detok.add(token)
-                if status == "done":
-                    text += detok.flush()
-                sent, hit = stopper.feed(text)
-                if hit:
-                    self.loop.cancel(rid)
-                    done = True
-                    yield sent, "stop", count
-                    return
+                    sent, hit = stopper.feed(detok.add(token) if token not in eos else "")
+                    if hit:
+                        self.loop.cancel(rid)
+                        done = True
+                        yield sent, "stop", count
+                        return
+                    if sent:
+                        yield sent, None, count
                 if status != "running":
+                    sent, hit = stopper.feed(detok.flush())
                     done = True
-                    yield sent + stopper.flush(), reason if reason != "cancelled" else "stop", count
+                    reason = "stop" if hit or reason == "cancelled" else reason
+                    yield sent + ("" if hit else stopper.flush()), reason, count
                     return
-                if sent:
-                    yield sent, None, count
                 await asyncio.sleep(POLL_INTERVAL_S)
         finally:
             if not done:
@@ -270,3 +268,63 @@ def serve(lm: LoadedModel, kind: str, host: str = "127.0.0.1", port: int = 8000,
     with EngineLoop(engine) as loop:
         app = create_app(Server(lm, loop, lm.info.name, max_queue))
         uvicorn.run(app, host=host, port=port, log_level="info")
+
+
+class ServerThread:
+    """A running in-process server (from :func:`serve_in_thread`): its ``base_url``, the
+    ``engine`` and ``loop`` behind it (for slot views and tests), and ``stop()``."""
+
+    def __init__(self, uv, thread, sock, loop: EngineLoop):
+        self._uv, self._thread, self._sock, self.loop = uv, thread, sock, loop
+        self.engine = loop.engine
+        host, port = sock.getsockname()[:2]
+        self.base_url = f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        """Stop the HTTP server, then the engine loop (idempotent)."""
+        self._uv.should_exit = True
+        self._thread.join(timeout=30)
+        self._sock.close()
+        self.loop.stop()
+
+    def __enter__(self) -> "ServerThread":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve_in_thread(lm: LoadedModel, kind: str = "stallfree", host: str = "127.0.0.1",
+                    port: int = 0, max_queue: int = 64, model_id: str | None = None,
+                    trace_limit: int | None = 5000, **engine_options) -> ServerThread:
+    """Start the server in a background thread of this process (a notebook or a test) and
+    return once it accepts connections. ``port=0`` takes a free port; the socket is bound
+    here, before the thread starts, so no other process can take it in between."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from .engine import make_engine
+
+    engine = make_engine(kind, lm, trace_limit=trace_limit, **engine_options)
+    loop = EngineLoop(engine).start()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        app = create_app(Server(lm, loop, model_id or lm.info.name, max_queue))
+        uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]},
+                                  name="batchlab-http", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not uv.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+    except BaseException:
+        loop.stop()
+        sock.close()
+        raise
+    return ServerThread(uv, thread, sock, loop)

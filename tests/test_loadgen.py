@@ -1,0 +1,114 @@
+"""The load generator against our real server (in-process, 127.0.0.1, stopped after).
+
+References are independent of the server: ``batchlab.generate`` run alone on each prompt.
+"""
+
+import json
+
+import pytest
+
+from batchlab import cli, generate
+from batchlab.loadgen import run_loadgen
+from batchlab.server import serve_in_thread
+from batchlab.workloads import Workload, WorkloadRequest, mixed
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    with serve_in_thread(lm, "stallfree", model_id="smollm2", max_batch_size=4,
+                         token_budget=64) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def workload(lm):
+    return mixed(lm.tokenizer, seed=3, num_requests=8, prompt_range=(40, 120), output_range=(3, 12))
+
+
+def reference(lm, request):
+    return generate(lm, request.prompt_ids, request.max_new_tokens).token_ids
+
+
+def test_every_request_completes_with_the_engines_own_tokens(lm, server, workload):
+    result = run_loadgen(server.base_url, workload, concurrency=4, progress=False,
+                         slo_ttft_s=1e9, slo_tpot_s=1e9)
+    assert result.model == "smollm2"  # the first (only) id at /v1/models
+    summary = result.summary()
+    assert (summary["completed"], summary["failed"]) == (8, 0), summary["failures"]
+    eos = lm.tokenizer.eos_token_ids
+    for req, got in zip(workload, result.requests):
+        ref = reference(lm, req)
+        assert got.id == req.id and got.ok
+        assert got.tokens_from == "usage"
+        assert got.output_tokens == len(ref), req.id
+        assert got.text == lm.tokenizer.decode([t for t in ref if t not in eos]), req.id
+        assert got.finish_reason == ("stop" if ref[-1] in eos else "length")
+        # one chunk per token that adds text (EOS adds none), and a gap between each two
+        assert got.chunks == len([t for t in ref if t not in eos])
+        assert len(got.itl_s) == got.chunks - 1
+        assert 0 < got.ttft_s <= got.latency_s
+        assert all(g >= 0 for g in got.itl_s)
+        assert got.ttft_s + sum(got.itl_s) <= got.latency_s
+        if got.output_tokens >= 2:
+            assert got.tpot_s == pytest.approx((got.latency_s - got.ttft_s) / (len(ref) - 1))
+    assert summary["output_tokens"] == sum(len(reference(lm, r)) for r in workload)
+    assert summary["good_requests"] == 8  # SLOs nobody can miss
+    assert summary["output_throughput"] == pytest.approx(summary["output_tokens"] / result.duration_s)
+    assert summary["ttft_ms_p50"] <= summary["ttft_ms_p99"]
+    strict = run_loadgen(server.base_url, workload.head(2), progress=False, slo_ttft_s=1e-6)
+    assert strict.summary()["good_requests"] == 0  # an SLO nobody can meet
+
+
+def test_bad_requests_are_counted_with_the_servers_reason(lm, server, workload):
+    good = workload.requests[0]
+    bad = [WorkloadRequest("wizard", good.prompt_ids, 4, messages=[{"role": "wizard", "content": "hi"}]),
+           WorkloadRequest("empty", [], 4, messages=[{"role": "user", "content": 5}])]
+    mixed_bag = Workload("mixed-bag", "", [bad[0], good, bad[1]])
+    result = run_loadgen(server.base_url, mixed_bag, progress=False)
+    failed = {r.id: r for r in result.requests if not r.ok}
+    assert set(failed) == {"wizard", "empty"}
+    assert failed["wizard"].error == "HTTP 400" and "role" in failed["wizard"].error_message
+    assert failed["empty"].error == "HTTP 400" and "content" in failed["empty"].error_message
+    assert result.summary()["failures"] == {"HTTP 400": 2}
+    ok = next(r for r in result.requests if r.ok)
+    assert ok.output_tokens == len(reference(lm, good))
+
+
+def test_a_full_queue_is_counted_as_429(lm, workload):
+    with serve_in_thread(lm, "stallfree", max_batch_size=1, token_budget=64, max_queue=1) as tiny:
+        result = run_loadgen(tiny.base_url, workload.head(6), progress=False)
+    summary = result.summary()
+    assert summary["completed"] + summary["failed"] == 6
+    assert summary["completed"] >= 1 and summary["failures"].get("HTTP 429", 0) >= 1, summary
+    assert set(summary["failures"]) == {"HTTP 429"}
+    assert all("queue is full" in r.error_message for r in result.requests if not r.ok)
+
+
+def test_a_server_that_is_not_there_is_counted_not_raised(workload):
+    result = run_loadgen("http://127.0.0.1:9", workload.head(3), model="any", progress=False)
+    assert result.summary()["failures"] == {"disconnected": 3}
+    assert result.summary()["completed"] == 0 and result.summary()["ttft_ms_p50"] is None
+
+
+def test_cli_writes_the_json_round_trip(lm, server, tmp_path, capsys):
+    out = tmp_path / "load.json"
+    assert cli.main(["loadgen", "--base-url", server.base_url, "--workload", "mixed",
+                     "--requests", "3", "--concurrency", "2", "--slo-ttft", "60",
+                     "--slo-tpot", "10", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Successful requests" in printed and "P99 ITL (ms)" in printed
+    data = json.loads(out.read_text())
+    assert data["summary"]["completed"] == 3 and data["summary"]["failed"] == 0
+    assert data["settings"]["concurrency"] == 2 and data["settings"]["slo_ttft_s"] == 60
+    sent = cli.loadgen_workload("mixed", lm.tokenizer, "quick", 3, 0)
+    rows = data["requests"]
+    assert [r["id"] for r in rows] == [r.id for r in sent]
+    for row, req in zip(rows, sent):
+        assert row["output_tokens"] == len(reference(lm, req))
+        assert len(row["itl_s"]) == row["chunks"] - 1
+
+
+def test_cli_refuses_more_requests_than_the_workload_has(lm):
+    with pytest.raises(SystemExit, match="--requests must be between 1 and"):
+        cli.main(["loadgen", "--base-url", "http://127.0.0.1:9", "--workload", "sharegpt",
+                  "--requests", "1000"])

@@ -1,0 +1,204 @@
+"""Checkers for lesson 7 (serving).
+
+``stream_metrics``  TTFT, ITL and TPOT of one request from its client-side timestamps;
+``parse_sse``       the text deltas of a chat-completion stream of server-sent events;
+``goodput``         good requests per second under a TTFT and a TPOT objective.
+
+All cases are small and hand-made, with the answers written out, so a verdict can say
+exactly which stream or which request was handled wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+from .checks import Case, Verdict, _close, run_cases
+
+__all__ = ["stream_metrics", "parse_sse", "goodput"]
+
+
+# ---------------------------------------------------------------------------------------
+# Exercise 1: TTFT, ITL and TPOT from timestamps.
+
+def stream_metrics(fn: Callable) -> Verdict:
+    """Check ``fn(sent_s, chunk_times_s, done_s, output_tokens) -> (ttft_s, itl_s, tpot_s)``:
+    TTFT = first chunk - sent; ITL = the gaps between consecutive chunks (a list);
+    TPOT = (done - sent - TTFT) / (output_tokens - 1), or None with fewer than 2 tokens."""
+
+    def compare_for(sent, chunks, done, tokens):
+        def compare(got, expected):
+            if not isinstance(got, (tuple, list)) or len(got) != 3:
+                return "return three things: (ttft_s, itl_s, tpot_s)"
+            ttft, itl, tpot = got
+            e_ttft, e_itl, e_tpot = expected
+            if not isinstance(ttft, (int, float)) or not _close(ttft, e_ttft, 1e-9):
+                if isinstance(ttft, (int, float)) and _close(ttft, chunks[0], 1e-9) and sent:
+                    return "TTFT is a duration: subtract the time the request was sent"
+                return f"the TTFT is wrong (it should be {e_ttft:g} s)"
+            if not isinstance(itl, (list, tuple)) or len(itl) != len(e_itl):
+                n = len(itl) if isinstance(itl, (list, tuple)) else "not a list"
+                return (f"ITL should be a list of {len(e_itl)} gaps (one between each two of the "
+                        f"{len(chunks)} chunks), got {n}")
+            if not all(_close(a, b, 1e-9) for a, b in zip(itl, e_itl)):
+                return "the gaps are wrong: each is a chunk's time minus the previous chunk's"
+            if e_tpot is None:
+                return None if tpot is None else \
+                    "with fewer than 2 tokens there is no TPOT: return None (do not divide by zero)"
+            if not isinstance(tpot, (int, float)):
+                return f"TPOT should be a number, got {tpot!r}"
+            if _close(tpot, e_tpot, 1e-9):
+                return None
+            if _close(tpot, (done - sent - ttft) / tokens, 1e-9):
+                return (f"divide by output_tokens - 1 = {tokens - 1}: the first token's time is "
+                        f"the TTFT, so only the other {tokens - 1} share the rest")
+            if len(itl) and _close(tpot, sum(itl) / len(itl), 1e-9):
+                return ("that is the mean ITL (chunks); TPOT counts tokens from usage, and the "
+                        "time from the first token to the end of the stream")
+            return ""
+        return compare
+
+    rows = [
+        ("sent at 10.0 s; 4 chunks at 10.5, 10.6, 10.7, 10.8 s; done at 10.8 s; 4 tokens",
+         10.0, [10.5, 10.6, 10.7, 10.8], 10.8, 4, (0.5, [0.1, 0.1, 0.1], 0.1)),
+        ("uneven gaps: sent at 0; chunks at 1.0, 1.2, 2.0 s; done at 2.0 s; 3 tokens",
+         0.0, [1.0, 1.2, 2.0], 2.0, 3, (1.0, [0.2, 0.8], 0.5)),
+        ("one chunk, one token: sent at 5.0, chunk at 5.25, done at 5.25 (no TPOT)",
+         5.0, [5.25], 5.25, 1, (0.25, [], None)),
+        ("the server packed 6 tokens into 3 chunks: sent at 0; chunks at 0.4, 0.6, 0.8; done at "
+         "0.9 s; usage says 6 tokens", 0.0, [0.4, 0.6, 0.8], 0.9, 6, (0.4, [0.2, 0.2], 0.1)),
+    ]
+    cases = [Case(label, lambda f, s=s, c=c, d=d, n=n: f(s, list(c), d, n), expected,
+                  compare_for(s, c, d, n),
+                  hint="TTFT = chunk_times_s[0] - sent_s; ITL = differences of consecutive chunk "
+                       "times; TPOT = (done_s - sent_s - TTFT) / (output_tokens - 1)")
+             for label, s, c, d, n, expected in rows]
+    return run_cases("stream_metrics", fn, cases)
+
+
+# ---------------------------------------------------------------------------------------
+# Exercise 2: parse a stream of server-sent events.
+
+def _event(content: str | None = None, role: str | None = None, finish: str | None = None,
+           usage: dict | None = None) -> str:
+    delta = {}
+    if role:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    choices = [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": choices}
+    if usage:
+        body["usage"] = usage
+    return "data: " + json.dumps(body)
+
+
+def parse_sse(fn: Callable) -> Verdict:
+    """Check ``fn(lines) -> list[str]``: the non-empty ``delta.content`` texts, in order,
+    of the ``data:`` lines up to ``data: [DONE]``; blank lines, comments (``:``) and
+    chunks without text (the role, the finish, the usage) add nothing."""
+    role, done, blank = _event("", role="assistant"), "data: [DONE]", ""
+    streams = [
+        ("a plain stream: role chunk, 'Hel', 'lo', finish chunk, [DONE]",
+         [role, blank, _event("Hel"), blank, _event("lo"), blank, _event(finish="stop"), blank,
+          done, blank], ["Hel", "lo"]),
+        ("the role chunk carries content '' and must not become a delta",
+         [role, _event(" world"), done], [" world"]),
+        ("a keep-alive comment line ': ping' between chunks",
+         [role, _event("a"), ": ping", _event("b"), done], ["a", "b"]),
+        ("a usage chunk (empty choices) after the finish chunk",
+         [role, _event("Paris"), _event(".", finish="stop"),
+          _event(usage={"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}), done],
+         ["Paris", "."]),
+        ("text with emoji and a quote: ' 🙂' and ' \"ok\"' (json.loads undoes the escapes)",
+         [role, _event(" 🙂"), _event(' "ok"'), done], [" 🙂", ' "ok"']),
+        ("lines after data: [DONE] are ignored", [_event("x"), done, _event("late")], ["x"]),
+    ]
+
+    def compare(got, expected):
+        if not isinstance(got, list):
+            return f"return a list of strings, not a {type(got).__name__}"
+        if got == expected:
+            return None
+        if "" in got:
+            return "an empty string is in your list: skip chunks whose content is empty"
+        if any(not isinstance(g, str) for g in got):
+            return "every item should be the text (a str), not the parsed chunk"
+        if got[:len(expected)] == expected:
+            return "you kept reading after 'data: [DONE]'"
+        return ""
+
+    cases = [Case(label, lambda f, ls=lines: f(list(ls)), expected, compare,
+                  hint="for each line starting with 'data: ': stop at '[DONE]', else json.loads the "
+                       "rest and take choices[0]['delta'].get('content') when there are choices")
+             for label, lines, expected in streams]
+    return run_cases("parse_sse", fn, cases)
+
+
+# ---------------------------------------------------------------------------------------
+# Exercise 3: goodput.
+
+def goodput(fn: Callable) -> Verdict:
+    """Check ``fn(requests, duration_s, slo_ttft_s, slo_tpot_s) -> float``: the requests
+    that completed (``ok``) with ``ttft_s <= slo_ttft_s`` and ``tpot_s <= slo_tpot_s``
+    (a ``tpot_s`` of None, one token, cannot miss), per second of ``duration_s``."""
+
+    def r(ok=True, ttft=0.5, tpot=0.1):
+        return {"ok": ok, "ttft_s": ttft, "tpot_s": tpot}
+
+    sets = [
+        ("4 requests, all within TTFT <= 1 s and TPOT <= 0.2 s, in 2 s",
+         [r(), r(), r(ttft=0.9), r(tpot=0.2)], 2.0, 1.0, 0.2, 2.0),
+        ("one misses TTFT (1.5 s > 1 s), one misses TPOT (0.3 s > 0.2 s); 10 s",
+         [r(), r(ttft=1.5), r(tpot=0.3), r()], 10.0, 1.0, 0.2, 0.2),
+        ("a request cut off mid-stream (ok False, fast until then) is not good; 4 s",
+         [r(), r(ok=False, ttft=0.3), r()], 4.0, 1.0, 0.2, 0.5),
+        ("exactly on the limits (TTFT 1.0 s, TPOT 0.2 s) counts as good; 1 s",
+         [r(ttft=1.0, tpot=0.2)], 1.0, 1.0, 0.2, 1.0),
+        ("a one-token answer has TPOT None and cannot miss the TPOT objective; 5 s",
+         [r(tpot=None), r(ttft=2.0, tpot=None)], 5.0, 1.0, 0.2, 0.2),
+    ]
+
+    def count(reqs, strict=False, any_ok=False, none_misses=False, either=False):
+        """Good requests under a rule with one of the usual mistakes switched on."""
+        within = (lambda v, lim: v < lim) if strict else (lambda v, lim: v <= lim)
+        n = 0
+        for q in reqs:
+            if not (q["ok"] or any_ok) or q["ttft_s"] is None:
+                continue
+            ttft_ok = within(q["ttft_s"], 1.0)
+            tpot_ok = (not none_misses) if q["tpot_s"] is None else within(q["tpot_s"], 0.2)
+            n += (ttft_ok or tpot_ok) if either else (ttft_ok and tpot_ok)
+        return n
+
+    def compare_for(reqs, duration):
+        def compare(got, expected):
+            if isinstance(got, bool) or not isinstance(got, (int, float)):
+                return f"return a number (requests per second), not a {type(got).__name__}"
+            if _close(got, expected, 1e-9):
+                return None
+            good = round(expected * duration)
+            if _close(got, good / len(reqs), 1e-9):
+                return ("that is the share of good requests; goodput divides their number by "
+                        "the duration in seconds")
+            if _close(got, good, 1e-9) and duration != 1:
+                return f"that is the number of good requests ({good}); divide by duration_s"
+            mistakes = [(dict(strict=True), "a request exactly at a limit meets it: compare with "
+                                            "<=, not <"),
+                        (dict(none_misses=True), "a tpot_s of None (one token) should not count "
+                                                 "as a miss"),
+                        (dict(either=True), "a request must meet BOTH objectives to be good"),
+                        (dict(any_ok=True), "count only requests with ok True")]
+            for rule, why in mistakes:
+                if _close(got, count(reqs, **rule) / duration, 1e-9):
+                    return why
+            return ""
+        return compare
+
+    cases = [Case(label, lambda f, q=reqs, d=d, a=a, b=b: f([dict(x) for x in q], d, a, b),
+                  expected, compare_for(reqs, d),
+                  hint="good = ok and ttft_s <= slo_ttft_s and (tpot_s is None or tpot_s <= "
+                       "slo_tpot_s); goodput = number good / duration_s")
+             for label, reqs, d, a, b, expected in sets]
+    return run_cases("goodput", fn, cases)

@@ -7,6 +7,8 @@ Both servers serve the same weights (``batchlab export-mlx`` writes them as an m
 folder, float32) on free 127.0.0.1 ports, each started as a subprocess, waited for at
 ``/v1/models``, warmed up with one short request, measured by ``batchlab.loadgen`` with the
 same workload and settings, and always stopped. They run in turn, so each has both cores.
+Readiness is ``GET /health`` (both have it); ``mlx_lm.server``'s ``/v1/models`` lists the
+Hugging Face cache and fails without one, so it is asked for its ``default_model`` by name.
 
 Fairness on Linux: ``import batchlab`` binds MLX's matmuls to OpenBLAS; ``mlx_lm.server``
 imports mlx directly, so it gets the same OpenBLAS through ``LD_PRELOAD`` (otherwise its
@@ -53,7 +55,7 @@ def free_port() -> int:
 
 
 def wait_ready(proc: subprocess.Popen, url: str, seconds: float = 180) -> None:
-    """Until ``url/v1/models`` answers; an error if the process dies or time runs out."""
+    """Until ``url/health`` answers; an error if the process dies or time runs out."""
     import httpx
 
     deadline = time.monotonic() + seconds
@@ -61,7 +63,7 @@ def wait_ready(proc: subprocess.Popen, url: str, seconds: float = 180) -> None:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[:4]} exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -88,32 +90,41 @@ def blas_mapped(pid: int) -> str | None:
     return next((line.split()[-1] for line in maps.splitlines() if "libopenblas" in line), None)
 
 
-def servers(model_dir: Path, batch: int) -> dict[str, tuple[list[str], dict]]:
-    """name -> (command without --port, extra environment)."""
+def servers(model_dir: Path, batch: int) -> dict[str, tuple[list[str], dict, str | None]]:
+    """name -> (command without --port, extra environment, model name to ask for)."""
     env = {"LD_PRELOAD": _blas.STATUS.path} if _blas.STATUS.path and sys.platform == "linux" else {}
     return {
         "batchlab serve": ([sys.executable, "-m", "batchlab.cli", "serve", "--engine", "stallfree",
-                            "--batch-size", str(batch), "--max-queue", "100000"], {}),
-        "mlx_lm.server": ([sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir),
+                            "--batch-size", str(batch), "--max-queue", "100000"], {}, None),
+        "mlx_lm.server": ([sys.executable, "-m", "mlx_lm", "server", "--model", str(model_dir),
                            "--decode-concurrency", str(batch), "--prompt-concurrency", str(batch),
-                           "--temp", "0", "--log-level", "WARNING"], env),
+                           "--temp", "0", "--log-level", "WARNING"], env, "default_model"),
     }
 
 
-def measure(name: str, command: list[str], env: dict, workload: Workload, warmup: Workload,
-            **loadgen) -> tuple[LoadgenResult, dict]:
+def measure(name: str, command: list[str], env: dict, model: str | None, workload: Workload,
+            warmup: Workload, **loadgen) -> tuple[LoadgenResult, dict]:
+    """Start one server, measure it, stop it. Its log goes to a temporary file, shown if it
+    fails to start."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(command + ["--host", "127.0.0.1", "--port", str(port)],
-                            env={**os.environ, **env})
+                            env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_ready(proc, url)
+        try:
+            wait_ready(proc, url)
+        except RuntimeError:
+            log.seek(0)
+            print(log.read()[-3000:], file=sys.stderr)
+            raise
         info = {"command": " ".join(command), "env": env, "blas": blas_mapped(proc.pid)}
         print(f"{name}: ready at {url}; BLAS in the server: {info['blas']}", flush=True)
-        run_loadgen(url, warmup, progress=False)
-        return run_loadgen(url, workload, **loadgen), info
+        run_loadgen(url, warmup, model=model, progress=False)
+        return run_loadgen(url, workload, model=model, **loadgen), info
     finally:
         stop(proc)
+        log.close()
 
 
 def side_by_side(results: dict[str, LoadgenResult]) -> str:
@@ -153,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             export_mlx(lm, model_dir)
         del lm  # the servers load their own copies
         results, infos = {}, {}
-        for name, (command, env) in servers(model_dir, args.batch_size).items():
+        for name, (command, env, model) in servers(model_dir, args.batch_size).items():
             results[name], infos[name] = measure(
-                name, command, env, workload, warmup, concurrency=args.concurrency,
+                name, command, env, model, workload, warmup, concurrency=args.concurrency,
                 rate=args.rate, seed=args.seed, slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot)
     table = side_by_side(results)
     print(f"\n{table}\n(goodput: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s)")

@@ -112,3 +112,23 @@ def test_cli_refuses_more_requests_than_the_workload_has(lm):
     with pytest.raises(SystemExit, match="--requests must be between 1 and"):
         cli.main(["loadgen", "--base-url", "http://127.0.0.1:9", "--workload", "sharegpt",
                   "--requests", "1000"])
+
+
+def test_mlx_lm_server_serves_the_same_load(lm, workload, tmp_path):
+    """The peer for real: mlx_lm.server on our exported weights, two requests through the
+    same load generator, with the same OpenBLAS as ours."""
+    from batchlab.export import export_mlx
+    from batchlab.serverprocs import mlx_lm_spec, running
+
+    export_mlx(lm, tmp_path)
+    two = workload.head(2)
+    with running(mlx_lm_spec(tmp_path, batch_size=2), ready_within_s=120) as peer:
+        assert peer.blas is not None and "openblas" in peer.blas
+        result = run_loadgen(peer.base_url, two, model=peer.spec.model, progress=False)
+    assert result.summary()["completed"] == 2, result.summary()["failures"]
+    eos = lm.tokenizer.eos_token_ids
+    for req, got in zip(two, result.requests):
+        assert got.tokens_from == "usage" and 1 <= got.output_tokens <= req.max_new_tokens
+        assert len(got.itl_s) == got.chunks - 1 and got.ttft_s <= got.latency_s
+        ref = reference(lm, req)  # same weights, greedy: the same opening words
+        assert got.text.split()[:2] == lm.tokenizer.decode([t for t in ref if t not in eos]).split()[:2]

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import batchlab.model
 from batchlab import cli, generate
 from batchlab.loadgen import run_loadgen
 from batchlab.server import serve_in_thread
@@ -23,6 +24,12 @@ def server(lm):
 @pytest.fixture(scope="module")
 def workload(lm):
     return mixed(lm.tokenizer, seed=3, num_requests=8, prompt_range=(40, 120), output_range=(3, 12))
+
+
+@pytest.fixture
+def session_model(monkeypatch, lm):
+    """The CLI reuses the session's model (for the tokenizer) instead of loading its own."""
+    monkeypatch.setattr(batchlab.model, "load_model", lambda path=None, dtype=None: lm)
 
 
 def reference(lm, request):
@@ -90,7 +97,7 @@ def test_a_server_that_is_not_there_is_counted_not_raised(workload):
     assert result.summary()["completed"] == 0 and result.summary()["ttft_ms_p50"] is None
 
 
-def test_cli_writes_the_json_round_trip(lm, server, tmp_path, capsys):
+def test_cli_writes_the_json_round_trip(lm, server, tmp_path, capsys, session_model):
     out = tmp_path / "load.json"
     assert cli.main(["loadgen", "--base-url", server.base_url, "--workload", "mixed",
                      "--requests", "3", "--concurrency", "2", "--slo-ttft", "60",
@@ -108,7 +115,7 @@ def test_cli_writes_the_json_round_trip(lm, server, tmp_path, capsys):
         assert len(row["itl_s"]) == row["chunks"] - 1
 
 
-def test_cli_refuses_more_requests_than_the_workload_has(lm):
+def test_cli_refuses_more_requests_than_the_workload_has(session_model):
     with pytest.raises(SystemExit, match="--requests must be between 1 and"):
         cli.main(["loadgen", "--base-url", "http://127.0.0.1:9", "--workload", "sharegpt",
                   "--requests", "1000"])

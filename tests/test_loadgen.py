@@ -66,6 +66,18 @@ def test_every_request_completes_with_the_engines_own_tokens(lm, server, workloa
     assert strict.summary()["good_requests"] == 0  # an SLO nobody can meet
 
 
+def test_rate_and_concurrency_shape_when_requests_are_sent(server, workload):
+    small = workload.head(3).capped(3)
+    arrivals = small.with_arrivals("poisson", rate=4.0, seed=5).arrivals  # what --rate 4 means
+    paced = run_loadgen(server.base_url, small, rate=4.0, seed=5, progress=False)
+    assert paced.summary()["completed"] == 3 and arrivals[1] > 0
+    for due, got in zip(arrivals, paced.requests):
+        assert got.sent_s >= due  # never before its Poisson arrival
+    one = run_loadgen(server.base_url, small, concurrency=1, progress=False)
+    for before, after in zip(one.requests, one.requests[1:]):  # one in flight at a time
+        assert after.sent_s >= before.sent_s + before.latency_s
+
+
 def test_bad_requests_are_counted_with_the_servers_reason(lm, server, workload):
     good = workload.requests[0]
     bad = [WorkloadRequest("wizard", good.prompt_ids, 4, messages=[{"role": "wizard", "content": "hi"}]),

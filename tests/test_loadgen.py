@@ -151,3 +151,33 @@ def test_mlx_lm_server_serves_the_same_load(lm, workload, tmp_path):
         assert len(got.itl_s) == got.chunks - 1 and got.ttft_s <= got.latency_s
         ref = reference(lm, req)  # same weights, greedy: the same opening words
         assert got.text.split()[:2] == lm.tokenizer.decode([t for t in ref if t not in eos]).split()[:2]
+
+
+def test_a_stream_cut_mid_way_is_counted_as_disconnected(workload):
+    """A server that sends one chunk and then drops the connection."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    chunk = b'data: {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", ' \
+            b'"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null}]}\n\n'
+
+    def serve_badly():
+        for _ in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n"
+                             + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+
+    thread = threading.Thread(target=serve_badly, daemon=True)
+    thread.start()
+    port = listener.getsockname()[1]
+    result = run_loadgen(f"http://127.0.0.1:{port}", workload.head(2), model="m",
+                         concurrency=1, progress=False)
+    thread.join(timeout=10)
+    listener.close()
+    assert result.summary()["failures"] == {"disconnected": 2}, [r.error_message for r in result.requests]

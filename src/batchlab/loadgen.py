@@ -154,8 +154,9 @@ class LoadgenResult:
 
 
 def _failure(e: BaseException) -> tuple[str, str]:
-    """(kind, message) for an exception raised while sending or streaming."""
-    import httpx
+    """(kind, message) for an exception raised while sending or streaming. Transport errors
+    are told apart by class name, since the ``openai`` client may use ``httpx`` or its
+    fork ``httpx2``."""
     import openai
 
     if isinstance(e, openai.APIStatusError):
@@ -165,9 +166,10 @@ def _failure(e: BaseException) -> tuple[str, str]:
         except Exception:  # not an OpenAI-style body: keep the client's message
             pass
         return f"HTTP {e.status_code}", message
-    if isinstance(e, (openai.APITimeoutError, asyncio.TimeoutError, httpx.TimeoutException)):
+    kinds = {c.__name__ for c in type(e).__mro__}
+    if isinstance(e, (openai.APITimeoutError, asyncio.TimeoutError)) or "TimeoutException" in kinds:
         return "timeout", str(e) or "timed out"
-    if isinstance(e, (openai.APIConnectionError, httpx.TransportError)):
+    if isinstance(e, (openai.APIConnectionError, ConnectionError)) or "TransportError" in kinds:
         return "disconnected", str(e) or type(e).__name__
     return type(e).__name__, str(e)
 

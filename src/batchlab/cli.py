@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     load = sub.add_parser("loadgen", help="measure any OpenAI-compatible server with a workload")
     load.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    load.add_argument("--model", dest="served_model", default=None,
+    load.add_argument("--model", dest="served_model", default=None, metavar="NAME",
                       help="the model name to ask for (default: the first at /v1/models)")
     load.add_argument("--workload", default="mixed",
                       choices=["mixed", "high_variance", "sharegpt", "interference"])

@@ -6,6 +6,8 @@ this process, streamed by ``batchlab.loadgen``), alternating, twice.
 
 Every request of the server polls the engine every 5 ms; if that took time from the
 engine's thread (the GIL, the lock), the served steps would be slower at the same batch.
+(The served requests may stop early at EOS, which the engine-alone run ignores, so compare
+steps of the same batch size, not totals.)
 """
 
 from __future__ import annotations

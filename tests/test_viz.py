@@ -8,14 +8,18 @@ invariants on real engine output.
 from __future__ import annotations
 
 import base64
+import threading
 import time
 from collections import deque
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from matplotlib import cbook
 
+import batchlab
 from batchlab import viz
+from batchlab.fake import FakeModel, FakeRunner
 from batchlab.trace import RequestRecord, StepRecord, Trace
 from batchlab.viz import Cell
 
@@ -298,17 +302,73 @@ def test_slot_view_live_follows_a_growing_trace():
     assert (replay.step, replay._slider.max) == (0, 4)  # a replay keeps its place
 
 
-def test_follow_returns_when_the_run_is_over_or_time_is_up():
+def test_follow_returns_when_the_run_is_over_and_quiet_or_time_is_up():
     view = viz.SlotView(continuous_trace())
     start = time.monotonic()
-    view.follow(seconds=10)
-    assert time.monotonic() - start < 1.0
+    view.follow(seconds=10, interval=0.05, grace=0.3)
+    assert 0.3 <= time.monotonic() - start < 2.0  # over at once, then quiet for the grace period
     assert view.live and view.step == 4
     unfinished = continuous_trace()
     unfinished.requests["c"].finished_s = None
     start = time.monotonic()
     viz.SlotView(unfinished).follow(seconds=0.3, interval=0.05)
     assert 0.3 <= time.monotonic() - start < 2.0
+    start = time.monotonic()
+    viz.SlotView(unfinished).follow(until=lambda: True, seconds=10)
+    assert time.monotonic() - start < 1.0  # told to stop: it stops, finished or not
+
+
+def staggered_clients(loop, gap_s: float, count: int = 4) -> threading.Thread:
+    """A thread that submits ``count`` requests ``gap_s`` apart; the fake engine finishes
+    each one long before the next arrives, so the engine goes idle between them."""
+    def submit_all():
+        for k in range(count):
+            time.sleep(gap_s)
+            loop.submit([1 + k, 2, 3], max_new_tokens=3, ignore_eos=True, request_id=f"late-{k}")
+
+    thread = threading.Thread(target=submit_all)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("stop", ["grace", "until"])
+def test_follow_waits_for_clients_that_arrive_one_by_one(stop):
+    engine = batchlab.make_engine("continuous", FakeModel(), executor=FakeRunner, max_batch_size=2)
+    with batchlab.EngineLoop(engine) as loop:
+        view = viz.SlotView(loop, live=True)
+        loop.submit([9, 9], max_new_tokens=2, request_id="first")
+        clients = staggered_clients(loop, gap_s=0.25)
+        if stop == "grace":  # idle gaps of 0.25 s are shorter than the grace period
+            view.follow(seconds=30, interval=0.02, grace=1.0)
+        else:  # idle gaps as long as the grace period: only `until` knows the run is over
+            view.follow(until=lambda: not clients.is_alive() and viz._run_is_over(view.trace),
+                        seconds=30, interval=0.02, grace=0.0)
+        clients.join()
+    trace = engine.trace
+    assert set(trace.requests) == {"first"} | {f"late-{k}" for k in range(4)}
+    last = max(r.finished_s for r in trace.requests.values())
+    assert trace.requests["late-3"].finished_s == last
+    assert view.step == len(trace.steps) - 1 and trace.steps[view.step].end_s >= last
+
+
+def test_follow_redraws_its_display_with_the_final_grid_as_a_png(monkeypatch):
+    class Handle:
+        bundles = []
+
+        def update(self, obj):
+            self.bundles.append(obj._repr_mimebundle_())
+
+    monkeypatch.setattr(viz, "display", lambda obj, display_id: Handle())
+    full = continuous_trace()
+    view = viz.SlotView(Trace("continuous", 2, [], full.requests), live=True)
+    view.display()
+    assert "image/png" not in view._repr_mimebundle_()  # nothing to draw yet
+    view.trace.steps.extend(full.steps)
+    view.follow(seconds=10, interval=0.02, grace=0.0)
+    assert len(Handle.bundles) == 1
+    bundle = Handle.bundles[0]
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert base64.b64decode(bundle["image/png"]).startswith(b"\x89PNG")
 
 
 def test_slot_view_carries_a_png_of_the_grid_for_viewers_without_widgets():
@@ -346,10 +406,28 @@ def test_plot_timeline_has_one_bar_per_state_interval():
 def test_plot_tbt_has_a_line_per_request_and_shades_prefill_steps():
     ax = viz.plot_tbt(continuous_trace()).axes[0]
     assert len(ax.lines) == 3
-    assert list(ax.lines[2].get_ydata()) == pytest.approx([1000.0])  # c: one gap of 1 s
+    assert list(ax.lines[2].get_ydata()) == pytest.approx([1000.0, 1000.0])  # c: one gap of 1 s
     assert len(ax.patches) == 4  # steps 0-3 ran a prefill chunk
     assert ax.get_ylabel() == "time between tokens (ms)"
     assert len(viz.plot_tbt(continuous_trace(), mark_prefill=False).axes[0].patches) == 0
+
+
+def test_plot_tbt_draws_a_stall_as_a_flat_step_as_wide_as_the_stall():
+    times = [0.0, 0.1, 0.2, 2.9, 3.0]  # a 2.7 s stall between the third and fourth token
+    record = RequestRecord("s", 4, 4, 0.0, [(0.0, "queued"), (0.0, "decoding"), (3.0, "finished")],
+                           first_token_s=0.0, token_times_s=times, finished_s=3.0, finish_reason="length")
+    line = viz.plot_tbt(Trace("continuous", 1, [], {"s": record}), mark_prefill=False).axes[0].lines[0]
+    assert line.get_drawstyle() == "steps-pre"
+    xs, ys = cbook.STEP_LOOKUP_MAP["steps-pre"](*line.get_xydata().T)
+    segments = list(zip(zip(xs, ys), zip(xs[1:], ys[1:])))
+    # every drawn segment is flat or vertical: no ramps
+    assert all(a[0] == b[0] or a[1] == b[1] for a, b in segments)
+    # the stall: a rise at the token before it, then flat at 2700 ms until the token after it
+    assert ((0.2, pytest.approx(100.0)), (0.2, pytest.approx(2700.0))) in segments
+    assert ((0.2, pytest.approx(2700.0)), (2.9, pytest.approx(2700.0))) in segments
+    # the first gap starts at the first token; dots mark the tokens that end each gap
+    assert (xs[0], ys[0]) == (0.0, pytest.approx(100.0))
+    assert line.get_markevery() == slice(1, None)
 
 
 def test_plot_latency_cdfs_draws_one_line_per_trace_on_each_axis():
@@ -385,8 +463,6 @@ def test_plot_side_by_side_gives_each_trace_its_own_titled_axes():
 
 # -- a live run on the real model ------------------------------------------------------------
 def test_live_view_follows_a_real_engine_loop(lm):
-    import batchlab
-
     engine = batchlab.make_engine("continuous", lm, max_batch_size=2)
     loop = batchlab.EngineLoop(engine)
     view = viz.SlotView(loop, live=True)

@@ -346,3 +346,24 @@ def test_speeds_measure_on_the_real_model(lm):
     assert 0.001 < sp.decode_step_s < 10
     # one pass over a 256-token prompt makes tokens far faster than 2-row decode steps
     assert sp.prefill_tokens_per_s > 2 / sp.decode_step_s
+
+
+@pytest.mark.parametrize("length", [256, 520])
+def test_speeds_measure_times_prefill_at_the_length_asked(tok, monkeypatch, length):
+    # the fake model keeps this instant; what is checked is which prompt the rate comes from
+    from batchlab import engine as E
+    from batchlab.fake import FakeModel, FakeRunner
+
+    fake = FakeModel(vocab_size=tok.vocab_size)
+    real_make, real_run = E.make_engine, W.run_workload
+    monkeypatch.setattr(E, "make_engine",
+                        lambda kind, lm, **kw: real_make(kind, fake, executor=FakeRunner, **kw))
+    traces = []
+    monkeypatch.setattr(W, "run_workload", lambda *a, **kw: traces.append(real_run(*a, **kw)) or traces[-1])
+    kwargs = {} if length == 256 else {"prefill_tokens": length}  # 256 is the default
+    sp = W.Speeds.measure(tok, batch_size=2, **kwargs)
+    prefill = traces[-1]
+    assert [r.prompt_len for r in prefill.requests.values()] == [length, length]
+    last = [s for s in prefill.steps if s.prefill][-1]
+    assert [n for _, _, n in last.prefill] == [length]
+    assert sp.prefill_tokens_per_s == pytest.approx(length / last.forward_s)

@@ -193,6 +193,45 @@ def _close(got: float, expected: float, rel: float = 1e-6) -> bool:
     return math.isclose(got, expected, rel_tol=rel, abs_tol=1e-12)
 
 
+def _is_whole_number(got: Any) -> bool:
+    """An int or numpy integer, but not a bool (which Python counts as an int)."""
+    return isinstance(got, (int, np.integer)) and not isinstance(got, bool)
+
+
+def _number(got: Any) -> str | None:
+    """Why ``got`` is not a whole number (None if it is one)."""
+    if _is_whole_number(got):
+        return None
+    return f"expected a whole number (a Python int), but you returned a {type(got).__name__}"
+
+
+def _as_number(got: Any) -> tuple[float | None, str | None]:
+    """(value, None) for a real number; (None, why not) otherwise."""
+    if isinstance(got, bool) or not isinstance(got, (int, float, np.integer, np.floating)):
+        return None, f"expected a number (a Python float), but you returned {_show(got)}"
+    value = float(got)
+    if math.isnan(value):
+        return None, "you returned NaN (not a number)"
+    return value, None
+
+
+def _as_numbers(got: Any) -> tuple[list[float] | None, str | None]:
+    """A list of floats from a list, tuple or 1-D array of numbers; or why not."""
+    if isinstance(got, np.ndarray):
+        if got.ndim != 1:
+            return None, f"expected a flat list of numbers, but your array has shape {list(got.shape)}"
+        got = got.tolist()
+    if not isinstance(got, (list, tuple)):
+        return None, f"expected a list of numbers, but you returned a {type(got).__name__}"
+    out = []
+    for i, value in enumerate(got):
+        number, problem = _as_number(value)
+        if problem:
+            return None, f"item {i}: {problem}"
+        out.append(number)
+    return out, None
+
+
 # ---------------------------------------------------------------------------------------
 # Lesson 0: the model and one request.
 
@@ -373,9 +412,9 @@ def tokens_per_second(fn: Callable) -> Verdict:
 
     def compare_for(steps, batch):
         def compare(got, expected):
-            if isinstance(got, bool) or not isinstance(got, (int, float, np.floating, np.integer)):
-                return f"expected a number (a Python float), but you returned a {type(got).__name__}"
-            got = float(got)
+            got, problem = _as_number(got)
+            if problem:
+                return problem
             if _close(got, expected):
                 return None
             if _close(got, float(np.mean([batch / t for t in steps]))):

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from .checks import Case, Verdict, run_cases
+from .checks import Case, Verdict, _number, run_cases
 from .engine import Engine
 from .fake import FakeModel, FakeRunner, reference_output
 from .kv import BlockManager
@@ -237,14 +237,14 @@ def static_batches(cls) -> Verdict:
     return run_cases("static_batches", cls, [case(*row) for row in rows])
 
 
+def _static_run(output_lens: list[int], B: int) -> Run:
+    """The static engine (fake model) on short prompts with these output lengths, all at once."""
+    return run_requests(fake_engine(StaticScheduler, B),
+                        [Req(_prompt(5, 60 + i), o) for i, o in enumerate(output_lens)])
+
+
 # ---------------------------------------------------------------------------------------
 # Exercise: the slot-steps one static batch wastes.
-
-def _number(got) -> str | None:
-    if isinstance(got, bool) or not isinstance(got, (int, np.integer)):
-        return f"expected a whole number (a Python int), but you returned a {type(got).__name__}"
-    return None
-
 
 def wasted_slot_steps(fn: Callable) -> Verdict:
     """Check ``fn(output_lens, B) -> int``: one static batch of ``len(output_lens) <= B``
@@ -252,9 +252,7 @@ def wasted_slot_steps(fn: Callable) -> Verdict:
     that make no token (padding rows and empty slots) are wasted."""
 
     def truth(lens, B):
-        run = run_requests(fake_engine(StaticScheduler, B),
-                           [Req(_prompt(5, 60 + i), o) for i, o in enumerate(lens)])
-        decode_steps = [s for s in run.steps if s["decoded"]]
+        decode_steps = [s for s in _static_run(lens, B).steps if s["decoded"]]
         return sum(B - len(s["decoded"]) for s in decode_steps)
 
     def compare_for(lens, B):
@@ -300,9 +298,7 @@ def static_steps(fn: Callable) -> Verdict:
     takes for requests that all arrive at once and generate ``output_lens`` tokens."""
 
     def truth(lens, B):
-        run = run_requests(fake_engine(StaticScheduler, B),
-                           [Req(_prompt(5, 70 + i), o) for i, o in enumerate(lens)])
-        return len(run.steps)
+        return len(_static_run(lens, B).steps)
 
     def compare_for(lens, B):
         groups = [lens[i:i + B] for i in range(0, len(lens), B)]

@@ -16,36 +16,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .checks import Case, Verdict, _close, _show, run_cases
+from . import metrics
+from .checks import Case, Verdict, _as_number, _as_numbers, _close, _show, run_cases
 
 __all__ = ["time_between_tokens", "percentile_linear", "predict_stall"]
-
-
-def _as_number(got: Any) -> tuple[float | None, str | None]:
-    """(value, None) for a real number; (None, why not) otherwise."""
-    if isinstance(got, bool) or not isinstance(got, (int, float, np.integer, np.floating)):
-        return None, f"expected a number (a Python float), but you returned {_show(got)}"
-    value = float(got)
-    if math.isnan(value):
-        return None, "you returned NaN (not a number)"
-    return value, None
-
-
-def _as_numbers(got: Any) -> tuple[list[float] | None, str | None]:
-    """A list of floats from a list, tuple or 1-D array of numbers; or why not."""
-    if isinstance(got, np.ndarray):
-        if got.ndim != 1:
-            return None, f"expected a flat list of gaps, but your array has shape {list(got.shape)}"
-        got = got.tolist()
-    if not isinstance(got, (list, tuple)):
-        return None, f"expected a list of gaps (numbers), but you returned a {type(got).__name__}"
-    out = []
-    for i, value in enumerate(got):
-        number, problem = _as_number(value)
-        if problem:
-            return None, f"item {i}: {problem}"
-        out.append(number)
-    return out, None
 
 
 # ---------------------------------------------------------------------------------------
@@ -117,14 +91,15 @@ def time_between_tokens(fn: Callable) -> Verdict:
 # ---------------------------------------------------------------------------------------
 # Exercise 2: a percentile, numpy's linear way.
 
-def _linear(values: list[float], q: float) -> float | None:
+def _interpolate(values: list[float], q: float) -> float | None:
+    """The linear method's arithmetic on ``values`` in the order given (the right answer
+    when they are sorted; a learner's answer when they forgot to sort)."""
     if not values:
         return None
-    xs = sorted(values)
-    rank = (len(xs) - 1) * q / 100
+    rank = (len(values) - 1) * q / 100
     lo = math.floor(rank)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+    hi = min(lo + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (rank - lo)
 
 
 def percentile_linear(fn: Callable) -> Verdict:
@@ -151,7 +126,7 @@ def percentile_linear(fn: Callable) -> Verdict:
                 return ("that is one of the values itself (a nearest-rank percentile); the "
                         "linear method interpolates between the two values around rank "
                         "(n - 1) * q / 100")
-            unsorted = _unsorted_linear(values, q)
+            unsorted = _interpolate(values, q)
             if unsorted is not None and _close(value, unsorted, 1e-9) and values != xs:
                 return "it looks like the values were not sorted first"
             rank = n * q / 100
@@ -178,21 +153,12 @@ def percentile_linear(fn: Callable) -> Verdict:
         ("[5.0, 1.0, 9.0], q = 0", [5.0, 1.0, 9.0], 0),
         ("no values at all, q = 99", [], 99),
     ]
-    cases = [Case(label, lambda f, v=values, q=q: f(list(v), q), _linear(values, q),
+    cases = [Case(label, lambda f, v=values, q=q: f(list(v), q), metrics.percentile(values, q),
                   compare_for(values, q),
                   hint="sort, rank = (n - 1) * q / 100, then value[lo] + (value[lo + 1] - "
                        "value[lo]) * (rank - lo) with lo = floor(rank)")
              for label, values, q in rows]
     return run_cases("percentile_linear", fn, cases)
-
-
-def _unsorted_linear(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    rank = (len(values) - 1) * q / 100
-    lo = math.floor(rank)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (rank - lo)
 
 
 # ---------------------------------------------------------------------------------------

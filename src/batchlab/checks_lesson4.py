@@ -15,10 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-import numpy as np
-
-from .checks import Case, Verdict, _close, _show, run_cases
-from .checks_lesson3 import _as_number
+from .checks import Case, Verdict, _as_number, _close, _is_whole_number, _show, run_cases
 
 __all__ = ["chunk_plan", "predict_long_ttft", "largest_chunk"]
 
@@ -51,13 +48,13 @@ def _pairs(got: Any) -> tuple[list[tuple[int, int]] | None, str | None]:
         return None, f"expected a list of (start, length) pairs, but you returned a {type(got).__name__}"
     out = []
     for i, item in enumerate(got):
-        if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+        if _is_whole_number(item):
             return None, ("your list holds plain numbers; return (start, length) pairs, e.g. "
                           "[(0, 128), (128, 128), (256, 44)]")
         if not isinstance(item, (list, tuple)) or len(item) != 2:
             return None, f"item {i} is {_show(item)}, not a (start, length) pair"
         a, b = item
-        if any(isinstance(x, bool) or not isinstance(x, (int, np.integer)) for x in (a, b)):
+        if not (_is_whole_number(a) and _is_whole_number(b)):
             return None, f"item {i} is {_show(item)}: starts and lengths are whole numbers of tokens"
         out.append((int(a), int(b)))
     return out, None
@@ -179,7 +176,7 @@ def largest_chunk(fn: Callable) -> Verdict:
                         "target cannot be met by chunking alone)")
             if got is None:
                 return "a chunk size does fit this target"
-            if isinstance(got, bool) or not isinstance(got, (int, np.integer)):
+            if not _is_whole_number(got):
                 return f"expected one of the chunk sizes (an int), got {_show(got)}"
             got = int(got)
             if got == expected:

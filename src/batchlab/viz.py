@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import ipywidgets as widgets
+from IPython.display import display
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.figure import Figure
@@ -384,11 +385,12 @@ class SlotView(widgets.VBox):
     """The slot grid as an animation: play / pause, step back and forward, a step slider,
     and the frame (``frame_html``) below.
 
-    Replay: ``SlotView(trace)``. Live: ``SlotView(engine_or_loop, live=True)`` and call
-    ``refresh()`` in a loop, or ``follow(seconds)``, while the engine runs; each refresh
-    jumps to the newest step. Rendering happens in Python and callbacks never print, so
-    the widget adds no stray output to a notebook. Saved notebooks also carry a PNG of the
-    whole grid, which viewers without a kernel (GitHub) show instead.
+    Replay: ``SlotView(trace)``. Live: ``SlotView(engine_or_loop, live=True)``, show it with
+    ``view.display()``, and call ``refresh()`` in a loop, or ``follow()``, while the engine
+    runs; each refresh jumps to the newest step. Rendering happens in Python and callbacks
+    never print, so the widget adds no stray output to a notebook. Saved notebooks also carry
+    a PNG of the whole grid, which viewers without a kernel (GitHub) show instead; a live
+    view gets its PNG when ``follow()`` ends, by updating the output ``display()`` made.
     """
 
     def __init__(self, source, live: bool = False, window: int = 40, interval_ms: int = 250):
@@ -408,6 +410,7 @@ class SlotView(widgets.VBox):
         back.on_click(lambda _: self.show_step(self._slider.value - 1))
         forward.on_click(lambda _: self.show_step(self._slider.value + 1))
         self._frame = widgets.HTML()
+        self._display = None  # the output that display() made, updated when follow() ends
         self._slider.observe(self._render, names="value")
         super().__init__([widgets.HBox([self._play, back, forward, self._slider]), self._frame])
         self.add_class("batchlab-slotview")
@@ -437,16 +440,40 @@ class SlotView(widgets.VBox):
         else:
             self._render()
 
-    def follow(self, seconds: float = 60.0, interval: float = 0.2) -> None:
-        """Refresh every ``interval`` seconds while the engine runs in another thread; return
-        when every request has finished and its last step is recorded, or after ``seconds``."""
+    def display(self) -> None:
+        """Show the view as a cell output that ``follow()`` can update when it ends."""
+        self._display = display(self, display_id=True)
+
+    def follow(self, until: Callable[[], bool] | None = None, seconds: float = 60.0,
+               interval: float = 0.2, grace: float = 1.0) -> None:
+        """Refresh every ``interval`` seconds while the engine runs in another thread.
+
+        Returns when ``until()`` is true (e.g. ``lambda: not any(t.is_alive() for t in
+        clients)``), or, without ``until``, when every request so far has finished and nothing
+        new (request or step) has come for ``grace`` seconds: clients that arrive one by one
+        leave moments where the engine is idle but the run is not over. Returns after
+        ``seconds`` in any case. Then the output of ``display()`` is redrawn, so a saved
+        notebook keeps the final grid as a picture.
+        """
         self.live = True
         deadline = time.monotonic() + seconds
+        seen, quiet_since = None, time.monotonic()
         while True:
             self.refresh()
-            if _run_is_over(self.trace) or time.monotonic() >= deadline:
-                return
+            now = time.monotonic()
+            size = (len(self.trace.requests), len(self.trace.steps))
+            if size != seen:
+                seen, quiet_since = size, now
+            if until is not None:
+                done = until()
+            else:
+                done = _run_is_over(self.trace) and now - quiet_since >= grace
+            if done or now >= deadline:
+                break
             time.sleep(interval)
+        self.refresh()
+        if self._display is not None:
+            self._display.update(self)
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = super()._repr_mimebundle_(**kwargs)
@@ -578,8 +605,8 @@ def plot_timeline(trace: Trace, ax=None) -> Figure:
 
 
 def plot_tbt(trace: Trace, ax=None, mark_prefill: bool = True) -> Figure:
-    """Time between tokens over time, one line per request; steps that ran a prefill chunk
-    are shaded, so stalls line up with their cause."""
+    """Time between tokens over time, one line per request, each gap a flat step as wide as
+    it lasted; steps that ran a prefill chunk are shaded, so stalls line up with their cause."""
     fig, ax = _axes(ax, figsize=(10, 4))
     t0 = time_origin(trace)
     colors = request_colors(trace)
@@ -589,9 +616,13 @@ def plot_tbt(trace: Trace, ax=None, mark_prefill: bool = True) -> Figure:
             ax.axvspan(step.start_s - t0, step.end_s - t0, color=STATE_COLORS["prefilling"], alpha=0.15,
                        lw=0, label="step with a prefill chunk" if i == 0 else None)
     for record in records:
+        # each gap is drawn flat over the time it lasted, from the token before to its token,
+        # so a stall is a wide plateau, not a ramp from the previous gap; the dots are tokens
         times, gaps = zip(*token_gaps(record))
-        ax.plot(np.array(times) - t0, np.array(gaps) * 1000, marker=".", lw=1, color=colors[record.id],
-                label=record.id if len(records) <= 10 else None)
+        xs = np.array([record.token_times_s[0], *times]) - t0
+        ys = np.array([gaps[0], *gaps]) * 1000
+        ax.plot(xs, ys, drawstyle="steps-pre", marker=".", markevery=slice(1, None), lw=1,
+                color=colors[record.id], label=record.id if len(records) <= 10 else None)
     ax.set_xlabel("time since first arrival (s)")
     ax.set_ylabel("time between tokens (ms)")
     ax.set_ylim(bottom=0)

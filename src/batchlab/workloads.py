@@ -162,10 +162,13 @@ class Speeds:
     prefill_tokens_per_s: float = 250.0
 
     @classmethod
-    def measure(cls, lm, batch_size: int = 16) -> "Speeds":
+    def measure(cls, lm, batch_size: int = 16, prefill_tokens: int = 256) -> "Speeds":
         """Measure them on this machine (about 10 s on a 2-core CPU): the median step of a
         continuous engine decoding ``batch_size`` requests, and the prefill throughput of
-        a sequential engine on a 256-token prompt (the second of two; the first warms up)."""
+        a sequential engine on a ``prefill_tokens``-token prompt (the second of two; the
+        first warms up). Prefill gets slower per token as prompts grow (attention), so
+        measure at the length you want to predict: a 256-token rate underestimates the
+        prefill of a 520-token prompt by about a quarter."""
         from . import metrics
         from .engine import make_engine
 
@@ -175,7 +178,7 @@ class Speeds:
         trace = run_workload(make_engine("continuous", lm, max_batch_size=batch_size),
                              Workload("speeds", "", reqs), progress=False)
         step = metrics.decode_step_s(trace, batch_size)
-        reqs = [WorkloadRequest(f"prefill-{i}", maker.make(256, rng)[0], 1) for i in range(2)]
+        reqs = [WorkloadRequest(f"prefill-{i}", maker.make(prefill_tokens, rng)[0], 1) for i in range(2)]
         trace = run_workload(make_engine("sequential", lm), Workload("speeds", "", reqs),
                              progress=False)
         last = [s for s in trace.steps if s.prefill][-1]

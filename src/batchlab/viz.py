@@ -783,6 +783,8 @@ def plot_block_map(trace: Trace, ax=None) -> Figure:
     for k, step in enumerate(steps):
         if step.preempted:
             ax.axvline(k, color="#d62728", lw=1, ls="--")
+    touched = [b for s in steps for b in [*block_owners(s), *s.cached_blocks]]
+    ax.set_ylim(-0.5, max(touched, default=0) + 1.5)  # a big pool's never-used top stays off
     ax.set_xlabel("engine step")
     ax.set_ylabel("KV block")
     ax.set_title("who holds each KV block (red dashes: a preemption; dark: shared; grey: cached)")

@@ -240,7 +240,6 @@ def test_thousand_random_requests_conserve_blocks(kind, options):
         prompt = prefix + [rng.randrange(1, 64) for _ in range(rng.randint(1, 20))]
         pending.append((f"r{i}", prompt, rng.randint(1, 24), rng.randint(0, 3)))
     prompts, cancelled = {}, set()
-    steps = 0
     while pending or engine.scheduler.has_work():
         for _ in range(rng.randint(0, 3)):
             if pending:
@@ -253,8 +252,9 @@ def test_thousand_random_requests_conserve_blocks(kind, options):
             if engine.cancel(victim):
                 cancelled.add(victim)
         engine.step()
-        steps += 1
         check_blocks(engine.blocks)
+        step = engine.trace.steps[-1]
+        assert not set(step.decoded) & {rid for rid, _, _ in step.prefill}, "decoded and prefilled at once"
         holders = set(engine.blocks.tables)
         assert holders <= {r.id for r in engine.scheduler.running}, "blocks held by nobody running"
     engine.sweep()

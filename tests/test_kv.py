@@ -254,7 +254,8 @@ def test_thousand_random_requests_conserve_blocks(kind, options):
         engine.step()
         check_blocks(engine.blocks)
         step = engine.trace.steps[-1]
-        assert not set(step.decoded) & {rid for rid, _, _ in step.prefill}, "decoded and prefilled at once"
+        if kind == "stallfree":  # one pass a step: nobody may decode and prefill in it
+            assert not set(step.decoded) & {rid for rid, _, _ in step.prefill}, "decode and prefill in one pass"
         holders = set(engine.blocks.tables)
         assert holders <= {r.id for r in engine.scheduler.running}, "blocks held by nobody running"
     engine.sweep()

@@ -10,7 +10,6 @@ import pytest
 from batchlab import make_engine
 from batchlab.fake import FakeModel, FakeRunner, reference_output
 from batchlab.kv import BlockManager
-from batchlab.request import State
 
 LM = FakeModel()
 EOS = frozenset({LM.eos_id})

@@ -27,6 +27,9 @@ class StepRecord:
     finished: dict[str, str] = field(default_factory=dict)  # request -> finish reason
     queued: int = 0  # requests waiting in the queue when the step began
     kv_blocks_used: int = 0
+    preempted: list[str] = field(default_factory=list)  # requests preempted in this step
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # after the step
+    cached_blocks: list[int] = field(default_factory=list)  # free but still cached (evictable)
 
     @property
     def duration_s(self) -> float:
@@ -50,6 +53,8 @@ class RequestRecord:
     finished_s: float | None = None
     finish_reason: str | None = None
     output_ids: list[int] = field(default_factory=list)
+    priority: int = 0
+    preemptions: int = 0  # times it gave back its KV blocks and was recomputed
 
 
 @dataclass
@@ -58,6 +63,7 @@ class Trace:
     max_batch_size: int
     steps: list[StepRecord] = field(default_factory=list)
     requests: dict[str, RequestRecord] = field(default_factory=dict)
+    num_kv_blocks: int | None = None  # the size of the KV pool, for pictures of blocks
 
     def to_json(self) -> str:
         # steps may be a bounded deque (a server's trace): store it as a list
@@ -70,4 +76,4 @@ class Trace:
                                 "slot_of": s.get("slot_of", {})}) for s in data["steps"]]
         requests = {k: RequestRecord(**{**r, "state_times": [tuple(t) for t in r["state_times"]]})
                     for k, r in data["requests"].items()}
-        return cls(data["kind"], data["max_batch_size"], steps, requests)
+        return cls(data["kind"], data["max_batch_size"], steps, requests, data.get("num_kv_blocks"))

@@ -16,6 +16,7 @@ import uvicorn
 from openai import OpenAI
 
 from batchlab import EngineLoop, generate, make_engine
+from batchlab.policies import Admission, QueueFull
 from batchlab.server import Server, StopMatcher, create_app
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at",
@@ -32,9 +33,10 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(lm):
-    engine = make_engine("stallfree", lm, max_batch_size=4, token_budget=64, trace_limit=5000)
+    engine = make_engine("stallfree", lm, max_batch_size=4, token_budget=64, trace_limit=5000,
+                         admission=Admission(max_queue=8))  # > clients in the soak
     loop = EngineLoop(engine).start()
-    app = create_app(Server(lm, loop, "smollm2", max_queue=8))  # > clients in the soak
+    app = create_app(Server(lm, loop, "smollm2"))
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -156,12 +158,19 @@ def test_bad_bodies_get_400_with_an_openai_error(server, path, body, param):
 
 
 def test_a_full_queue_gets_429_and_others_are_not_disturbed(lm, server, references):
-    fillers = [server.loop.submit(lm.tokenizer.encode("Count to a thousand:"), max_new_tokens=200,
-                                  ignore_eos=True) for _ in range(4 + 8)]  # 4 slots + 8 queued
+    prompt = lm.tokenizer.encode("Count to a thousand:")
+
+    def fill(n):
+        return [server.loop.submit(prompt, max_new_tokens=200, ignore_eos=True) for _ in range(n)]
+
+    fillers = fill(4)  # the 4 slots
     try:
         deadline = time.monotonic() + 10
-        while server.engine.queue_depth() < 8 and time.monotonic() < deadline:
+        while server.engine.queue_depth() > 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        fillers += fill(8)  # the 8 queue places
+        with pytest.raises(QueueFull):  # the engine's own bound, which the server obeys
+            server.loop.submit(prompt, max_new_tokens=2)
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 429
         assert r.json()["error"]["type"] == "rate_limit_error"

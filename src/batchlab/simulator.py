@@ -222,3 +222,18 @@ def simulate(engine, workload: Workload, priorities: dict[str, int] | None = Non
     steps = [s for s in engine.trace.steps if s.start_s >= t0]
     records = {r.id: rejected.get(r.id) or engine.trace.requests[r.id] for r in reqs}
     return Trace(engine.trace.kind, engine.trace.max_batch_size, steps, records)
+
+
+def service_rate(workload: Workload, kind: str = "stallfree", cost: CostModel | None = None,
+                 **options) -> float:
+    """μ: requests per second the engine completes when it never runs out of work --
+    every request of ``workload`` arrives at once, and the rate is measured over the
+    run. (Arrivals faster than this build a queue that only grows.)"""
+    engine = make_sim_engine(kind, cost, **options)
+    trace = simulate(engine, workload.with_arrivals("all"))
+    return len(trace.requests) / engine.clock()
+
+
+def queue_timeline(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """(step start times, requests waiting in the queue) over a run."""
+    return (np.array([s.start_s for s in trace.steps]), np.array([s.queued for s in trace.steps]))

@@ -23,7 +23,7 @@ from .checks import Case, Verdict, run_cases
 from .checks_lesson1 import Req, _number, _prompt, compare_runs, fake_engine, run_requests
 from .fake import FakeModel
 from .request import State
-from .scheduler import Batch, ContinuousScheduler
+from .scheduler import ContinuousScheduler
 
 __all__ = ["place_awaiting", "admit_next", "continuous_steps"]
 
@@ -31,66 +31,46 @@ __all__ = ["place_awaiting", "admit_next", "continuous_steps"]
 class _HookedContinuous(ContinuousScheduler):
     """The library's continuous scheduler with phases 2 (admit) and 4 (place) handed to
     functions, so a learner's version runs inside the real engine. Phases 3 and 5 are the
-    library's, line for line."""
+    library's own methods, inherited."""
 
-    admit: Callable | None = None  # admit(queue, prefilling, awaiting) -> request or None
-    place: Callable | None = None  # place(awaiting, slots) -> None (changes both)
+    admit_fn: Callable | None = None  # admit(queue, prefilling, awaiting) -> request or None
+    place_fn: Callable | None = None  # place(awaiting, slots) -> None (changes both)
 
-    def batches(self):
-        now = self.clock
-        # 2. Admit (the learner's rule, if given); KV memory is reserved for whoever it picks.
-        if self.admit is None:
-            if self.prefilling is None and not self.awaiting and self.queue \
-                    and self.try_admit(self.queue[0]):
-                self.prefilling = self.queue.popleft()
-                self.prefilling.set_state(State.PREFILLING, now())
-        elif not self.queue or self.blocks.can_reserve(self.queue[0].prompt_len
-                                                       + self.queue[0].max_new_tokens):
-            before = self.prefilling
-            req = type(self).admit(self.queue, self.prefilling, self.awaiting)
-            if req is not None:
-                if req is before:
-                    raise RuntimeError("admit_next returned the request that is already "
-                                       "prefilling: return a request taken from the queue")
-                self.blocks.reserve(req.id, req.prompt_len + req.max_new_tokens)
-                self.prefilling = req
-                req.set_state(State.PREFILLING, now())
-        # 3. One chunk of its prompt (the library's phase).
-        req = self.prefilling
+    def admit(self) -> None:
+        """The learner's rule, if given; the library takes KV memory for whoever it picks."""
+        if self.admit_fn is None:
+            return super().admit()
+        if self.queue and not self.fits(self.queue[0], self.prefill_step):
+            return
+        before = self.prefilling
+        req = type(self).admit_fn(self.queue, self.prefilling, self.awaiting)
         if req is not None:
-            yield Batch(prefill=[(req, min(self.prefill_step, req.prefill_left))])
-            if req.finished or req.prefill_left == 0:
-                self.prefilling = None
-                if not req.finished:
-                    req.set_state(State.AWAITING_SLOT, now())
-                    self.awaiting.append(req)
-        # 4. Place (the learner's function, if given).
-        if self.place is None:
-            while self.awaiting and self.free_slot() is not None:
-                req = self.awaiting.popleft()
-                self.take_slot(req)
-                req.set_state(State.DECODING, now())
-        else:
-            before = list(self.slots)
-            type(self).place(self.awaiting, self.slots)
-            for i, (old, new) in enumerate(zip(before, self.slots)):
-                if new is old:
-                    continue
-                if old is not None:
-                    raise RuntimeError(f"slot {i} held {old.id}, which was still decoding, and "
-                                       f"your placement put {getattr(new, 'id', new)} there")
-                new.slot = i
-                new.set_state(State.DECODING, now())
-        # 5. One decode step for every occupied slot (the library's phase).
-        rows = [r for r in self.slots if r is not None]
-        if rows:
-            yield Batch(decode=rows)
+            if req is before:
+                raise RuntimeError("admit_next returned the request that is already "
+                                   "prefilling: return a request taken from the queue")
+            self.start(req, self.prefill_step)
+            self.prefilling = req
+
+    def place(self) -> None:
+        """The learner's placement, if given."""
+        if self.place_fn is None:
+            return super().place()
+        before = list(self.slots)
+        type(self).place_fn(self.awaiting, self.slots)
+        for i, (old, new) in enumerate(zip(before, self.slots)):
+            if new is old:
+                continue
+            if old is not None:
+                raise RuntimeError(f"slot {i} held {old.id}, which was still decoding, and "
+                                   f"your placement put {getattr(new, 'id', new)} there")
+            new.slot = i
+            new.set_state(State.DECODING, self.clock())
 
 
 def _hooked(admit=None, place=None):
     return type("LearnerContinuous", (_HookedContinuous,),
-                {"admit": staticmethod(admit) if admit else None,
-                 "place": staticmethod(place) if place else None})
+                {"admit_fn": staticmethod(admit) if admit else None,
+                 "place_fn": staticmethod(place) if place else None})
 
 
 _ENGINE_CASES = [  # (label, B, requests): all arrive at once

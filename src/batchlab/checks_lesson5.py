@@ -16,8 +16,9 @@ from .checks import Case, Verdict, _show, run_cases
 from .engine import Engine
 from .fake import FakeModel, FakeRunner
 from .kv import BlockManager
-from .request import State
+from .request import Request, State
 from .runner import Chunk
+from .sampling import SamplingParams
 from .scheduler import Batch, StallFreeScheduler
 from .trace import StepRecord, Trace
 
@@ -28,23 +29,30 @@ __all__ = ["plan_step", "pack_chunks", "skipped_decodes"]
 # Exercise 1: the token-budget planner.
 
 def _plan_reference(decoding, prefilling, queue, budget, free_slots):
-    """The stall-free rule on plain data (what ``StallFreeScheduler.batches`` decides)."""
-    decode = list(decoding)
-    budget -= len(decode)
-    chunks = []
-    for rid, left in prefilling:
-        n = min(budget, left)
-        if n > 0:
-            chunks.append((rid, n))
-            budget -= n
+    """The stall-free rule on plain data: the library's ``StallFreeScheduler.plan`` run on
+    requests made to match."""
+    slots = len(decoding) + len(prefilling) + free_slots
+    scheduler = StallFreeScheduler(slots, BlockManager(4096, 16), _Clock(), max(budget, slots))
+    scheduler.token_budget = budget  # a case may give fewer tokens than there are slots
+
+    def request(rid, prompt_len):
+        return Request(rid, [1] * prompt_len, 1, SamplingParams(), frozenset(), 0.0)
+
+    for rid in decoding:  # a one-token prompt, already prefilled
+        req = request(rid, 1)
+        scheduler.start(req, 1)
+        req.num_computed = 1
+        scheduler.take_slot(req)
+        req.set_state(State.DECODING, 0.0)
+    for rid, left in prefilling:  # a prompt of `left` tokens, none computed yet
+        req = request(rid, left)
+        scheduler.start(req, 0)
+        scheduler.take_slot(req)
+        scheduler.prefilling.append(req)
     for rid, prompt_len in queue:
-        if budget <= 0 or free_slots <= 0:
-            break
-        n = min(budget, prompt_len)
-        chunks.append((rid, n))
-        budget -= n
-        free_slots -= 1
-    return decode, chunks
+        scheduler.add(request(rid, prompt_len))
+    batch = scheduler.plan()
+    return [r.id for r in batch.decode], [(r.id, n) for r, n in batch.prefill]
 
 
 def _normalise_plan(got: Any):
@@ -323,31 +331,11 @@ def _skipped_reference(trace: Trace) -> list[tuple[int, str]]:
 class _PrefillFirst(StallFreeScheduler):
     """A wrong policy for the checker: prefill takes the budget first, decodes get what is left."""
 
-    def batches(self):
-        budget = self.token_budget
-        prefill = []
-        for req in self.prefilling:
-            n = min(budget, req.prefill_left)
-            if n > 0:
-                prefill.append((req, n))
-                budget -= n
-        while budget > 0 and self.queue and self.free_slot() is not None:
-            req = self.queue.popleft()
-            self.try_admit(req)
-            self.take_slot(req)
-            req.set_state(State.PREFILLING, self.clock())
-            self.prefilling.append(req)
-            n = min(budget, req.prompt_len)
-            prefill.append((req, n))
-            budget -= n
-        decode = [r for r in self.slots if r is not None and r.state is State.DECODING][:max(budget, 0)]
-        if decode or prefill:
-            yield Batch(decode=decode, prefill=prefill)
-        for req, _ in prefill:
-            if req.prefill_left == 0 and req in self.prefilling:
-                self.prefilling.remove(req)
-                if not req.finished:
-                    req.set_state(State.DECODING, self.clock())
+    def plan(self) -> Batch:
+        prefill = self.continue_prefills(self.token_budget)
+        prefill += self.admit(self.token_budget - sum(n for _, n in prefill))
+        budget = self.token_budget - sum(n for _, n in prefill)
+        return Batch(decode=self.decodes()[:max(budget, 0)], prefill=prefill)
 
 
 def _fake_trace(scheduler_cls, batch: int, budget: int, seed: int) -> Trace:

@@ -56,17 +56,23 @@ class Engine:
     # -- the client side ------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-               ignore_eos: bool = False, request_id: str | None = None,
+               ignore_eos: bool = False, request_id: str | None = None, priority: int = 0,
                arrival_s: float | None = None) -> str:
         """Queue a request; return its id. Bad arguments raise ValueError and change nothing;
-        a full queue (see ``policies.Admission``) raises ``QueueFull``. ``arrival_s``
-        (default: now) lets a driver that submits between steps give the time it was due."""
+        a full queue (see ``policies.Admission``) raises ``QueueFull``.
+
+        ``priority``: lower is more important (as in vLLM); continuous and stall-free
+        engines serve the queue by it and preempt the least important first. Static and
+        sequential engines serve first come, first served. ``arrival_s`` (default: now)
+        lets a driver that submits between steps give the time the request was due."""
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
             raise ValueError("submit takes a list of token ids; encode text with the tokenizer first")
         prompt_ids = list(prompt_ids)
         check_prompt_ids(prompt_ids, self.lm.tokenizer.vocab_size, self.max_seq_len)
         max_new = clamp_new_tokens(len(prompt_ids), max_new_tokens, self.max_seq_len)
         sampling = SamplingParams(temperature, top_p, top_k, seed)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer (lower is more important), got {priority!r}")
         need = self.blocks.blocks_for(len(prompt_ids) + max_new)
         if need > self.blocks.num_blocks:
             raise ValueError(
@@ -81,7 +87,7 @@ class Engine:
             stop = frozenset() if ignore_eos else self.lm.tokenizer.eos_token_ids
             now = self.clock()
             arrived = now if arrival_s is None else min(float(arrival_s), now)
-            req = Request(rid, prompt_ids, max_new, sampling, stop, arrived)
+            req = Request(rid, prompt_ids, max_new, sampling, stop, arrived, priority=priority)
             self._requests[rid] = req
             self._inbox.append(req)
             self.trace.requests[rid] = req.record
@@ -139,6 +145,9 @@ class Engine:
             self._run(batch, record)
         record.slots = [r.id if r is not None else None for r in self.scheduler.slots]
         record.kv_blocks_used = self.blocks.num_blocks - self.blocks.num_free
+        record.block_tables = {rid: list(table) for rid, table in self.blocks.tables.items()}
+        record.cached_blocks = list(self.blocks.evictable)
+        record.preempted, self.scheduler.preempted = self.scheduler.preempted, []
         record.end_s = self.clock()
         self.trace.steps.append(record)
         return True
@@ -170,11 +179,11 @@ class Engine:
         for req in batch.padding:  # recompute its last position; the result is thrown away
             self.blocks.ensure(req.id, req.num_computed + 1)
             chunks.append(Chunk(req.id, req.next_input(), req.num_computed))
-        for req, n in prefill:
+        for req, n in prefill:  # the prompt (+ generated tokens, recomputed after preemption)
             self.blocks.ensure(req.id, req.num_computed + n)
-            if req.num_computed + n == req.prompt_len:
+            if req.num_computed + n == req.prefill_len:
                 samples.append((req, len(chunks)))
-            chunks.append(Chunk(req.id, req.prompt_ids[req.num_computed:req.num_computed + n],
+            chunks.append(Chunk(req.id, req.token_ids(req.num_computed, req.num_computed + n),
                                 req.num_computed))
             record.prefill.append((req.id, req.num_computed, n))
         if not chunks:
@@ -195,6 +204,9 @@ class Engine:
                 req.num_computed += 1
             for req, n in prefill:
                 req.num_computed += n
+            for req in decode + [r for r, _ in prefill]:  # full blocks join the prefix cache
+                if not req.finished:
+                    self.blocks.cache_full_blocks(req.id, req.num_computed, req.token_ids)
             now = self.clock()
             for (req, _), token in zip(samples, tokens):
                 if req.finished:  # cancelled while the pass ran
@@ -220,8 +232,9 @@ class Engine:
 
     # -- what happened ----------------------------------------------------------------------
     def stats(self) -> dict:
-        """Live counters (queue, running, KV blocks, finishes) plus every metric of
-        ``metrics.summarize`` over the trace so far."""
+        """Live counters (queue, running, KV blocks, preemptions, prefix-cache hits in
+        blocks and in tokens, finishes) plus every metric of ``metrics.summarize`` over the
+        trace so far."""
         with self._lock:
             snapshot = Trace(self.trace.kind, self.trace.max_batch_size, list(self.trace.steps),
                              dict(self.trace.requests))
@@ -230,21 +243,26 @@ class Engine:
             queued = self._queue_depth()
         return {**metrics.summarize(snapshot), "running": running, "queued": queued,
                 "finished": finished, "num_kv_blocks": self.blocks.num_blocks,
-                "free_kv_blocks": self.blocks.num_free}
+                "free_kv_blocks": self.blocks.num_free,
+                "preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_hits": self.blocks.hit_blocks,
+                "prefix_cache_hit_tokens": self.blocks.hit_tokens}
 
 
 def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
                 prefill_step: int | None = None, token_budget: int | None = None,
                 kv_block_size: int = 16, num_kv_blocks: int | None = None,
                 max_seq_len: int | None = None, executor=ModelRunner,
-                trace_limit: int | None = None, admission: Admission | None = None,
-                clock=None) -> Engine:
+                trace_limit: int | None = None, enable_prefix_cache: bool = False,
+                admission: Admission | None = None, clock=None) -> Engine:
     """Build an engine of one kind: sequential | static | continuous | stallfree.
 
     Options that do not apply to a kind are an error, not silently ignored:
     sequential takes no batch size; only continuous takes ``prefill_step``; only
     stallfree takes ``token_budget``. ``executor(lm, blocks)`` builds what runs the
     batches: the real ``ModelRunner`` unless a test or simulator passes another.
+    ``enable_prefix_cache`` (continuous and stallfree) shares the KV blocks of a prompt
+    prefix that an earlier request already computed.
     ``admission`` bounds the queue and sheds stale requests (default: neither).
     ``clock()`` gives every timestamp in seconds (default: real time since the engine
     was made; the simulator passes its virtual clock).
@@ -257,6 +275,8 @@ def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
                "continuous": {"max_batch_size", "prefill_step"},
                "stallfree": {"max_batch_size", "token_budget"}}[kind]
     wrong = [k for k, v in given.items() if v is not None and k not in allowed]
+    if enable_prefix_cache and kind not in ("continuous", "stallfree"):
+        wrong.append("enable_prefix_cache")
     if wrong:
         raise ValueError(f"{', '.join(wrong)} does not apply to the {kind} engine")
     max_seq_len = max_seq_len or lm.max_seq_len
@@ -265,7 +285,7 @@ def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
     batch = 1 if kind == "sequential" else (8 if max_batch_size is None else max_batch_size)
     if num_kv_blocks is None:  # room for a full-length request, or ~1k tokens per slot
         num_kv_blocks = math.ceil(max(max_seq_len, (batch + 1) * 1024) / kv_block_size)
-    blocks = BlockManager(num_kv_blocks, kv_block_size)
+    blocks = BlockManager(num_kv_blocks, kv_block_size, enable_prefix_cache)
     if clock is None:
         t0 = time.perf_counter()
 

@@ -2,9 +2,9 @@
 
 It is NOT a language model: the next token is a fixed hash of the whole sequence so
 far, so the right output of any request is known without MLX. The fake runner also
-checks the engine's bookkeeping: every chunk must continue its sequence exactly where
-the KV cache ends (or rewrite identical tokens, as a static padding row does), and
-only KV slots the block manager handed out may be written.
+checks the engine's bookkeeping: it reads each request's context through its block
+table from a pool of slots, like the real runner, so the answer is right only if the
+block tables, chunks and shared (prefix-cached) blocks are right.
 """
 
 from __future__ import annotations
@@ -52,28 +52,34 @@ class FakeModel:
 
 
 class FakeRunner:
-    """Drop-in for ``ModelRunner``: ``make_engine(..., executor=FakeRunner)``."""
+    """Drop-in for ``ModelRunner``: ``make_engine(..., executor=FakeRunner)``.
+
+    Like the real runner it keeps its "KV cache" in a pool of slots, here the token each
+    slot holds, and reads a request's context only through its block table. So a chunk
+    that skips positions, a block table that points at someone else's tokens, or a
+    write into a block shared with another request gives a wrong answer or an error.
+    """
 
     def __init__(self, lm: FakeModel, blocks: BlockManager):
         self.lm, self.blocks = lm, blocks
-        self.sequences: dict[str, list[int]] = {}  # what each request's "KV cache" holds
+        self.kv = np.full(blocks.num_blocks * blocks.block_size, -1, dtype=np.int64)  # -1: never written
         self.passes: list[list[Chunk]] = []
 
     def forward(self, chunks: list[Chunk]) -> mx.array:
         self.passes.append(chunks)
         logits = np.full((len(chunks), self.lm.vocab_size), -1e9, dtype=np.float32)
         for row, chunk in enumerate(chunks):
-            seq = self.sequences.setdefault(chunk.req_id, [])
             end = chunk.start + len(chunk.tokens)
-            self.blocks.slots(chunk.req_id, chunk.start, end)  # raises if blocks are missing
-            if chunk.start < len(seq):  # rewriting positions already cached
-                if end > len(seq) or seq[chunk.start:end] != list(chunk.tokens):
-                    raise AssertionError(f"{chunk.req_id}: chunk at {chunk.start} rewrites "
-                                         f"different tokens")
-            elif chunk.start == len(seq):
-                seq.extend(chunk.tokens)
-            else:
+            writes = self.blocks.slots(chunk.req_id, chunk.start, end)  # raises if blocks are missing
+            shared = [b for b in set((writes // self.blocks.block_size).tolist())
+                      if self.blocks.ref_counts[b] > 1]
+            if shared and (self.kv[writes] != chunk.tokens).any():
+                raise AssertionError(f"{chunk.req_id}: chunk at {chunk.start} overwrites shared "
+                                     f"KV block(s) {shared}")
+            context = self.kv[self.blocks.slots(chunk.req_id, 0, chunk.start)]
+            if (context < 0).any():
                 raise AssertionError(f"{chunk.req_id}: chunk starts at {chunk.start} but the "
-                                     f"cache holds {len(seq)} tokens (a gap)")
-            logits[row, next_token(seq[:end], self.lm.vocab_size)] = 0.0
+                                     f"cache has never-written positions before it (a gap)")
+            self.kv[writes] = chunk.tokens
+            logits[row, next_token(context.tolist() + list(chunk.tokens), self.lm.vocab_size)] = 0.0
         return mx.array(logits)

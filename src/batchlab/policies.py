@@ -47,8 +47,9 @@ class Admission:
             raise QueueFull(f"the queue is full ({self.max_queue} waiting); retry later")
 
     def to_shed(self, queue: Iterable[Request], now: float) -> list[Request]:
-        """Queued requests (not yet started) that have waited longer than ``max_wait_s``."""
+        """Queued requests that never started (a preempted one has begun its answer: it
+        stays) and have waited longer than ``max_wait_s``."""
         if self.max_wait_s is None:
             return []
-        return [r for r in queue if r.state is State.QUEUED and r.num_computed == 0
+        return [r for r in queue if r.state is State.QUEUED and not r.output_ids
                 and now - r.arrival_s > self.max_wait_s]

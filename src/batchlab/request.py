@@ -6,6 +6,10 @@
 sampling the first new token. *Decode* then adds one token per step. A request
 finishes on an EOS token ("stop"), at max_new_tokens or the maximum sequence length
 ("length"), or when cancelled ("cancelled").
+
+When KV memory runs out a running request may be *preempted*: it gives back all its
+blocks and goes back to the queue, keeping the tokens it generated. Re-admitted, it
+prefills prompt + generated tokens again (*recompute*) and carries on where it stopped.
 """
 
 from __future__ import annotations
@@ -39,14 +43,17 @@ class Request:
     pending: list[int] = field(default_factory=list)  # generated, not yet handed out by poll
     finish_reason: str | None = None
     slot: int | None = None  # decode slot while it holds one
+    priority: int = 0  # lower is more important (as in vLLM)
+    prefill_len: int = field(init=False)  # tokens to prefill: the prompt (+ outputs after preemption)
     sampler: Sampler = field(init=False)
     record: RequestRecord = field(init=False)  # timestamps for metrics and timelines
 
     def __post_init__(self):
         self.sampler = Sampler(self.sampling)
+        self.prefill_len = self.prompt_len
         self.record = RequestRecord(self.id, self.prompt_len, self.max_new_tokens, self.arrival_s,
                                     state_times=[(self.arrival_s, self.state.value)],
-                                    output_ids=self.output_ids)
+                                    output_ids=self.output_ids, priority=self.priority)
 
     @property
     def prompt_len(self) -> int:
@@ -54,7 +61,12 @@ class Request:
 
     @property
     def prefill_left(self) -> int:
-        return max(self.prompt_len - self.num_computed, 0)
+        return max(self.prefill_len - self.num_computed, 0)
+
+    def token_ids(self, start: int, stop: int) -> list[int]:
+        """Tokens ``start..stop-1`` of the whole sequence: prompt, then generated tokens."""
+        p = self.prompt_len
+        return self.prompt_ids[start:min(stop, p)] + self.output_ids[max(start - p, 0):max(stop - p, 0)]
 
     @property
     def finished(self) -> bool:
@@ -63,6 +75,14 @@ class Request:
     def set_state(self, state: State, now: float) -> None:
         self.state = state
         self.record.state_times.append((now, state.value))
+
+    def preempt(self, now: float) -> None:
+        """Back to the queue with an empty KV cache; the next prefill recomputes everything
+        it had (prompt + generated tokens) and samples its next token."""
+        self.num_computed, self.slot = 0, None
+        self.prefill_len = self.prompt_len + len(self.output_ids)
+        self.record.preemptions += 1
+        self.set_state(State.QUEUED, now)
 
     def finish(self, reason: str, now: float) -> None:
         self.finish_reason = self.record.finish_reason = reason

@@ -36,18 +36,49 @@ class Batch:
         return len(self.decode) + len(self.padding) + sum(n for _, n in self.prefill)
 
 
+class PriorityPolicy:
+    """Who is served next and who gives way when KV memory runs out.
+
+    A lower ``priority`` number is more important (as in vLLM). The queue is served by
+    priority, then queue order: with every priority 0 that is first come, first served,
+    and a preempted request (put back at the front) is served first again. The victim of
+    a preemption is the least important running request, the newest among equals: it
+    has the least work to lose.
+    """
+
+    @staticmethod
+    def importance(req: Request) -> tuple:
+        return req.priority, req.arrival_s  # smaller is more important
+
+    def next_queued(self, queue: deque[Request]) -> Request:
+        return min(queue, key=lambda r: r.priority)  # the first of the best priority
+
+    def victim(self, running: list[Request]) -> Request:
+        return max(reversed(running), key=self.importance)  # ties: the latest admitted
+
+
 class Scheduler:
-    """What every policy shares: a FIFO queue, B decode slots, KV admission."""
+    """What every policy shares: a queue, B decode slots, KV admission.
+
+    Static and sequential batching reserve a request's whole KV memory up front
+    (``try_admit``). Continuous and stall-free take blocks on demand (``fits``, ``start``,
+    ``make_room``) and preempt when the pool runs dry; ``running`` lists who holds blocks.
+    """
 
     kind = "base"
 
-    def __init__(self, max_batch_size: int, blocks: BlockManager, clock: Callable[[], float]):
+    def __init__(self, max_batch_size: int, blocks: BlockManager, clock: Callable[[], float],
+                 policy: PriorityPolicy | None = None):
         if not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.max_batch_size = max_batch_size
         self.blocks, self.clock = blocks, clock
+        self.policy = policy or PriorityPolicy()
         self.queue: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_batch_size
+        self.running: list[Request] = []  # on demand: requests holding KV blocks, by admission
+        self.preempted: list[str] = []  # preempted since the engine last read this
+        self.num_preemptions = 0
 
     # -- bookkeeping shared by all policies --------------------------------------------
     def add(self, req: Request) -> None:
@@ -76,8 +107,62 @@ class Scheduler:
             self.queue.remove(req)
         if req.slot is not None and self.slots[req.slot] is req:
             self.slots[req.slot] = None
+        if req in self.running:
+            self.running.remove(req)
         req.slot = None
         self.blocks.release(req.id)
+
+    # -- on-demand KV memory (continuous, stall-free) ------------------------------------
+    def _first_chunk(self, req: Request, max_tokens: float) -> tuple[list[int], int, int]:
+        """(cached blocks it can share, their tokens, its first chunk's length)."""
+        hits = self.blocks.lookup(req.token_ids(0, req.prefill_len))
+        cached = len(hits) * self.blocks.block_size
+        return hits, cached, min(max_tokens, req.prefill_len - cached)
+
+    def fits(self, req: Request, max_tokens: float) -> bool:
+        """Admission by free blocks: the pool must hold the first chunk (at most
+        ``max_tokens``, after any cached prefix) and still keep one block of headroom for
+        every decoding request, so that admitting does not at once force a preemption."""
+        hits, cached, n = self._first_chunk(req, max_tokens)
+        taken = self.blocks.blocks_for(cached + n) - len(hits) \
+            + sum(self.blocks.ref_counts[b] == 0 for b in hits)  # evictable hits leave the free pool
+        headroom = sum(r.state is State.DECODING for r in self.running)
+        return taken + headroom <= self.blocks.num_free
+
+    def start(self, req: Request, max_tokens: float) -> int:
+        """Admit ``req`` (checked with ``fits``) into prefilling: share its cached prefix,
+        take blocks for its first chunk; return that chunk's length."""
+        hits, cached, n = self._first_chunk(req, max_tokens)
+        if req in self.queue:
+            self.queue.remove(req)
+        self.blocks.share(req.id, hits)
+        req.num_computed = cached
+        self.blocks.ensure(req.id, cached + n)
+        self.running.append(req)
+        req.set_state(State.PREFILLING, self.clock())
+        return n
+
+    def make_room(self, req: Request, num_tokens: int) -> bool:
+        """Take the blocks ``req`` needs for ``num_tokens`` more tokens, preempting the
+        policy's victims while the pool is short. False if ``req`` itself gave way."""
+        while self.blocks.blocks_to_grow(req.id, req.num_computed + num_tokens) > self.blocks.num_free:
+            victim = self.policy.victim(self.running)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        self.blocks.ensure(req.id, req.num_computed + num_tokens)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Preemption by recompute: free all of ``req``'s blocks and put it back at the
+        front of the queue; it keeps its generated tokens."""
+        self.remove(req)
+        if req.finished:  # cancelled meanwhile: nothing to come back for
+            return
+        req.preempt(self.clock())
+        self.queue.appendleft(req)
+        self.preempted.append(req.id)
+        self.num_preemptions += 1
 
     def batches(self) -> Iterator[Batch]:
         raise NotImplementedError
@@ -153,20 +238,21 @@ class ContinuousScheduler(Scheduler):
     """Continuous (iteration-level) batching. Each step:
 
     1. (engine) sweep cancelled requests out;
-    2. admit the next queued request into prefilling;
-    3. advance its prefill by one chunk of ``prefill_step`` tokens (a separate pass);
-    4. move a fully prefilled request into a free decode slot, or keep it waiting;
-    5. one batched decode pass over every occupied slot.
+    2. ``admit``: the next queued request starts prefilling;
+    3. ``prefill_chunk``: its prefill advances by ``prefill_step`` tokens (a separate pass);
+    4. ``place``: fully prefilled requests move into free decode slots, or keep waiting;
+    5. ``decode_rows``: one batched decode pass over every occupied slot.
 
     ``prefill_step=None`` prefills a whole prompt at once: the naive variant whose long
-    prompts stall everybody's decoding (lesson 3).
+    prompts stall everybody's decoding (lesson 3). KV blocks are taken on demand; when a
+    chunk or a decode row finds none free, the policy's victim is preempted (lesson 8).
     """
 
     kind = "continuous"
 
     def __init__(self, max_batch_size: int, blocks: BlockManager, clock,
-                 prefill_step: int | None = None):
-        super().__init__(max_batch_size, blocks, clock)
+                 prefill_step: int | None = None, policy: PriorityPolicy | None = None):
+        super().__init__(max_batch_size, blocks, clock, policy)
         if prefill_step is not None and (not isinstance(prefill_step, int) or prefill_step < 1):
             raise ValueError(f"prefill_step must be an integer >= 1, got {prefill_step!r}")
         self.prefill_step = prefill_step or math.inf
@@ -184,27 +270,48 @@ class ContinuousScheduler(Scheduler):
         super().remove(req)
 
     def batches(self):
-        now = self.clock
-        # 2. Admit one request at a time, and none while a prefilled one still waits.
-        if self.prefilling is None and not self.awaiting and self.queue \
-                and self.try_admit(self.queue[0]):
-            self.prefilling = self.queue.popleft()
-            self.prefilling.set_state(State.PREFILLING, now())
-        # 3. One chunk of its prompt; the chunk that ends the prompt samples a token.
+        self.admit()
+        yield from self.prefill_chunk()
+        self.place()
+        yield from self.decode_rows()
+
+    def admit(self) -> None:
+        """2. Admit one request at a time, and none while a prefilled one still waits for a
+        slot; only if the free blocks hold its first chunk."""
+        if self.prefilling is None and not self.awaiting and self.queue:
+            req = self.policy.next_queued(self.queue)
+            if self.fits(req, self.prefill_step):
+                self.start(req, self.prefill_step)
+                self.prefilling = req
+
+    def prefill_chunk(self) -> Iterator[Batch]:
+        """3. One chunk of the prefilling request; the chunk that ends it samples a token."""
         req = self.prefilling
-        if req is not None:
-            yield Batch(prefill=[(req, min(self.prefill_step, req.prefill_left))])
-            if req.finished or req.prefill_left == 0:
-                self.prefilling = None
-                if not req.finished:
-                    req.set_state(State.AWAITING_SLOT, now())
-                    self.awaiting.append(req)
-        # 4. Place prefilled requests into free slots.
+        if req is None:
+            return
+        n = min(self.prefill_step, req.prefill_left)
+        if not self.make_room(req, n):
+            return
+        yield Batch(prefill=[(req, n)])
+        if req.finished or req.prefill_left == 0:
+            self.prefilling = None
+            if not req.finished:
+                req.set_state(State.AWAITING_SLOT, self.clock())
+                self.awaiting.append(req)
+
+    def place(self) -> None:
+        """4. Move prefilled requests into free slots, first come first placed."""
         while self.awaiting and self.free_slot() is not None:
             req = self.awaiting.popleft()
             self.take_slot(req)
-            req.set_state(State.DECODING, now())
-        # 5. One decode step for every occupied slot.
+            req.set_state(State.DECODING, self.clock())
+
+    def decode_rows(self) -> Iterator[Batch]:
+        """5. One decode step for every occupied slot. Blocks go to the most important
+        rows first, so if the pool is short the least important give way."""
+        for req in sorted((r for r in self.slots if r is not None), key=self.policy.importance):
+            if req.slot is not None:  # not preempted for a more important row
+                self.make_room(req, 1)
         rows = [r for r in self.slots if r is not None]
         if rows:
             yield Batch(decode=rows)
@@ -219,8 +326,9 @@ class StallFreeScheduler(Scheduler):
 
     kind = "stallfree"
 
-    def __init__(self, max_batch_size: int, blocks: BlockManager, clock, token_budget: int = 256):
-        super().__init__(max_batch_size, blocks, clock)
+    def __init__(self, max_batch_size: int, blocks: BlockManager, clock, token_budget: int = 256,
+                 policy: PriorityPolicy | None = None):
+        super().__init__(max_batch_size, blocks, clock, policy)
         if not isinstance(token_budget, int) or token_budget < max_batch_size:
             raise ValueError(f"token_budget must be an integer >= max_batch_size "
                              f"({max_batch_size}), got {token_budget!r}")
@@ -233,27 +341,55 @@ class StallFreeScheduler(Scheduler):
         super().remove(req)
 
     def batches(self):
-        budget = self.token_budget
+        batch = self.plan()
+        if batch.decode or batch.prefill:
+            yield batch
+        self.end_prefills(batch)
+
+    def plan(self) -> Batch:
+        """The step's one pass: decodes, then partial prefills, then admissions."""
+        decode = self.decodes()
+        prefill = self.continue_prefills(self.token_budget - len(decode))
+        prefill += self.admit(self.token_budget - len(decode) - sum(n for _, n in prefill))
+        held = set(map(id, self.running))  # a later phase may have preempted an earlier pick
+        return Batch(decode=[r for r in decode if id(r) in held],
+                     prefill=[(r, n) for r, n in prefill if id(r) in held])
+
+    def decodes(self) -> list[Request]:
+        """Every decoding request, one token each (blocks to the most important first)."""
         decode = [r for r in self.slots if r is not None and r.state is State.DECODING]
-        budget -= len(decode)
+        for req in sorted(decode, key=self.policy.importance):
+            if req.slot is not None:
+                self.make_room(req, 1)
+        return [r for r in decode if r.slot is not None]
+
+    def continue_prefills(self, budget: int) -> list[tuple[Request, int]]:
+        """Partial prefills continue, in admission order, while the budget lasts."""
         prefill = []
-        for req in self.prefilling:
+        for req in list(self.prefilling):
             n = min(budget, req.prefill_left)
-            if n > 0:
+            if n > 0 and req in self.prefilling and self.make_room(req, n):
                 prefill.append((req, n))
                 budget -= n
-        while budget > 0 and self.queue and self.free_slot() is not None \
-                and self.try_admit(self.queue[0]):
-            req = self.queue.popleft()
+        return prefill
+
+    def admit(self, budget: int) -> list[tuple[Request, int]]:
+        """New requests while budget, a free slot and free blocks for a first chunk remain."""
+        prefill = []
+        while budget > 0 and self.queue and self.free_slot() is not None:
+            req = self.policy.next_queued(self.queue)
+            if not self.fits(req, budget):
+                break
+            n = self.start(req, budget)
             self.take_slot(req)
-            req.set_state(State.PREFILLING, self.clock())
             self.prefilling.append(req)
-            n = min(budget, req.prompt_len)
             prefill.append((req, n))
             budget -= n
-        if decode or prefill:
-            yield Batch(decode=decode, prefill=prefill)
-        for req, _ in prefill:
+        return prefill
+
+    def end_prefills(self, batch: Batch) -> None:
+        """A request whose prefill is done starts decoding next step."""
+        for req, _ in batch.prefill:
             if req.prefill_left == 0 and req in self.prefilling:
                 self.prefilling.remove(req)
                 if not req.finished:

@@ -27,6 +27,9 @@ class StepRecord:
     finished: dict[str, str] = field(default_factory=dict)  # request -> finish reason
     queued: int = 0  # requests waiting in the queue when the step began
     kv_blocks_used: int = 0
+    preempted: list[str] = field(default_factory=list)  # requests preempted in this step
+    block_tables: dict[str, list[int]] = field(default_factory=dict)  # after the step
+    cached_blocks: list[int] = field(default_factory=list)  # free but still cached (evictable)
 
     @property
     def duration_s(self) -> float:
@@ -50,6 +53,8 @@ class RequestRecord:
     finished_s: float | None = None
     finish_reason: str | None = None
     output_ids: list[int] = field(default_factory=list)
+    priority: int = 0
+    preemptions: int = 0  # times it gave back its KV blocks and was recomputed
 
 
 @dataclass

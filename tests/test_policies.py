@@ -12,7 +12,7 @@ LM = FakeModel()
 EOS = frozenset({LM.eos_id})
 # A simple, fixed cost model: these tests are about policy, not about this machine.
 COST = CostModel({"passes": 0.02, "tokens": 0.001, "decode_rows": 0.0, "decode_context": 0.0,
-                  "decode_padded": 0.0, "prefill_chunks": 0.0, "prefill_attention": 0.0})
+                  "prefill_chunks": 0.0, "prefill_attention": 0.0})
 
 
 @pytest.mark.parametrize("bad", [dict(max_queue=-1), dict(max_queue=2.5), dict(max_wait_s=-1),

@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--json", metavar="OUT", help="write the fitted model here (e.g. "
                      "src/batchlab/data/cost_model.json)")
     fit.add_argument("--quick", action="store_true", help="a third of the designed passes")
-    fit.add_argument("--reps", type=int, default=3, help="timed runs per pass (median taken)")
+    fit.add_argument("--reps", type=int, default=3, help="timed runs per pass (the fastest is kept)")
 
     exp = sub.add_parser("export-mlx", help="write the model as an mlx-lm folder (for mlx_lm.server)")
     exp.add_argument("dir")

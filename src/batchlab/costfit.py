@@ -2,7 +2,8 @@
 
 The real ``ModelRunner`` runs a designed set of forward passes -- decode batches of 1 to
 16 rows at several context lengths, prefill chunks of several sizes (at the start of a
-prompt and further in), and hybrid passes mixing both -- and each is timed. A linear
+prompt and further in), and hybrid passes mixing both -- and each is timed (its fastest
+of several runs). A linear
 model (``simulator.CostModel``) is fitted by least squares on two thirds of them and its
 relative error measured on the other third (held out), so the error it reports is the
 error on passes it has not seen.
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import platform
-import statistics
 import time
 from datetime import datetime, timezone
 
@@ -45,42 +45,56 @@ def designed_passes(quick: bool = False) -> list[list[tuple[int, int]]]:
     return passes[::3] if quick else passes
 
 
-def time_pass(runner: ModelRunner, blocks: BlockManager, shape: list[tuple[int, int]],
-              reps: int) -> tuple[list[Chunk], float]:
-    """The chunks of one designed pass and the median of ``reps`` timed runs (after one
-    untimed run, which warms MLX's caches for these shapes)."""
+def _chunks(blocks: BlockManager, shape: list[tuple[int, int]]) -> list[Chunk]:
+    """Chunks of one designed pass, each with the KV blocks its context needs."""
     chunks = []
     for i, (start, n) in enumerate(shape):
         rid = f"fit-{i}"
         blocks.reserve(rid, start + n)
         blocks.ensure(rid, start + n)
         chunks.append(Chunk(rid, [1 + (i + j) % 1000 for j in range(n)], start))
+    return chunks
+
+
+def time_pass(runner: ModelRunner, blocks: BlockManager, shape: list[tuple[int, int]]
+              ) -> tuple[list[Chunk], float]:
+    """The chunks of one designed pass and the seconds one run of it took."""
+    chunks = _chunks(blocks, shape)
     try:
+        t = time.perf_counter()
         runner.forward(chunks)
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            runner.forward(chunks)
-            times.append(time.perf_counter() - t)
+        return chunks, time.perf_counter() - t
     finally:
-        for i in range(len(shape)):
-            blocks.release(f"fit-{i}")
-    return chunks, statistics.median(times)
+        for c in chunks:
+            blocks.release(c.req_id)
 
 
 def measure(lm, quick: bool = False, reps: int = 3, progress: bool = True
             ) -> tuple[np.ndarray, np.ndarray]:
-    """Features and measured seconds of every designed pass on the real model."""
+    """Features and measured seconds of every designed pass on the real model.
+
+    Every pass runs once untimed (MLX's first run of a shape is slow), then ``reps``
+    timed rounds go through all passes in turn and each pass keeps its fastest run. On a
+    shared machine other programs slow some runs down; the fastest is the one least
+    disturbed, and spreading a pass's runs over the whole measurement gives it several
+    chances to meet a quiet moment."""
     from tqdm.auto import tqdm
 
     blocks = BlockManager(-(-POOL_TOKENS // 16), 16)
     runner = ModelRunner(lm, blocks)
-    xs, ys = [], []
-    for shape in tqdm(designed_passes(quick), desc="timing passes", disable=not progress):
-        chunks, seconds = time_pass(runner, blocks, shape, reps)
-        xs.append(pass_features(chunks))
-        ys.append(seconds)
-    return np.array(xs), np.array(ys)
+    shapes = designed_passes(quick)
+    best = np.full(len(shapes), np.inf)
+    xs = []
+    with tqdm(total=(reps + 1) * len(shapes), desc="timing passes", disable=not progress) as bar:
+        for round_ in range(reps + 1):
+            for i, shape in enumerate(shapes):
+                chunks, seconds = time_pass(runner, blocks, shape)
+                if round_ == 0:
+                    xs.append(pass_features(chunks))
+                else:
+                    best[i] = min(best[i], seconds)
+                bar.update()
+    return np.array(xs), best
 
 
 def fit_cost_model(lm, quick: bool = False, reps: int = 3, progress: bool = True,
@@ -91,7 +105,7 @@ def fit_cost_model(lm, quick: bool = False, reps: int = 3, progress: bool = True
     meta = {"command": command, "fitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": f"{platform.machine()} {platform.system()}", "model": lm.info.name,
             "dtype": lm.info.dtype, "backend": lm.info.backend, "passes_fitted": int((~held_out).sum()),
-            "passes_held_out": int(held_out.sum()), "reps_per_pass": reps,
+            "passes_held_out": int(held_out.sum()), "timed_runs_per_pass (fastest kept)": reps,
             # every timed pass, so a lesson can plot predicted against measured
             "passes": [{"features": dict(zip(FEATURES, map(float, f))), "seconds": float(t),
                         "held_out": bool(h)} for f, t, h in zip(x, y, held_out)]}

@@ -36,7 +36,6 @@ FEATURES = (
     "tokens",  # tokens pushed through every linear layer (decode rows + prefill tokens)
     "decode_rows",  # decode rows (each a separate attention over its own context)
     "decode_context",  # sum of the decode rows' context lengths (KV read by attention)
-    "decode_padded",  # rows x longest context: decode attention runs padded to the longest
     "prefill_chunks",  # prefill chunks (each its own attention call)
     "prefill_attention",  # sum over chunks of chunk length x context length (quadratic part)
 )
@@ -51,7 +50,6 @@ def pass_features(chunks: Sequence[Chunk]) -> np.ndarray:
         float(len(rows) + sum(n for n, _ in prefills)),
         float(len(rows)),
         float(sum(rows)),
-        float(len(rows) * max(rows, default=0)),
         float(len(prefills)),
         float(sum(n * ctx for n, ctx in prefills)),
     ])
@@ -152,7 +150,8 @@ def sim_executor(cost: CostModel, clock: VirtualClock):
     return lambda lm, blocks: SimRunner(lm, blocks, cost, clock)
 
 
-SIM_MODEL = FakeModel(vocab_size=8, eos_id=0, max_seq_len=2048)  # limits of SmolLM2 as served
+# Tokens do not matter in a simulation: a tiny vocabulary, room for the longest synthetic request.
+SIM_MODEL = FakeModel(vocab_size=8, eos_id=0, max_seq_len=2048)
 
 
 def make_sim_engine(kind: str = "stallfree", cost: CostModel | None = None, **options):
@@ -169,7 +168,7 @@ def synthetic_workload(num_requests: int, rate: float, seed: int = 0,
                        prompt_median: float = 128.0, prompt_sigma: float = 0.7,
                        prompt_range: tuple[int, int] = (16, 1024), output_median: float = 64.0,
                        output_sigma: float = 0.8, output_range: tuple[int, int] = (4, 512),
-                       arrivals: str = "poisson") -> Workload:
+                       arrivals: str = "poisson", prefix: str = "sim") -> Workload:
     """ShareGPT-like lengths (lognormal, as ``workloads.sharegpt``) arriving at ``rate``
     per second, with placeholder prompt tokens: the simulator needs lengths, not text,
     and building 10,000 real prompts would take longer than simulating them."""
@@ -178,12 +177,21 @@ def synthetic_workload(num_requests: int, rate: float, seed: int = 0,
     o = np.clip(np.rint(rng.lognormal(math.log(output_median), output_sigma, num_requests)), *output_range)
     t = arrival_times(num_requests, arrivals, rate, rng=rng)
     width = len(str(num_requests - 1))
-    reqs = [WorkloadRequest(f"sim-{i:0{width}d}", [1] * int(pi), int(oi), float(ti))
+    reqs = [WorkloadRequest(f"{prefix}-{i:0{width}d}", [1] * int(pi), int(oi), float(ti))
             for i, (pi, oi, ti) in enumerate(zip(p, o, t))]
     return Workload("synthetic", f"{num_requests} requests, Poisson at {rate:g}/s, "
                     f"ShareGPT-like lengths", reqs, seed,
                     dict(num_requests=num_requests, rate=rate, prompt_median=prompt_median,
-                         output_median=output_median, arrivals=arrivals))
+                         output_median=output_median, arrivals=arrivals, prefix=prefix))
+
+
+def merge(*workloads: Workload) -> Workload:
+    """Several workloads' requests as one, in order of arrival (ids must differ)."""
+    reqs = sorted((r for w in workloads for r in w.requests), key=lambda r: r.arrival_s)
+    if len({r.id for r in reqs}) != len(reqs):
+        raise ValueError("merged workloads share request ids; give each a different prefix")
+    return Workload("+".join(w.name for w in workloads), "; ".join(w.description for w in workloads),
+                    reqs, None, {"parts": [w.params for w in workloads]})
 
 
 def simulate(engine, workload: Workload, priorities: dict[str, int] | None = None) -> Trace:

@@ -70,7 +70,8 @@ def test_queue_is_bounded_below_capacity_and_grows_above(kind, options):
 
 
 def test_ten_thousand_requests():
-    workload = synthetic_workload(10_000, rate=1.0, seed=0)
+    mu = service_rate(synthetic_workload(400, rate=1.0, seed=1), "stallfree", COST, **OPTIONS)
+    workload = synthetic_workload(10_000, rate=0.9 * mu, seed=0)  # busy, but not overloaded
     engine = make_sim_engine("stallfree", COST, **OPTIONS)
     start = time.perf_counter()
     trace = simulate(engine, workload)

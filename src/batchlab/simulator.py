@@ -122,9 +122,9 @@ class VirtualClock:
 class SimRunner:
     """Stands where ``ModelRunner`` goes; build with :func:`sim_executor`.
 
-    It keeps the block manager honest (every chunk's KV slots must have been handed out)
-    but computes nothing: each pass costs the cost model's prediction on the virtual
-    clock, and every row's logits pick token ``1``. Simulated workloads therefore set
+    It computes nothing (the engine has already given every chunk its KV blocks): each
+    pass costs the cost model's prediction on the virtual clock, and every row's logits
+    pick token ``1``. Simulated workloads therefore set
     ``ignore_eos`` so that lengths, not tokens, decide when a request ends."""
 
     def __init__(self, lm, blocks: BlockManager, cost: CostModel, clock: VirtualClock):
@@ -133,8 +133,6 @@ class SimRunner:
         self._logits: dict[int, np.ndarray] = {}  # one array per row count, made once
 
     def forward(self, chunks: list[Chunk]) -> np.ndarray:
-        for c in chunks:
-            self.blocks.ensure(c.req_id, c.start + len(c.tokens))  # raises if not reserved
         self.clock.advance(self.cost.predict(chunks))
         self.passes += 1
         n = len(chunks)

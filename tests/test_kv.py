@@ -240,7 +240,6 @@ def test_thousand_random_requests_conserve_blocks(kind, options):
         prompt = prefix + [rng.randrange(1, 64) for _ in range(rng.randint(1, 20))]
         pending.append((f"r{i}", prompt, rng.randint(1, 24), rng.randint(0, 3)))
     prompts, cancelled = {}, set()
-    steps = 0
     while pending or engine.scheduler.has_work():
         for _ in range(rng.randint(0, 3)):
             if pending:
@@ -253,8 +252,10 @@ def test_thousand_random_requests_conserve_blocks(kind, options):
             if engine.cancel(victim):
                 cancelled.add(victim)
         engine.step()
-        steps += 1
         check_blocks(engine.blocks)
+        step = engine.trace.steps[-1]
+        if kind == "stallfree":  # one pass a step: nobody may decode and prefill in it
+            assert not set(step.decoded) & {rid for rid, _, _ in step.prefill}, "decode and prefill in one pass"
         holders = set(engine.blocks.tables)
         assert holders <= {r.id for r in engine.scheduler.running}, "blocks held by nobody running"
     engine.sweep()
@@ -273,3 +274,34 @@ def test_thousand_random_requests_conserve_blocks(kind, options):
         else:
             assert record.output_ids == want, rid
     assert sum(r.preemptions > 0 for r in engine.trace.requests.values()) > 1
+
+
+# -- the picture ------------------------------------------------------------------------
+
+def test_block_view_shows_owners_shared_and_cached_blocks_from_the_trace():
+    from batchlab.trace import Trace
+    from batchlab.viz import CACHED, FREE, OWNED, SHARED, BlockView, block_states, plot_block_map
+
+    engine = fake_engine("stallfree", max_batch_size=2, token_budget=16, kv_block_size=4,
+                         num_kv_blocks=16, enable_prefix_cache=True)
+    system = list(range(1, 13))
+    engine.submit(system + [20], max_new_tokens=8, ignore_eos=True, request_id="a")
+    engine.step()
+    engine.submit(system + [30], max_new_tokens=2, ignore_eos=True, request_id="b")
+    engine.run_until_idle()
+    trace = Trace.from_json(engine.trace.to_json())  # a recorded trace replays the same
+    assert trace.num_kv_blocks == 16
+    both = next(k for k, s in enumerate(trace.steps) if {"a", "b"} <= set(s.block_tables))
+    states = block_states(trace, both)
+    assert sum(kind == SHARED for kind, _ in states) == 3, "the 3 full system-prompt blocks"
+    assert all(sorted(who) == ["a", "b"] for kind, who in states if kind == SHARED)
+    for kind, who in states:
+        assert (kind == OWNED) == (len(who) == 1) and (kind in (FREE, CACHED)) == (not who)
+    last = block_states(trace, len(trace.steps) - 1)
+    assert {kind for kind, _ in last} <= {FREE, CACHED} and any(k == CACHED for k, _ in last)
+    view = BlockView(trace)
+    view.show_step(both)
+    page = view.to_html()
+    assert page.count("shared by a, b") == 3 and "×2" in page and "of 16 in use" in page
+    assert "image/png" in view._repr_mimebundle_()
+    assert plot_block_map(trace).axes[0].get_ylabel() == "KV block"

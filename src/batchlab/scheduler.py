@@ -374,11 +374,12 @@ class StallFreeScheduler(Scheduler):
         return prefill
 
     def admit(self, budget: int) -> list[tuple[Request, int]]:
-        """New requests while budget, a free slot and free blocks for a first chunk remain."""
+        """New requests while budget, a free slot and free blocks for a first chunk remain.
+        A request preempted while planning this step waits for the next one."""
         prefill = []
         while budget > 0 and self.queue and self.free_slot() is not None:
             req = self.policy.next_queued(self.queue)
-            if not self.fits(req, budget):
+            if req.id in self.preempted or not self.fits(req, budget):
                 break
             n = self.start(req, budget)
             self.take_slot(req)

@@ -688,3 +688,134 @@ def plot_side_by_side(traces: Mapping[str, Trace], plot: Callable[..., Figure] =
     if sharex:  # each plot set its own range; show the widest so no trace is cut off
         axes[0, 0].set_xlim(min(a for a, _ in spans), max(b for _, b in spans))
     return fig
+
+
+# -- KV blocks (lesson 8) ---------------------------------------------------------------------
+FREE, OWNED, SHARED, CACHED = "free", "owned", "shared", "cached"
+
+
+def block_owners(step: StepRecord) -> dict[int, list[str]]:
+    """Block -> the requests whose block tables hold it after ``step`` (two or more: shared)."""
+    owners: dict[int, list[str]] = {}
+    for rid, table in step.block_tables.items():
+        for block in table:
+            owners.setdefault(block, []).append(rid)
+    return owners
+
+
+def block_count(trace: Trace) -> int:
+    """The pool's size: recorded by the engine, else the highest block a step mentions."""
+    if trace.num_kv_blocks:
+        return trace.num_kv_blocks
+    seen = [b for s in list(trace.steps) for b in [*block_owners(s), *s.cached_blocks]]
+    return max(seen, default=-1) + 1
+
+
+def block_states(trace: Trace, k: int) -> list[tuple[str, list[str]]]:
+    """(FREE | OWNED | SHARED | CACHED, owners) of every block after step ``k``."""
+    step = list(trace.steps)[k]
+    owners, cached = block_owners(step), set(step.cached_blocks)
+    out = []
+    for b in range(block_count(trace)):
+        who = owners.get(b, [])
+        kind = SHARED if len(who) > 1 else OWNED if who else CACHED if b in cached else FREE
+        out.append((kind, who))
+    return out
+
+
+_BLOCK_CSS = """
+.bl-root .bl-blocks{display:grid;gap:2px;margin:6px 0}
+.bl-root .bl-block{height:20px;border-radius:3px;font-size:10px;line-height:18px;
+  text-align:center;overflow:hidden;box-sizing:border-box;white-space:nowrap}
+.bl-root .bl-owned{background:var(--c);color:var(--t);border:1px solid var(--c)}
+.bl-root .bl-shared{background:var(--c);color:var(--t);border:3px double #111;line-height:14px}
+.bl-root .bl-cached{background:#eee;border:1px dashed #888;color:#777}
+.bl-root .bl-free{background:#fff;border:1px solid #ddd}
+"""
+
+
+def block_frame_html(trace: Trace, k: int, columns: int = 16) -> str:
+    """The KV pool after step ``k`` as HTML: one cell per block, coloured by the request
+    that holds it; a shared block (prefix cache) has a double border and its holder count;
+    a cached block nobody holds (evictable) is dashed."""
+    step = list(trace.steps)[k]
+    states = block_states(trace, k)
+    cells = []
+    for b, (kind, who) in enumerate(states):
+        color = request_color(who[0]) if who else "#ffffff"
+        style = f"--c:{color};--t:{_text_color(color)}"
+        label = {OWNED: short_label(who[0]) if who else "", SHARED: f"×{len(who)}",
+                 CACHED: "c", FREE: ""}[kind]
+        title = f"block {b}: {kind}" + (f" by {', '.join(who)}" if who else "")
+        cells.append(f'<div class="bl-block bl-{kind}" style="{style}" '
+                     f'title="{html.escape(title)}">{label}</div>')
+    counts = {kind: sum(s == kind for s, _ in states) for kind in (OWNED, SHARED, CACHED, FREE)}
+    preempted = (f" · preempted: <b>{html.escape(', '.join(step.preempted))}</b>"
+                 if step.preempted else "")
+    readout = (f'<div class="bl-readout">KV blocks after step {step.index}: '
+               f'<b>{counts[OWNED] + counts[SHARED]}</b> of {len(states)} in use '
+               f'(<b>{counts[SHARED]}</b> shared), <b>{counts[CACHED]}</b> cached and free, '
+               f'<b>{counts[FREE]}</b> free{preempted}</div>')
+    legend = ('<div class="bl-legend">' + "".join(
+        f'<span class="bl-swatch bl-block bl-{kind}" style="--c:#4e79a7;--t:#fff"></span>{name}'
+        for kind, name in [(OWNED, "held by one request"), (SHARED, "shared (prefix cache)"),
+                           (CACHED, "cached, evictable"), (FREE, "free")]) + "</div>")
+    grid = (f'<div class="bl-blocks" style="grid-template-columns:repeat({columns},24px)">'
+            + "".join(cells) + "</div>")
+    return f'<div class="bl-root"><style>{_BLOCK_CSS}</style>{readout}{grid}{legend}</div>'
+
+
+def plot_block_map(trace: Trace, ax=None) -> Figure:
+    """Every block (rows) at every step (columns), coloured by the request holding it;
+    shared blocks darker, cached-but-free ones grey; preemptions marked on top."""
+    steps = list(trace.steps)
+    n = block_count(trace)
+    fig, ax = _axes(ax, figsize=(9, 3.6))
+    image = np.ones((n, len(steps), 3))
+    for k, step in enumerate(steps):
+        for b in step.cached_blocks:
+            image[b, k] = 0.85
+        for b, who in block_owners(step).items():
+            rgb = np.array([int(request_color(who[0])[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+            image[b, k] = rgb * (0.6 if len(who) > 1 else 1.0)
+    ax.imshow(image, aspect="auto", interpolation="nearest", origin="lower",
+              extent=(-0.5, len(steps) - 0.5, -0.5, n - 0.5))
+    for k, step in enumerate(steps):
+        if step.preempted:
+            ax.axvline(k, color="#d62728", lw=1, ls="--")
+    touched = [b for s in steps for b in [*block_owners(s), *s.cached_blocks]]
+    ax.set_ylim(-0.5, max(touched, default=0) + 1.5)  # a big pool's never-used top stays off
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("KV block")
+    ax.set_title("who holds each KV block (red dashes: a preemption; dark: shared; grey: cached)")
+    return fig
+
+
+class BlockView(SlotView):
+    """``SlotView`` with the KV pool under the slots: per step, which request holds which
+    block, shared blocks marked, cached ones dashed. Saved notebooks carry a PNG of the
+    block map (``plot_block_map``) for viewers without a kernel."""
+
+    def __init__(self, source, live: bool = False, window: int = 40, interval_ms: int = 250,
+                 columns: int = 16):
+        self.columns = columns
+        super().__init__(source, live=live, window=window, interval_ms=interval_ms)
+        self.add_class("batchlab-blockview")
+
+    def to_html(self, step: int | None = None) -> str:
+        k = self.step if step is None else step
+        slots = super().to_html(k)
+        return slots + block_frame_html(self.trace, k, self.columns) if self.trace.steps else slots
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = widgets.VBox._repr_mimebundle_(self, **kwargs)
+        if self.trace.steps:
+            fig = plot_block_map(self.trace)
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format="png", dpi=80)
+            bundle["image/png"] = base64.b64encode(buffer.getvalue()).decode("ascii")
+        return bundle
+
+    def __repr__(self) -> str:
+        return (f"BlockView({self.trace.kind} trace, {block_count(self.trace)} KV blocks, "
+                f"{len(self.trace.steps)} steps)")

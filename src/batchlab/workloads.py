@@ -521,4 +521,26 @@ def run_workload(engine, workload: Workload, progress: bool = True,
             rec.arrival_s = due[rid]
     trace = engine.trace
     steps = [s for s in list(trace.steps) if s.start_s >= t0]  # this run's steps only
-    return Trace(trace.kind, trace.max_batch_size, steps, out)
+    return Trace(trace.kind, trace.max_batch_size, steps, out, trace.num_kv_blocks)
+
+
+def shared_prefix(tokenizer, seed: int = 0, num_requests: int = 8, system_chars: int = 1200,
+                  output_len: int = 8) -> Workload:
+    """Requests that share one long system prompt (real text) and differ only in a short
+    question about it: the case a prefix cache is for (lesson 8). All arrive at time 0."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    rng = np.random.default_rng(seed)
+    system = "Answer questions about the following text.\n\n" + _passage(rng, system_chars)
+    paras = corpus_paragraphs()
+    reqs = []
+    for i in range(num_requests):
+        topic = paras[int(rng.integers(len(paras)))].split(". ")[0]
+        topic = topic if len(topic) <= 80 else topic[:80].rsplit(" ", 1)[0]
+        messages = [{"role": "system", "content": system},
+                    {"role": "user", "content": f"What does the text say about this: {topic}?"}]
+        reqs.append(WorkloadRequest(f"shared-{i:03d}", tok.encode_chat(messages), output_len,
+                                    0.0, messages))
+    return Workload("shared_prefix", f"{num_requests} requests sharing a system prompt of about "
+                    f"{system_chars} characters; outputs of {output_len} tokens", reqs, seed,
+                    dict(num_requests=num_requests, system_chars=system_chars,
+                         output_len=output_len, arrivals="all"))

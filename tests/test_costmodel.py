@@ -15,7 +15,7 @@ import numpy as np
 
 from batchlab import make_engine, workloads
 from batchlab.runner import ModelRunner
-from batchlab.simulator import CostModel
+from batchlab.simulator import CostModel, VirtualClock, sim_executor, simulate
 
 MARGIN = 0.15  # allowed on top of twice the reported held-out median error
 
@@ -55,6 +55,17 @@ def test_cost_model_predicts_real_forward_passes(lm):
           f"(p90 {np.percentile(errors, 90):.1%}); the fit reported {cost.error['median']:.1%} "
           f"held out; bound {bound:.1%}")
     assert median <= bound
+
+    # The simulator drives the same scheduler: on the same workload it plans the same steps.
+    clock = VirtualClock()
+    sim = make_engine("stallfree", lm, max_batch_size=8, token_budget=128,
+                      executor=sim_executor(cost, clock), clock=clock)
+    simulated = simulate(sim, workload)
+
+    def plan(t):
+        return [(s.decoded, s.prefill) for s in t.steps]
+
+    assert plan(simulated) == plan(trace)
 
 
 def test_fit_cost_command_writes_a_model_the_simulator_loads(tmp_path, capsys):

@@ -137,7 +137,7 @@ class SimRunner:
         self.passes += 1
         n = len(chunks)
         if n not in self._logits:
-            logits = np.zeros((n, self.lm.vocab_size), dtype=np.float32)
+            logits = np.zeros((n, self.lm.tokenizer.vocab_size), dtype=np.float32)
             logits[:, 1] = 1.0
             self._logits[n] = logits
         return self._logits[n]

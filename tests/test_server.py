@@ -14,6 +14,7 @@ import pytest
 from openai import OpenAI
 
 from batchlab import generate
+from batchlab.policies import QueueFull
 from batchlab.server import StopMatcher, serve_in_thread
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at",
@@ -136,12 +137,19 @@ def test_bad_bodies_get_400_with_an_openai_error(server, path, body, param):
 
 
 def test_a_full_queue_gets_429_and_others_are_not_disturbed(lm, server, references):
-    fillers = [server.loop.submit(lm.tokenizer.encode("Count to a thousand:"), max_new_tokens=200,
-                                  ignore_eos=True) for _ in range(4 + 8)]  # 4 slots + 8 queued
+    prompt = lm.tokenizer.encode("Count to a thousand:")
+
+    def fill(n):
+        return [server.loop.submit(prompt, max_new_tokens=200, ignore_eos=True) for _ in range(n)]
+
+    fillers = fill(4)  # the 4 slots
     try:
         deadline = time.monotonic() + 10
-        while server.engine.queue_depth() < 8 and time.monotonic() < deadline:
+        while server.engine.queue_depth() > 0 and time.monotonic() < deadline:
             time.sleep(0.01)
+        fillers += fill(8)  # the 8 queue places
+        with pytest.raises(QueueFull):  # the engine's own bound, which the server obeys
+            server.loop.submit(prompt, max_new_tokens=2)
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 429
         assert r.json()["error"]["type"] == "rate_limit_error"

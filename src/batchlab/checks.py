@@ -447,3 +447,4 @@ from .checks_lesson1 import *  # noqa: E402,F401,F403
 from .checks_lesson2 import *  # noqa: E402,F401,F403
 from .checks_lesson7 import *  # noqa: E402,F401,F403
 from .checks_lesson8 import *  # noqa: E402,F401,F403
+from .checks_lesson9 import *  # noqa: E402,F401,F403

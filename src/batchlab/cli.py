@@ -1,4 +1,4 @@
-"""The ``batchlab`` command: info, generate, demo, serve, loadgen, export-mlx, bench."""
+"""The ``batchlab`` command: info, generate, demo, serve, loadgen, export-mlx, bench, fit-cost."""
 
 from __future__ import annotations
 
@@ -181,6 +181,26 @@ def _cmd_bench(args) -> int:
     return 0
 
 
+def _cmd_fit_cost(args) -> int:
+    from .costfit import fit_cost_model
+    from .model import load_model
+
+    if args.reps < 1:
+        raise ValueError("--reps must be >= 1")
+    model = fit_cost_model(load_model(args.model), quick=args.quick, reps=args.reps,
+                           command=args.command_line)
+    print(f"held-out relative error: median {model.error['median']:.1%}, "
+          f"p90 {model.error['p90']:.1%}, max {model.error['max']:.1%} "
+          f"({model.meta['passes_held_out']} passes; fitted on {model.meta['passes_fitted']})")
+    print("seconds per unit of each feature:")
+    for name, value in model.coefficients.items():
+        print(f"  {name:<18} {value: .3e}")
+    if args.json:
+        Path(args.json).write_text(model.to_json() + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _add_engine_options(parser, kinds, default):
     parser.add_argument("--engine", choices=kinds, default=default)
     parser.add_argument("--batch-size", type=int, default=None, help="decode slots (not for sequential)")
@@ -240,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="small workloads (a few minutes)")
     bench.add_argument("--json", metavar="OUT", help="write results here, plots beside it")
 
+    fit = sub.add_parser("fit-cost", help="time the real model on designed batches; fit the "
+                         "simulator's cost model")
+    fit.add_argument("--json", metavar="OUT", help="write the fitted model here (e.g. "
+                     "src/batchlab/data/cost_model.json)")
+    fit.add_argument("--quick", action="store_true", help="a third of the designed passes")
+    fit.add_argument("--reps", type=int, default=3, help="timed runs per pass (the fastest is kept)")
+
     exp = sub.add_parser("export-mlx", help="write the model as an mlx-lm folder (for mlx_lm.server)")
     exp.add_argument("dir")
     return parser
@@ -247,9 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.command_line = "batchlab " + " ".join(sys.argv[1:] if argv is None else argv)
     handler = {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo,
                "serve": _cmd_serve, "loadgen": _cmd_loadgen, "export-mlx": _cmd_export_mlx,
-               "bench": _cmd_bench}[args.command]
+               "bench": _cmd_bench, "fit-cost": _cmd_fit_cost}[args.command]
     try:
         return handler(args)
     except (ValueError, FileNotFoundError) as e:

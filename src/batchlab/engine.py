@@ -19,6 +19,7 @@ from typing import Sequence
 from . import metrics
 from .kv import BlockManager
 from .model import LoadedModel
+from .policies import Admission
 from .prompts import check_prompt_ids, clamp_new_tokens
 from .request import Request, State
 from .runner import Chunk, ModelRunner
@@ -32,8 +33,9 @@ KINDS = ("sequential", "static", "continuous", "stallfree")
 
 class Engine:
     def __init__(self, lm: LoadedModel, scheduler: Scheduler, runner, max_seq_len: int,
-                 trace_limit: int | None = None):
+                 trace_limit: int | None = None, admission: Admission | None = None):
         self.lm, self.scheduler, self.runner = lm, scheduler, runner
+        self.admission = admission or Admission()  # default: admit everything, shed nothing
         self.blocks = scheduler.blocks
         self.max_seq_len = max_seq_len
         self.trace = Trace(scheduler.kind, scheduler.max_batch_size,
@@ -55,12 +57,15 @@ class Engine:
     # -- the client side ------------------------------------------------------------------
     def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 32, temperature: float = 0.0,
                top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-               ignore_eos: bool = False, request_id: str | None = None, priority: int = 0) -> str:
-        """Queue a request; return its id. Bad arguments raise ValueError and change nothing.
+               ignore_eos: bool = False, request_id: str | None = None, priority: int = 0,
+               arrival_s: float | None = None) -> str:
+        """Queue a request; return its id. Bad arguments raise ValueError and change nothing;
+        a full queue (see ``policies.Admission``) raises ``QueueFull``.
 
         ``priority``: lower is more important (as in vLLM); continuous and stall-free
         engines serve the queue by it and preempt the least important first. Static and
-        sequential engines serve first come, first served."""
+        sequential engines serve first come, first served. ``arrival_s`` (default: now)
+        lets a driver that submits between steps give the time the request was due."""
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
             raise ValueError("submit takes a list of token ids; encode text with the tokenizer first")
         prompt_ids = list(prompt_ids)
@@ -79,8 +84,11 @@ class Engine:
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
+            self.admission.check_room(self._queue_depth)
             stop = frozenset() if ignore_eos else self.lm.tokenizer.eos_token_ids
-            req = Request(rid, prompt_ids, max_new, sampling, stop, self.clock(), priority=priority)
+            now = self.clock()
+            arrived = now if arrival_s is None else min(float(arrival_s), now)
+            req = Request(rid, prompt_ids, max_new, sampling, stop, arrived, priority=priority)
             self._requests[rid] = req
             self._inbox.append(req)
             self.trace.requests[rid] = req.record
@@ -126,6 +134,9 @@ class Engine:
                 if not req.finished:
                     self.scheduler.add(req)
             self._inbox.clear()
+            for req in self.admission.to_shed(self.scheduler.queue, self.clock()):
+                self._finish(req, "shed")  # waited too long: it leaves without running
+                self.scheduler.remove(req)
             if not self.scheduler.has_work():
                 return False
             record = StepRecord(self._step_index, self.clock(), queued=len(self.scheduler.queue))
@@ -183,11 +194,11 @@ class Engine:
                                if r.slot is not None})
         record.padding += [r.id for r in batch.padding]
         record.padding_tokens += batch.padding_tokens
-        start = time.perf_counter()
+        start = self.clock()  # a simulator's clock advances inside forward()
         logits = self.runner.forward(chunks)
         tokens = sample_rows(logits[[i for _, i in samples]], [r.sampler for r, _ in samples]) \
             if samples else []
-        record.forward_s += time.perf_counter() - start
+        record.forward_s += self.clock() - start
         record.passes += 1
         with self._lock:
             for req in decode:
@@ -215,7 +226,10 @@ class Engine:
     def queue_depth(self) -> int:
         """Requests submitted but not yet admitted (for admission control and /metrics)."""
         with self._lock:
-            return sum(not r.finished for r in (*self._inbox, *self.scheduler.queue))
+            return self._queue_depth()
+
+    def _queue_depth(self) -> int:
+        return sum(not r.finished for r in (*self._inbox, *self.scheduler.queue))
 
     # -- what happened ----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -227,7 +241,7 @@ class Engine:
                              dict(self.trace.requests))
             running = sum(1 for r in self._requests.values() if not r.finished)
             finished = dict(self.finished_by_reason)
-            queued = sum(not r.finished for r in (*self._inbox, *self.scheduler.queue))
+            queued = self._queue_depth()
         return {**metrics.summarize(snapshot), "running": running, "queued": queued,
                 "finished": finished, "num_kv_blocks": self.blocks.num_blocks,
                 "free_kv_blocks": self.blocks.num_free,
@@ -240,7 +254,8 @@ def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
                 prefill_step: int | None = None, token_budget: int | None = None,
                 kv_block_size: int = 16, num_kv_blocks: int | None = None,
                 max_seq_len: int | None = None, executor=ModelRunner,
-                trace_limit: int | None = None, enable_prefix_cache: bool = False) -> Engine:
+                trace_limit: int | None = None, enable_prefix_cache: bool = False,
+                admission: Admission | None = None, clock=None) -> Engine:
     """Build an engine of one kind: sequential | static | continuous | stallfree.
 
     Options that do not apply to a kind are an error, not silently ignored:
@@ -249,6 +264,9 @@ def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
     batches: the real ``ModelRunner`` unless a test or simulator passes another.
     ``enable_prefix_cache`` (continuous and stallfree) shares the KV blocks of a prompt
     prefix that an earlier request already computed.
+    ``admission`` bounds the queue and sheds stale requests (default: neither).
+    ``clock()`` gives every timestamp in seconds (default: real time since the engine
+    was made; the simulator passes its virtual clock).
     """
     if kind not in KINDS:
         raise ValueError(f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)}")
@@ -269,10 +287,11 @@ def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
     if num_kv_blocks is None:  # room for a full-length request, or ~1k tokens per slot
         num_kv_blocks = math.ceil(max(max_seq_len, (batch + 1) * 1024) / kv_block_size)
     blocks = BlockManager(num_kv_blocks, kv_block_size, enable_prefix_cache)
-    t0 = time.perf_counter()
+    if clock is None:
+        t0 = time.perf_counter()
 
-    def clock() -> float:
-        return time.perf_counter() - t0
+        def clock() -> float:
+            return time.perf_counter() - t0
 
     scheduler = {
         "sequential": lambda: SequentialScheduler(blocks, clock),
@@ -281,7 +300,7 @@ def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
         "stallfree": lambda: StallFreeScheduler(
             batch, blocks, clock, 256 if token_budget is None else token_budget),
     }[kind]()
-    return Engine(lm, scheduler, executor(lm, blocks), max_seq_len, trace_limit)
+    return Engine(lm, scheduler, executor(lm, blocks), max_seq_len, trace_limit, admission)
 
 
 class EngineLoop:

@@ -96,6 +96,8 @@ class BlockManager:
         MemoryError if the pool (or the request's reservation) is short: schedulers check
         first, so an engine step never meets it."""
         table = self.tables.setdefault(req_id, [])
+        if len(table) * self.block_size >= num_tokens:  # the common case: room already
+            return table
         need = self.blocks_to_grow(req_id, num_tokens)
         if req_id in self.reserved and len(table) + need > self.reserved[req_id]:
             raise MemoryError(f"{req_id} needs more KV blocks than it reserved")

@@ -61,8 +61,9 @@ class Sampler:
 
 
 def sample_rows(logits: mx.array, samplers: list[Sampler]) -> list[int]:
-    """One token per row of ``logits`` [N, vocab]; greedy rows use a single argmax."""
-    greedy = mx.argmax(logits, axis=-1)
+    """One token per row of ``logits`` [N, vocab]; greedy rows use a single argmax.
+    (The simulator passes numpy logits: an MLX round trip would cost more than its step.)"""
+    greedy = (np if isinstance(logits, np.ndarray) else mx).argmax(logits, axis=-1)
     if all(s.params.greedy for s in samplers):
         return greedy.tolist()
     rows = np.array(logits.astype(mx.float32))

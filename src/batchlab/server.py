@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .engine import EngineLoop
 from .model import LoadedModel
+from .policies import Admission, QueueFull
 
 POLL_INTERVAL_S = 0.005
 DEFAULT_MAX_TOKENS = 512
@@ -99,12 +100,13 @@ class StopMatcher:
 
 
 class Server:
-    def __init__(self, lm: LoadedModel, loop: EngineLoop, model_id: str, max_queue: int = 64):
-        self.lm, self.loop, self.model_id, self.max_queue = lm, loop, model_id, max_queue
+    def __init__(self, lm: LoadedModel, loop: EngineLoop, model_id: str):
+        self.lm, self.loop, self.model_id = lm, loop, model_id
         self.started = int(time.time())
 
     def submit(self, prompt_ids: list[int], req: SamplingFields) -> str:
-        """Raises ValueError for a request the engine refuses (too long, bad ids...)."""
+        """Raises ValueError for a request the engine refuses (too long, bad ids...) and
+        QueueFull when the engine's admission policy has no room."""
         max_new = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
         return self.loop.submit(prompt_ids, max_new_tokens=max_new, temperature=req.temperature,
                                 top_p=req.top_p, seed=req.seed)
@@ -186,13 +188,12 @@ def create_app(server: Server) -> FastAPI:
     async def respond(http: Request, req: SamplingFields, prompt_ids: list[int], chat: bool):
         if server.loop.error is not None:
             return error(503, "the engine has stopped", "server_error")
-        if server.loop.engine.queue_depth() >= server.max_queue:
-            return error(429, f"the queue is full ({server.max_queue} waiting); retry later",
-                         "rate_limit_error")
         try:
             rid = server.submit(prompt_ids, req)
         except ValueError as e:
             return error(400, str(e))
+        except QueueFull as e:
+            return error(429, str(e), "rate_limit_error")
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         kind = "chat.completion" if chat else "text_completion"
         created = int(time.time())
@@ -264,9 +265,10 @@ def serve(lm: LoadedModel, kind: str, host: str = "127.0.0.1", port: int = 8000,
 
     from .engine import make_engine
 
-    engine = make_engine(kind, lm, trace_limit=2000, **engine_options)
+    engine = make_engine(kind, lm, trace_limit=2000, admission=Admission(max_queue=max_queue),
+                         **engine_options)
     with EngineLoop(engine) as loop:
-        app = create_app(Server(lm, loop, lm.info.name, max_queue))
+        app = create_app(Server(lm, loop, lm.info.name))
         uvicorn.run(app, host=host, port=port, log_level="info")
 
 
@@ -307,13 +309,14 @@ def serve_in_thread(lm: LoadedModel, kind: str = "stallfree", host: str = "127.0
 
     from .engine import make_engine
 
-    engine = make_engine(kind, lm, trace_limit=trace_limit, **engine_options)
+    engine = make_engine(kind, lm, trace_limit=trace_limit, admission=Admission(max_queue=max_queue),
+                         **engine_options)
     loop = EngineLoop(engine).start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        app = create_app(Server(lm, loop, model_id or lm.info.name, max_queue))
+        app = create_app(Server(lm, loop, model_id or lm.info.name))
         uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]},
                                   name="batchlab-http", daemon=True)

@@ -1,0 +1,55 @@
+"""Admission control and load shedding: what an engine does when more work arrives than
+it can serve.
+
+*Admission control* refuses a request at the door (``submit`` raises ``QueueFull``) when
+the queue already holds ``max_queue`` waiting requests: the client learns at once and can
+retry or go elsewhere (a server answers HTTP 429). *Load shedding* drops requests that
+were admitted but have waited so long that serving them is pointless: each step, queued
+requests that have waited more than ``max_wait_s`` finish with reason ``"shed"``. Both
+keep the queue, and so the waiting time of everybody behind it, bounded under overload.
+
+The engine consults one ``Admission`` object; the default admits everything and sheds
+nothing, so an engine without options behaves exactly as before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from .request import Request, State
+
+
+class QueueFull(Exception):
+    """``submit`` was refused because the queue is at its bound (a server's HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """``max_queue``: most requests waiting to start (None: unbounded).
+    ``max_wait_s``: a queued request that has waited longer is shed (None: never)."""
+
+    max_queue: int | None = None
+    max_wait_s: float | None = None
+
+    def __post_init__(self):
+        if self.max_queue is not None and (not isinstance(self.max_queue, int) or self.max_queue < 0):
+            raise ValueError(f"max_queue must be an integer >= 0 or None, got {self.max_queue!r}")
+        if self.max_wait_s is not None and not (isinstance(self.max_wait_s, (int, float))
+                                                and self.max_wait_s >= 0 and math.isfinite(self.max_wait_s)):
+            raise ValueError(f"max_wait_s must be a number >= 0 or None, got {self.max_wait_s!r}")
+
+    def check_room(self, queue_depth: Callable[[], int]) -> None:
+        """Raise ``QueueFull`` if one more waiting request would exceed the bound.
+        (``queue_depth`` is called only when there is a bound: counting costs time.)"""
+        if self.max_queue is not None and queue_depth() >= self.max_queue:
+            raise QueueFull(f"the queue is full ({self.max_queue} waiting); retry later")
+
+    def to_shed(self, queue: Iterable[Request], now: float) -> list[Request]:
+        """Queued requests that never started (a preempted one has begun its answer: it
+        stays) and have waited longer than ``max_wait_s``."""
+        if self.max_wait_s is None:
+            return []
+        return [r for r in queue if r.state is State.QUEUED and not r.output_ids
+                and now - r.arrival_s > self.max_wait_s]

@@ -1,0 +1,246 @@
+"""The simulator: the SAME engine and schedulers, with the model replaced by a cost model
+and the wall clock by a virtual one, so 10,000 requests run in seconds.
+
+- ``VirtualClock``: time that moves only when told to. The engine takes every timestamp
+  from it (``make_engine(..., clock=...)``), so traces and metrics read exactly as for a
+  real run.
+- ``CostModel``: a forward pass's time predicted from what it computes -- a linear model
+  whose coefficients are fitted by least squares to timings of the real model
+  (:mod:`batchlab.costfit`; this machine's fit ships as ``data/cost_model.json``).
+- ``SimRunner``: a drop-in for ``ModelRunner``. It advances the clock by the predicted
+  time of each pass and returns logits that pick a fixed token, with no model compute.
+- ``simulate``: feeds a workload's arrivals on virtual time and steps the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .fake import FakeModel
+from .kv import BlockManager
+from .runner import Chunk
+from .trace import Trace
+from .workloads import Workload, WorkloadRequest, arrival_times
+
+COST_MODEL_FILE = Path(__file__).parent / "data" / "cost_model.json"
+
+#: What a forward pass computes, as the cost model sees it (one number each).
+FEATURES = (
+    "passes",  # 1 per pass: fixed overhead (kernel launches, the lm head's set-up)
+    "tokens",  # tokens pushed through every linear layer (decode rows + prefill tokens)
+    "decode_rows",  # decode rows (each a separate attention over its own context)
+    "decode_context",  # sum of the decode rows' context lengths (KV read by attention)
+    "prefill_chunks",  # prefill chunks (each its own attention call)
+    "prefill_attention",  # sum over chunks of chunk length x context length (quadratic part)
+)
+
+
+def pass_features(chunks: Sequence[Chunk]) -> np.ndarray:
+    """The ``FEATURES`` of one forward pass over ``chunks``."""
+    rows = [c.start + 1 for c in chunks if len(c.tokens) == 1]
+    prefills = [(len(c.tokens), c.start + len(c.tokens)) for c in chunks if len(c.tokens) > 1]
+    return np.array([
+        1.0,
+        float(len(rows) + sum(n for n, _ in prefills)),
+        float(len(rows)),
+        float(sum(rows)),
+        float(len(prefills)),
+        float(sum(n * ctx for n, ctx in prefills)),
+    ])
+
+
+@dataclass
+class CostModel:
+    """seconds = coefficients · features(pass). ``error`` holds the fit's relative error
+    on held-out passes (median, p90), so anyone using it knows how far to trust it."""
+
+    coefficients: dict[str, float]
+    error: dict[str, float] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)  # how, where and when it was fitted
+
+    def __post_init__(self):
+        missing = [f for f in FEATURES if f not in self.coefficients]
+        if missing:
+            raise ValueError(f"cost model lacks coefficients for {', '.join(missing)}")
+        self._w = np.array([self.coefficients[f] for f in FEATURES])
+
+    def predict(self, chunks: Sequence[Chunk]) -> float:
+        """Predicted seconds of one forward pass over ``chunks`` (never below zero)."""
+        return max(float(pass_features(chunks) @ self._w), 0.0)
+
+    def predict_features(self, x: np.ndarray) -> np.ndarray:
+        return np.maximum(np.asarray(x) @ self._w, 0.0)
+
+    @classmethod
+    def fit(cls, features: np.ndarray, seconds: np.ndarray, meta: dict | None = None) -> "CostModel":
+        """Least-squares fit, minimising *relative* error (each row weighted by 1/seconds)
+        so short decode steps count as much as long prefills; non-negative by clipping."""
+        x, y = np.asarray(features, dtype=float), np.asarray(seconds, dtype=float)
+        w, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
+        return cls({f: float(v) for f, v in zip(FEATURES, w)}, meta=meta or {})
+
+    def relative_errors(self, features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+        """|predicted - measured| / measured for each pass."""
+        y = np.asarray(seconds, dtype=float)
+        return np.abs(self.predict_features(features) - y) / y
+
+    def to_json(self) -> str:
+        return json.dumps({"coefficients": self.coefficients, "error": self.error,
+                           "meta": self.meta}, indent=2)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> "CostModel":
+        """The committed fit for the course machine, or one written by ``batchlab fit-cost --json``."""
+        data = json.loads(Path(path or COST_MODEL_FILE).read_text())
+        return cls(data["coefficients"], data.get("error", {}), data.get("meta", {}))
+
+
+class VirtualClock:
+    """Seconds of simulated time; callable like the engine's clock."""
+
+    def __init__(self, start: float = 0.0):
+        self.now = float(start)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError("time does not run backwards")
+        self.now += seconds
+
+    def advance_to(self, t: float) -> None:
+        self.now = max(self.now, float(t))
+
+
+class SimRunner:
+    """Stands where ``ModelRunner`` goes; build with :func:`sim_executor`.
+
+    It computes nothing (the engine has already given every chunk its KV blocks): each
+    pass costs the cost model's prediction on the virtual clock, and every row's logits
+    pick token ``1``. Simulated workloads therefore set
+    ``ignore_eos`` so that lengths, not tokens, decide when a request ends."""
+
+    def __init__(self, lm, blocks: BlockManager, cost: CostModel, clock: VirtualClock):
+        self.lm, self.blocks, self.cost, self.clock = lm, blocks, cost, clock
+        self.passes = 0
+        self._logits: dict[int, np.ndarray] = {}  # one array per row count, made once
+
+    def forward(self, chunks: list[Chunk]) -> np.ndarray:
+        self.clock.advance(self.cost.predict(chunks))
+        self.passes += 1
+        n = len(chunks)
+        if n not in self._logits:
+            logits = np.zeros((n, self.lm.tokenizer.vocab_size), dtype=np.float32)
+            logits[:, 1] = 1.0
+            self._logits[n] = logits
+        return self._logits[n]
+
+
+def sim_executor(cost: CostModel, clock: VirtualClock):
+    """The ``executor`` argument of ``make_engine`` for a simulated engine."""
+    return lambda lm, blocks: SimRunner(lm, blocks, cost, clock)
+
+
+# Tokens do not matter in a simulation: a tiny vocabulary, room for the longest synthetic request.
+SIM_MODEL = FakeModel(vocab_size=8, eos_id=0, max_seq_len=2048)
+
+
+def make_sim_engine(kind: str = "stallfree", cost: CostModel | None = None, **options):
+    """``make_engine(kind, ...)`` on a virtual clock with the cost model as its executor.
+    Returns the engine; its clock is ``engine.clock``."""
+    from .engine import make_engine
+
+    clock = VirtualClock()
+    return make_engine(kind, SIM_MODEL, executor=sim_executor(cost or CostModel.load(), clock),
+                       clock=clock, **options)
+
+
+def synthetic_workload(num_requests: int, rate: float, seed: int = 0,
+                       prompt_median: float = 128.0, prompt_sigma: float = 0.7,
+                       prompt_range: tuple[int, int] = (16, 1024), output_median: float = 64.0,
+                       output_sigma: float = 0.8, output_range: tuple[int, int] = (4, 512),
+                       arrivals: str = "poisson", prefix: str = "sim") -> Workload:
+    """ShareGPT-like lengths (lognormal, as ``workloads.sharegpt``) arriving at ``rate``
+    per second, with placeholder prompt tokens: the simulator needs lengths, not text,
+    and building 10,000 real prompts would take longer than simulating them."""
+    rng = np.random.default_rng(seed)
+    p = np.clip(np.rint(rng.lognormal(math.log(prompt_median), prompt_sigma, num_requests)), *prompt_range)
+    o = np.clip(np.rint(rng.lognormal(math.log(output_median), output_sigma, num_requests)), *output_range)
+    t = arrival_times(num_requests, arrivals, rate, rng=rng)
+    width = len(str(num_requests - 1))
+    reqs = [WorkloadRequest(f"{prefix}-{i:0{width}d}", [1] * int(pi), int(oi), float(ti))
+            for i, (pi, oi, ti) in enumerate(zip(p, o, t))]
+    return Workload("synthetic", f"{num_requests} requests, Poisson at {rate:g}/s, "
+                    f"ShareGPT-like lengths", reqs, seed,
+                    dict(num_requests=num_requests, rate=rate, prompt_median=prompt_median,
+                         output_median=output_median, arrivals=arrivals, prefix=prefix))
+
+
+def merge(*workloads: Workload) -> Workload:
+    """Several workloads' requests as one, in order of arrival (ids must differ)."""
+    reqs = sorted((r for w in workloads for r in w.requests), key=lambda r: r.arrival_s)
+    if len({r.id for r in reqs}) != len(reqs):
+        raise ValueError("merged workloads share request ids; give each a different prefix")
+    return Workload("+".join(w.name for w in workloads), "; ".join(w.description for w in workloads),
+                    reqs, None, {"parts": [w.params for w in workloads]})
+
+
+def simulate(engine, workload: Workload, priorities: dict[str, int] | None = None) -> Trace:
+    """Run ``workload`` on a simulated engine and return its trace.
+
+    Requests are submitted when the virtual clock reaches their arrival; when the engine
+    is idle the clock jumps to the next arrival. Refused requests (``QueueFull``) get a
+    record finished with reason ``"rejected"`` so the trace accounts for every request.
+    ``priorities`` maps request ids to a priority, passed to ``submit`` when given.
+    """
+    from .policies import QueueFull
+    from .trace import RequestRecord
+
+    clock = engine.clock
+    if not isinstance(clock, VirtualClock):
+        raise ValueError("simulate needs an engine made by make_sim_engine (a virtual clock)")
+    reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
+    t0, nxt, rejected = clock(), 0, {}
+    while True:
+        while nxt < len(reqs) and t0 + reqs[nxt].arrival_s <= clock():
+            r = reqs[nxt]
+            extra = {} if priorities is None else {"priority": priorities[r.id]}
+            try:
+                engine.submit(r.prompt_ids, max_new_tokens=r.max_new_tokens, ignore_eos=True,
+                              request_id=r.id, arrival_s=t0 + r.arrival_s, **extra)
+            except QueueFull:
+                t = t0 + r.arrival_s
+                rejected[r.id] = RequestRecord(r.id, r.prompt_len, r.max_new_tokens, t,
+                                               [(t, "finished")], finished_s=t,
+                                               finish_reason="rejected")
+            nxt += 1
+        if not engine.step():
+            if nxt == len(reqs):
+                break
+            clock.advance_to(t0 + reqs[nxt].arrival_s)
+    steps = [s for s in engine.trace.steps if s.start_s >= t0]
+    records = {r.id: rejected.get(r.id) or engine.trace.requests[r.id] for r in reqs}
+    return Trace(engine.trace.kind, engine.trace.max_batch_size, steps, records,
+                 engine.trace.num_kv_blocks)
+
+
+def service_rate(workload: Workload, kind: str = "stallfree", cost: CostModel | None = None,
+                 **options) -> float:
+    """μ: requests per second the engine completes when it never runs out of work --
+    every request of ``workload`` arrives at once, and the rate is measured over the
+    run. (Arrivals faster than this build a queue that only grows.)"""
+    engine = make_sim_engine(kind, cost, **options)
+    trace = simulate(engine, workload.with_arrivals("all"))
+    return len(trace.requests) / engine.clock()
+
+
+def queue_timeline(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """(step start times, requests waiting in the queue) over a run."""
+    return (np.array([s.start_s for s in trace.steps]), np.array([s.queued for s in trace.steps]))

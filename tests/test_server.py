@@ -121,6 +121,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
      "temperature"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": "high"},
+     "priority"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": ""}, None),
     ("/v1/completions", {"prompt": [1, 2, 999999]}, None),

@@ -82,8 +82,12 @@ def read_requests(path: Path, lm) -> list[dict]:
 
 def engine_options(args) -> dict:
     """The make_engine options the user actually gave (the rest keep their defaults)."""
-    return {k: v for k, v in (("max_batch_size", args.batch_size), ("prefill_step", args.prefill_step),
-                              ("token_budget", args.token_budget)) if v is not None}
+    options = {k: v for k, v in (("max_batch_size", args.batch_size), ("prefill_step", args.prefill_step),
+                                 ("token_budget", args.token_budget),
+                                 ("num_kv_blocks", args.num_kv_blocks)) if v is not None}
+    if args.enable_prefix_cache:
+        options["enable_prefix_cache"] = True
+    return options
 
 
 def _cmd_generate(args) -> int:
@@ -208,6 +212,10 @@ def _add_engine_options(parser, kinds, default):
                         help="continuous: prompt tokens per prefill chunk (default: whole prompt)")
     parser.add_argument("--token-budget", type=int, default=None,
                         help="stallfree: tokens per step (default 256)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="KV blocks of 16 tokens (default: ~1k tokens a slot); a small pool preempts")
+    parser.add_argument("--enable-prefix-cache", action="store_true",
+                        help="continuous/stallfree: share the KV blocks of repeated prompt prefixes")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -51,6 +51,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)  # one choice per request
+    priority: int = 0  # vLLM's extension: lower is served first and preempted last
 
     @field_validator("stop")
     @classmethod
@@ -109,7 +110,7 @@ class Server:
         QueueFull when the engine's admission policy has no room."""
         max_new = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
         return self.loop.submit(prompt_ids, max_new_tokens=max_new, temperature=req.temperature,
-                                top_p=req.top_p, seed=req.seed)
+                                top_p=req.top_p, seed=req.seed, priority=req.priority)
 
     async def events(self, rid: str, stops: list[str]) -> AsyncIterator[tuple[str, str | None, int]]:
         """Yield (new text, finish reason or None, tokens so far) until the request ends:

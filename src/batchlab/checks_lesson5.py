@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from .checks import Case, Verdict, _show, run_cases
 from .engine import Engine
-from .fake import FakeModel, FakeRunner
+from .fake import FakeModel, FakeRunner, TickClock
 from .kv import BlockManager
 from .request import Request, State
 from .runner import Chunk
@@ -32,7 +32,7 @@ def _plan_reference(decoding, prefilling, queue, budget, free_slots):
     """The stall-free rule on plain data: the library's ``StallFreeScheduler.plan`` run on
     requests made to match."""
     slots = len(decoding) + len(prefilling) + free_slots
-    scheduler = StallFreeScheduler(slots, BlockManager(4096, 16), _Clock(), max(budget, slots))
+    scheduler = StallFreeScheduler(slots, BlockManager(4096, 16), TickClock(), max(budget, slots))
     scheduler.token_budget = budget  # a case may give fewer tokens than there are slots
 
     def request(rid, prompt_len):
@@ -137,19 +137,8 @@ class _Recording(StallFreeScheduler):
 def _engine_with(scheduler_cls, batch: int, budget: int, vocab: int = 64) -> Engine:
     fm = FakeModel(vocab_size=vocab)
     blocks = BlockManager(4096, 16)
-    scheduler = scheduler_cls(batch, blocks, _Clock(), budget)
+    scheduler = scheduler_cls(batch, blocks, TickClock(), budget)
     return Engine(fm, scheduler, FakeRunner(fm, blocks), fm.max_seq_len)
-
-
-class _Clock:
-    """A fake clock: every reading is one 'second' later (fake runs are instant)."""
-
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 1.0
-        return self.t
 
 
 def _small_workload(seed: int, n: int = 10, vocab: int = 64):

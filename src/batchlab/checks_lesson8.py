@@ -16,7 +16,7 @@ from typing import Callable
 
 from .checks import Case, Verdict, _show, run_cases
 from .engine import Engine
-from .fake import FakeModel, FakeRunner
+from .fake import FakeModel, FakeRunner, TickClock
 from .kv import BlockManager
 from .scheduler import PriorityPolicy, StallFreeScheduler
 
@@ -166,21 +166,12 @@ class _LearnerPolicy(PriorityPolicy):
         return chosen
 
 
-class _Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        self.t += 1.0
-        return self.t
-
-
 def _preempting_run(policy: PriorityPolicy):
     """Six requests of mixed priority on a pool too small for them (fake model): the
     preemptions of each step and the tokens of each request."""
     fm = FakeModel()
     blocks = BlockManager(14, 4)
-    engine = Engine(fm, StallFreeScheduler(4, blocks, _Clock(), 24, policy), FakeRunner(fm, blocks),
+    engine = Engine(fm, StallFreeScheduler(4, blocks, TickClock(), 24, policy), FakeRunner(fm, blocks),
                     fm.max_seq_len)
     for i, prio in enumerate([1, 0, 2, 1, 0, 2]):
         engine.submit([(7 * i + j) % 60 + 1 for j in range(6 + i)], max_new_tokens=20,

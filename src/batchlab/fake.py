@@ -83,3 +83,15 @@ class FakeRunner:
             self.kv[writes] = chunk.tokens
             logits[row, next_token(context.tolist() + list(chunk.tokens), self.lm.vocab_size)] = 0.0
         return mx.array(logits)
+
+
+class TickClock:
+    """A clock for fake runs, which take no time: every reading is one "second" later, so
+    timestamps still come out in order."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t

@@ -205,6 +205,19 @@ def _number(got: Any) -> str | None:
     return f"expected a whole number (a Python int), but you returned a {type(got).__name__}"
 
 
+def whole_number_compare(diagnose: Callable[[int, int], str]) -> Callable[[Any, int], str | None]:
+    """A case's compare for whole-number answers: not a whole number, say so; right, None;
+    otherwise ``diagnose(got, expected)`` names the likely mistake ("" if it knows none)."""
+    def compare(got, expected):
+        problem = _number(got)
+        if problem:
+            return problem
+        if got == expected:
+            return None
+        return diagnose(got, expected)
+    return compare
+
+
 def _as_number(got: Any) -> tuple[float | None, str | None]:
     """(value, None) for a real number; (None, why not) otherwise."""
     if isinstance(got, bool) or not isinstance(got, (int, float, np.integer, np.floating)):

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from .checks import Case, Verdict, _number, run_cases
+from .checks import Case, Verdict, run_cases, whole_number_compare
 from .engine import Engine
 from .fake import FakeModel, FakeRunner, reference_output
 from .kv import BlockManager
@@ -256,12 +256,7 @@ def wasted_slot_steps(fn: Callable) -> Verdict:
         return sum(B - len(s["decoded"]) for s in decode_steps)
 
     def compare_for(lens, B):
-        def compare(got, expected):
-            problem = _number(got)
-            if problem:
-                return problem
-            if got == expected:
-                return None
+        def diagnose(got, expected):
             m = max(lens)
             if got == sum(m - o for o in lens) and len(lens) < B:
                 empty = B - len(lens)
@@ -272,7 +267,7 @@ def wasted_slot_steps(fn: Callable) -> Verdict:
                 return (f"the batch runs max - 1 = {m - 1} decode steps, not {m}: each request's "
                         "first token comes from the prefill, not from a decode row")
             return ""
-        return compare
+        return whole_number_compare(diagnose)
 
     rows = [
         ("outputs [5, 2, 3] filling B=3 slots", [5, 2, 3], 3),
@@ -303,12 +298,7 @@ def static_steps(fn: Callable) -> Verdict:
     def compare_for(lens, B):
         groups = [lens[i:i + B] for i in range(0, len(lens), B)]
 
-        def compare(got, expected):
-            problem = _number(got)
-            if problem:
-                return problem
-            if got == expected:
-                return None
+        def diagnose(got, expected):
             if got == sum(max(g) for g in groups):
                 return ("each batch takes max - 1 steps, not max: the prefill makes every "
                         "request's first token in the batch's first step, together with the "
@@ -320,7 +310,7 @@ def static_steps(fn: Callable) -> Verdict:
                 return (f"with B={B}, the {len(lens)} requests run as {len(groups)} batches, one "
                         f"after the other, in arrival order")
             return ""
-        return compare
+        return whole_number_compare(diagnose)
 
     rows = [
         ("one request with 3 output tokens, B=1", [3], 1),

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from .checks import Case, Verdict, run_cases
-from .checks_lesson1 import Req, _number, _prompt, compare_runs, fake_engine, run_requests
+from .checks import Case, Verdict, run_cases, whole_number_compare
+from .checks_lesson1 import Req, _prompt, compare_runs, fake_engine, run_requests
 from .fake import FakeModel
 from .request import State
 from .scheduler import ContinuousScheduler
@@ -244,19 +244,14 @@ def continuous_steps(fn: Callable) -> Verdict:
         return sum(max(1, max(lens[i:i + B]) - 1) for i in range(0, len(lens), B))
 
     def compare_for(lens, B):
-        def compare(got, expected):
-            problem = _number(got)
-            if problem:
-                return problem
-            if got == expected:
-                return None
+        def diagnose(got, expected):
             if got == static(lens, B) and got != expected:
                 return "that is the count for static batching (lesson 1), not continuous batching"
             if got == expected + 1 or got == expected - 1:
                 return ("off by one: a request's first token comes from its prefill, and it "
                         "decodes in the very step it is placed")
             return ""
-        return compare
+        return whole_number_compare(diagnose)
 
     mixed = [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14]
     rows = [

@@ -47,7 +47,8 @@ def _missing() -> str | None:
 # Skipped where the browser or the package is missing (a Mac), but never in CI: there a
 # missing install must fail the run, not hide in a skip.
 MISSING = _missing()
-pytestmark = pytest.mark.skipif(MISSING is not None and os.environ.get("CI") != "true", reason=str(MISSING))
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(MISSING is not None and os.environ.get("CI") != "true", reason=str(MISSING))]
 
 
 def _free_port() -> int:

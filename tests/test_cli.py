@@ -162,9 +162,9 @@ def test_engine_flags_reach_make_engine():
     from batchlab import make_engine
     from batchlab.fake import FakeModel, FakeRunner
 
-    engine = make_engine("stallfree", FakeModel(), executor=FakeRunner, **engine_options(args))
-    assert engine.stats()["num_kv_blocks"] == 40 and engine.blocks.enable_prefix_cache
+    engine = make_engine("stallfree", FakeModel(), runner=FakeRunner, **engine_options(args))
+    assert engine.stats()["num_kv_blocks"] == 40 and engine.scheduler.blocks.enable_prefix_cache
     static = build_parser().parse_args(["generate", "--engine", "static", "--enable-prefix-cache",
                                         "--max-new-tokens", "2", "--input", "i", "--output", "o"])
     with pytest.raises(ValueError, match="enable_prefix_cache does not apply to the static engine"):
-        make_engine("static", FakeModel(), executor=FakeRunner, **engine_options(static))
+        make_engine("static", FakeModel(), runner=FakeRunner, **engine_options(static))

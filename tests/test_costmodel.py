@@ -19,14 +19,14 @@ import numpy as np
 from batchlab import make_engine, workloads
 from batchlab.runner import ModelRunner
 from batchlab.costfit import fit_cost_model
-from batchlab.simulator import CostModel, VirtualClock, sim_executor, simulate
+from batchlab.simulator import CostModel, VirtualClock, sim_runner, simulate
 
 MARGIN = 0.15  # allowed on top of twice the reported held-out median error
 
 
 class TimedRunner(ModelRunner):
-    def __init__(self, lm, blocks):
-        super().__init__(lm, blocks)
+    def __init__(self, lm, num_blocks, block_size):
+        super().__init__(lm, num_blocks, block_size)
         self.timed: list[tuple[list, float]] = []
 
     def forward(self, chunks):
@@ -42,7 +42,7 @@ class TimedRunner(ModelRunner):
 
 def test_cost_model_predicts_real_forward_passes(lm):
     cost = fit_cost_model(lm, reps=2, progress=False)
-    engine = make_engine("stallfree", lm, max_batch_size=8, token_budget=128, executor=TimedRunner)
+    engine = make_engine("stallfree", lm, max_batch_size=8, token_budget=128, runner=TimedRunner)
     workload = workloads.mixed(lm, seed=5, num_requests=8).capped(12)
     trace = workloads.run_workload(engine, workload, progress=False)
     assert all(len(r.output_ids) == r.max_new_tokens for r in trace.requests.values())
@@ -63,7 +63,7 @@ def test_cost_model_predicts_real_forward_passes(lm):
     # The simulator drives the same scheduler: on the same workload it plans the same steps.
     clock = VirtualClock()
     sim = make_engine("stallfree", lm, max_batch_size=8, token_budget=128,
-                      executor=sim_executor(cost, clock), clock=clock)
+                      runner=sim_runner(cost, clock), clock=clock)
     simulated = simulate(sim, workload)
 
     def plan(t):
@@ -72,6 +72,7 @@ def test_cost_model_predicts_real_forward_passes(lm):
     assert plan(simulated) == plan(trace)
 
 
+@pytest.mark.slow
 def test_fit_cost_command_writes_a_model_the_simulator_loads(tmp_path, capsys):
     from batchlab.cli import main
 

@@ -21,7 +21,7 @@ def workload(n, seed, prompt_range=(5, 300), new_range=(1, 64)):
 
 
 def fake_engine(kind, **options):
-    return make_engine(kind, LM, executor=FakeRunner, **options)
+    return make_engine(kind, LM, runner=FakeRunner, **options)
 
 
 CONFIGS = [("sequential", {})] + [("static", {"max_batch_size": b}) for b in (1, 3, 8)] + [
@@ -49,7 +49,7 @@ def test_every_kind_produces_the_reference_tokens(kind, options):
         ends_on_eos += reason == "stop"
     assert ends_on_eos > 0, "the workload should exercise EOS endings"
     check_trace_invariants(engine, options)
-    assert engine.blocks.num_free == engine.blocks.num_blocks, "every KV block is returned"
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks, "every KV block is returned"
 
 
 def check_trace_invariants(engine, options):
@@ -152,7 +152,7 @@ def test_cancel_in_every_state_frees_everything_and_spares_the_others(kind, opti
     for rid in victims:
         if rid != target:
             assert engine.poll(rid)[1:] == ("done", "length")
-    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
     assert engine.scheduler.slots == [None] * engine.scheduler.max_batch_size
     assert engine.cancel("no-such-id") is False
 
@@ -194,7 +194,7 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(bad, message):
 
 
 def test_max_new_tokens_is_cut_at_the_maximum_sequence_length():
-    engine = make_engine("continuous", LM, executor=FakeRunner, max_seq_len=20)
+    engine = make_engine("continuous", LM, runner=FakeRunner, max_seq_len=20)
     rid = engine.submit([1] * 15, max_new_tokens=100, ignore_eos=True)
     engine.run_until_idle()
     tokens, _, reason = engine.poll(rid)
@@ -274,7 +274,7 @@ def test_concurrent_clients_lose_and_duplicate_nothing():
         else:
             assert got == expected
     assert cancelled > 0
-    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
 
 
 def test_engine_loop_sleeps_when_idle_and_stops_cleanly():

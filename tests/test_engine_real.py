@@ -78,7 +78,7 @@ def test_batched_kinds_equal_sequential(lm, mixed, sequential, kind, options):
             k, margin = margin_at_divergence(lm, prompt, expected, tokens)
             print(f"{kind} {options} {rid}: token {k} flipped at a logit margin of {margin:.2e}")
             assert margin < NEAR_TIE, f"{rid} differs at token {k} where the margin is {margin}"
-    assert engine.blocks.num_free == engine.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
 
 
 def test_sampling_is_per_request_and_independent_of_the_batch(lm, mixed):

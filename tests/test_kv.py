@@ -16,7 +16,7 @@ EOS = frozenset({LM.eos_id})
 
 
 def fake_engine(kind, **options):
-    return make_engine(kind, LM, executor=FakeRunner, **options)
+    return make_engine(kind, LM, runner=FakeRunner, **options)
 
 
 def expected(prompt, max_new):
@@ -106,7 +106,7 @@ def test_preempted_requests_recompute_and_finish_with_the_right_tokens(kind, opt
     engine = fake_engine(kind, max_batch_size=6, kv_block_size=4, num_kv_blocks=20, **options)
     ids = [engine.submit(p, max_new_tokens=m, ignore_eos=True) for p, m in requests]
     while engine.step():
-        check_blocks(engine.blocks)
+        check_blocks(engine.scheduler.blocks)
     stats = engine.stats()
     assert stats["preemptions"] > 0, "a pool of 20 blocks for 6 slots must preempt"
     assert stats["preemptions"] == sum(len(s.preempted) for s in engine.trace.steps) \
@@ -126,7 +126,7 @@ def test_preempted_requests_recompute_and_finish_with_the_right_tokens(kind, opt
     refill = [p[1:] for s in steps[when + 1:] for p in s.prefill if p[0] == rid]
     assert [start for start, _ in refill] == [sum(n for _, n in refill[:i]) for i in range(len(refill))]
     assert sum(n for _, n in refill) == record.prompt_len + made
-    assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.blocks.tables
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks and not engine.scheduler.blocks.tables
 
 
 def test_admission_waits_for_free_blocks():
@@ -160,7 +160,7 @@ def test_prefix_cache_skips_shared_blocks_and_keeps_the_answers(kind):
     assert stats["prefix_cache_hits"] == 4 * 3 and stats["prefix_cache_hit_tokens"] == 4 * 12
     later = [p for s in engine.trace.steps for p in s.prefill if p[0] != ids[0]]
     assert {start for _, start, _ in later} == {12}, "later prompts start after 3 cached blocks"
-    check_blocks(engine.blocks)
+    check_blocks(engine.scheduler.blocks)
 
 
 def test_a_prompt_made_only_of_cached_blocks_still_computes_its_last_token():
@@ -251,16 +251,16 @@ def test_thousand_random_requests_conserve_blocks(kind, options):
             if engine.cancel(victim):
                 cancelled.add(victim)
         engine.step()
-        check_blocks(engine.blocks)
+        check_blocks(engine.scheduler.blocks)
         step = engine.trace.steps[-1]
         if kind == "stallfree":  # one pass a step: nobody may decode and prefill in it
             assert not set(step.decoded) & {rid for rid, _, _ in step.prefill}, "decode and prefill in one pass"
-        holders = set(engine.blocks.tables)
+        holders = set(engine.scheduler.blocks.tables)
         assert holders <= {r.id for r in engine.scheduler.running}, "blocks held by nobody running"
     engine.sweep()
-    check_blocks(engine.blocks)
-    assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.blocks.tables
-    assert all(n == 0 for n in engine.blocks.ref_counts)
+    check_blocks(engine.scheduler.blocks)
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks and not engine.scheduler.blocks.tables
+    assert all(n == 0 for n in engine.scheduler.blocks.ref_counts)
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert len(cancelled) > 0

@@ -24,7 +24,7 @@ def test_bad_admission_options_are_refused(bad):
 
 @pytest.mark.parametrize("kind", ["static", "continuous", "stallfree"])
 def test_a_full_queue_refuses_and_changes_nothing(kind):
-    engine = make_engine(kind, LM, executor=FakeRunner, max_batch_size=2,
+    engine = make_engine(kind, LM, runner=FakeRunner, max_batch_size=2,
                          admission=Admission(max_queue=3))
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
     ids = [engine.submit(p, max_new_tokens=5) for p in prompts[:3]]
@@ -40,7 +40,7 @@ def test_a_full_queue_refuses_and_changes_nothing(kind):
 
 
 def test_no_bound_by_default():
-    engine = make_engine("stallfree", LM, executor=FakeRunner, max_batch_size=2)
+    engine = make_engine("stallfree", LM, runner=FakeRunner, max_batch_size=2)
     for i in range(500):
         engine.submit([1 + i % 50, 2], max_new_tokens=1)
     assert engine.queue_depth() == 500
@@ -71,7 +71,7 @@ def test_shedding_under_overload_loses_nothing(kind, options):
     for rid in trace.requests:  # poll reports each ending, and nothing stays behind
         status, reason = engine.poll(rid)[1:]
         assert status == "done" and reason == trace.requests[rid].finish_reason
-    assert engine.blocks.num_free == engine.blocks.num_blocks and not engine.blocks.reserved
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks and not engine.scheduler.blocks.reserved
 
 
 def test_bounded_queue_in_the_simulator_accounts_for_every_request():

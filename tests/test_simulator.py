@@ -16,9 +16,9 @@ def test_the_committed_cost_model_is_usable():
     assert COST.error["median"] < COST.error["p90"] <= COST.error["max"]
     one = COST.predict([])  # an empty pass costs the fixed overhead only
     assert one == pytest.approx(max(COST.coefficients["passes"], 0.0))
-    from batchlab.runner import Chunk
-    small = COST.predict([Chunk("a", [1], 10)])
-    big = COST.predict([Chunk(f"r{i}", [1], 500) for i in range(16)] + [Chunk("p", [1] * 256, 0)])
+    from batchlab.batch import Chunk
+    small = COST.predict([Chunk("a", [1], 10, [])])
+    big = COST.predict([Chunk(f"r{i}", [1], 500, []) for i in range(16)] + [Chunk("p", [1] * 256, 0, [])])
     assert 0 < small < big  # more work costs more time
 
 
@@ -69,6 +69,7 @@ def test_queue_is_bounded_below_capacity_and_grows_above(kind, options):
         f"λ = 1.5 μ: queue should keep growing, got {high}"
 
 
+@pytest.mark.slow
 def test_ten_thousand_requests():
     mu = service_rate(synthetic_workload(400, rate=1.0, seed=1), "stallfree", COST, **OPTIONS)
     workload = synthetic_workload(10_000, rate=0.9 * mu, seed=0)  # busy, but not overloaded

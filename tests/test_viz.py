@@ -333,7 +333,7 @@ def staggered_clients(loop, gap_s: float, count: int = 4) -> threading.Thread:
 
 @pytest.mark.parametrize("stop", ["grace", "until"])
 def test_follow_waits_for_clients_that_arrive_one_by_one(stop):
-    engine = batchlab.make_engine("continuous", FakeModel(), executor=FakeRunner, max_batch_size=2)
+    engine = batchlab.make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=2)
     with batchlab.EngineLoop(engine) as loop:
         view = viz.SlotView(loop, live=True)
         loop.submit([9, 9], max_new_tokens=2, request_id="first")

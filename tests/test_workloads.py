@@ -212,23 +212,31 @@ class ToyEngine:
         self.clock = lambda: time.perf_counter() - t0
         self.trace = Trace("toy", 4)
         self.bounded = bounded  # like a server's engine: few steps kept, done records dropped
+        self.submitted_s: dict[str, float] = {}
         if bounded:
             self.trace.steps = collections.deque(maxlen=1000)
         self.live: dict[str, RequestRecord] = {}
         self.polled: set[str] = set()
         self.cancelled: list[str] = []
 
-    def submit(self, prompt_ids, max_new_tokens, ignore_eos, temperature, request_id):
+    def submit(self, prompt_ids, max_new_tokens, ignore_eos, temperature, request_id,
+               arrival_s=None):
         assert ignore_eos is True
-        rec = RequestRecord(request_id, len(prompt_ids), max_new_tokens, self.clock())
+        self.submitted_s[request_id] = now = self.clock()
+        rec = RequestRecord(request_id, len(prompt_ids), max_new_tokens,
+                            now if arrival_s is None else min(arrival_s, now))
         self.trace.requests[request_id] = rec
         self.live[request_id] = rec
         return request_id
 
     def step(self):
+        if self.bounded:  # forget what finished before this step
+            for rid in [k for k, r in self.trace.requests.items() if r.finished_s is not None]:
+                del self.trace.requests[rid]
         if not self.live:
             return False
         rec = StepRecord(len(self.trace.steps), self.clock())
+        rec.passes = 1
         time.sleep(self.step_s)
         now = self.clock()
         for rid, r in list(self.live.items()):
@@ -242,12 +250,6 @@ class ToyEngine:
         rec.end_s = self.clock()
         self.trace.steps.append(rec)
         return True
-
-    def poll(self, rid):
-        r = self.trace.requests[rid]
-        if r.finished_s is not None and self.bounded:
-            del self.trace.requests[rid]
-        return [], ("done" if r.finished_s is not None else "running"), r.finish_reason
 
     def cancel(self, rid):
         r = self.live.pop(rid, None)
@@ -276,20 +278,18 @@ def test_driver_submits_on_time_and_sleeps_when_idle():
     for r in w:
         rec = tr.requests[r.id]
         assert len(rec.token_times_s) == r.max_new_tokens
-        due = rec.arrival_s
-        assert abs(due - (t_start + r.arrival_s)) < 0.01  # the due time, not the submit time
-        # submitted (engine's own record) at or after due, and at most a step late
-        submitted = eng.trace.requests[r.id].arrival_s
-        assert due <= submitted + 1e-9 < due + 0.05 + 0.1
+        due = rec.arrival_s  # the due time, not the submit time: arrivals keep their spacing
+        assert due - tr.requests["t0"].arrival_s == pytest.approx(r.arrival_s, abs=1e-9)
+        assert t_start <= due - r.arrival_s < t_start + 0.5
+        # submitted at or after due, and at most a step late
+        assert due <= eng.submitted_s[r.id] + 1e-9 < due + 0.05 + 0.1
     # t3 (due 0.07) came while a step ran: its TTFT counts from 0.07, not from submission
-    assert eng.trace.requests["t3"].arrival_s - tr.requests["t3"].arrival_s > 0.02
+    assert eng.submitted_s["t3"] - tr.requests["t3"].arrival_s > 0.02
     # between t3's end (~0.3 s) and t2's arrival (0.6 s) the engine was idle: no steps
     t3_end, t2_due = tr.requests["t3"].finished_s, tr.requests["t2"].arrival_s
     assert t3_end < t2_due
     assert not [s for s in tr.steps if t3_end < s.start_s < t2_due - 0.001]
     assert tr.steps[0].index == 1 and all(s.start_s >= t_start for s in tr.steps)
-    # records are copies: the engine's own trace is unchanged
-    assert eng.trace.requests["t2"] is not tr.requests["t2"]
 
 
 def test_driver_timeout_cancels_what_is_still_running():
@@ -307,9 +307,20 @@ def test_driver_works_with_an_engine_that_forgets_done_requests():
     eng.submit([1], 1, True, 0.0, "old")
     eng.step()
     tr = W.run_workload(eng, toy_workload([0.0, 0.0], [3, 2]), progress=False)
-    assert set(eng.trace.requests) == {"old"}  # the engine dropped the polled ones...
+    eng.step()
+    assert not eng.trace.requests  # the engine dropped the finished ones...
     assert [len(tr.requests[r].token_times_s) for r in ("t0", "t1")] == [3, 2]  # ...we did not
     assert len(tr.steps) == 3 and all("old" not in s.decoded for s in tr.steps)
+
+
+def test_driver_stops_an_engine_that_steps_without_running_anything():
+    class Stuck(ToyEngine):
+        def step(self):  # "has work", runs nothing: a scheduler whose batches() yields nothing
+            self.trace.steps.append(StepRecord(len(self.trace.steps), self.clock()))
+            return True
+
+    with pytest.raises(W.EngineStuck, match="stepped 50 times in a row without running"):
+        W.run_workload(Stuck(), toy_workload([0.0], [3]), progress=False)
 
 
 def test_driver_refuses_duplicate_ids():
@@ -357,7 +368,7 @@ def test_speeds_measure_times_prefill_at_the_length_asked(tok, monkeypatch, leng
     fake = FakeModel(vocab_size=tok.vocab_size)
     real_make, real_run = E.make_engine, W.run_workload
     monkeypatch.setattr(E, "make_engine",
-                        lambda kind, lm, **kw: real_make(kind, fake, executor=FakeRunner, **kw))
+                        lambda kind, lm, **kw: real_make(kind, fake, runner=FakeRunner, **kw))
     traces = []
     monkeypatch.setattr(W, "run_workload", lambda *a, **kw: traces.append(real_run(*a, **kw)) or traces[-1])
     kwargs = {} if length == 256 else {"prefill_tokens": length}  # 256 is the default

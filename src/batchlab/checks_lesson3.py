@@ -30,7 +30,7 @@ def _fake_token_times() -> list[float]:
     from .engine import make_engine
     from .fake import FakeModel, FakeRunner
 
-    eng = make_engine("continuous", FakeModel(), executor=FakeRunner, max_batch_size=2)
+    eng = make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=2)
     a = eng.submit([3, 1, 4, 1, 5], max_new_tokens=6, ignore_eos=True)
     eng.submit(list(range(1, 40)), max_new_tokens=2, ignore_eos=True)
     eng.run_until_idle()

@@ -34,7 +34,7 @@ def engine_chunks(prompt_len: int, prefill_step: int | None) -> list[tuple[int, 
     from .engine import make_engine
     from .fake import FakeModel, FakeRunner
 
-    eng = make_engine("continuous", FakeModel(), executor=FakeRunner, max_batch_size=3,
+    eng = make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=3,
                       prefill_step=prefill_step)
     for i in range(2):
         eng.submit([5 + i] * 4, max_new_tokens=4, ignore_eos=True)

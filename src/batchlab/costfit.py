@@ -22,7 +22,8 @@ from datetime import datetime, timezone
 import numpy as np
 
 from .kv import BlockManager
-from .runner import Chunk, ModelRunner
+from .batch import Chunk
+from .runner import ModelRunner
 from .simulator import FEATURES, CostModel, pass_features
 
 DECODE_ROWS = (1, 2, 4, 8, 12, 16)
@@ -51,8 +52,8 @@ def _chunks(blocks: BlockManager, shape: list[tuple[int, int]]) -> list[Chunk]:
     for i, (start, n) in enumerate(shape):
         rid = f"fit-{i}"
         blocks.reserve(rid, start + n)
-        blocks.ensure(rid, start + n)
-        chunks.append(Chunk(rid, [1 + (i + j) % 1000 for j in range(n)], start))
+        table = blocks.ensure(rid, start + n)
+        chunks.append(Chunk(rid, [1 + (i + j) % 1000 for j in range(n)], start, list(table)))
     return chunks
 
 
@@ -81,7 +82,7 @@ def measure(lm, quick: bool = False, reps: int = 3, progress: bool = True
     from tqdm.auto import tqdm
 
     blocks = BlockManager(-(-POOL_TOKENS // 16), 16)
-    runner = ModelRunner(lm, blocks)
+    runner = ModelRunner(lm, blocks.num_blocks, blocks.block_size)
     shapes = designed_passes(quick)
     best = np.full(len(shapes), np.inf)
     xs = []

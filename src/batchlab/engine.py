@@ -1,5 +1,7 @@
-"""The engine: submit / step / poll / cancel, tying a scheduler (policy) to the model
-runner (mechanism), and recording a trace of every step.
+"""The engine: submit / step / poll / cancel, tying a scheduler (policy, and the owner of
+KV memory) to a runner (mechanism), and recording a trace of every step. Each pass is
+``scheduler.prepare`` → ``runner.run`` → ``scheduler.postprocess``; the engine itself
+never touches KV blocks.
 
 Thread safety: ``submit``, ``poll`` and ``cancel`` may be called from any thread while
 another thread calls ``step`` (``EngineLoop`` does exactly that). They only touch
@@ -11,35 +13,37 @@ from __future__ import annotations
 
 import collections
 import itertools
+import logging
 import math
 import threading
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from . import metrics
+from .batch import Batch, Runner
 from .kv import BlockManager
-from .model import LoadedModel
 from .policies import Admission
 from .prompts import check_prompt_ids, clamp_new_tokens
-from .request import Request, State
-from .runner import Chunk, ModelRunner
-from .sampling import SamplingParams, sample_rows
-from .scheduler import (Batch, ContinuousScheduler, Scheduler, SequentialScheduler,
-                        StallFreeScheduler, StaticScheduler)
+from .request import Request
+from .sampling import SamplingParams
+from .scheduler import KINDS, Scheduler
 from .trace import StepRecord, Trace
 
-KINDS = ("sequential", "static", "continuous", "stallfree")
+if TYPE_CHECKING:  # the engine imports no MLX itself: fake and simulated engines run without it
+    from .model import LoadedModel
+
+log = logging.getLogger("batchlab")
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, scheduler: Scheduler, runner, max_seq_len: int,
+    def __init__(self, lm: LoadedModel, scheduler: Scheduler, runner: Runner, max_seq_len: int,
                  trace_limit: int | None = None, admission: Admission | None = None):
         self.lm, self.scheduler, self.runner = lm, scheduler, runner
         self.admission = admission or Admission()  # default: admit everything, shed nothing
-        self.blocks = scheduler.blocks
         self.max_seq_len = max_seq_len
         self.trace = Trace(scheduler.kind, scheduler.max_batch_size,
-                           num_kv_blocks=scheduler.blocks.num_blocks)
+                           num_kv_blocks=scheduler.kv_usage()["num_kv_blocks"],
+                           prefill_lane=scheduler.prefill_lane)
         # A long-running server keeps only the last `trace_limit` steps, and forgets a
         # request's record once poll has reported it done, so memory stays bounded.
         self.trace_limit = trace_limit
@@ -74,13 +78,8 @@ class Engine:
         sampling = SamplingParams(temperature, top_p, top_k, seed)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer (lower is more important), got {priority!r}")
-        need = self.blocks.blocks_for(len(prompt_ids) + max_new)
-        if need > self.blocks.num_blocks:
-            raise ValueError(
-                f"prompt + max_new_tokens = {len(prompt_ids) + max_new} tokens needs {need} KV blocks, "
-                f"but the engine has {self.blocks.num_blocks} blocks of {self.blocks.block_size} "
-                f"tokens; raise num_kv_blocks")
         with self._lock:
+            self.scheduler.check_room(len(prompt_ids) + max_new)
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
@@ -145,9 +144,9 @@ class Engine:
         for batch in self.scheduler.batches():
             self._run(batch, record)
         record.slots = [r.id if r is not None else None for r in self.scheduler.slots]
-        record.kv_blocks_used = self.blocks.num_blocks - self.blocks.num_free
-        record.block_tables = {rid: list(table) for rid, table in self.blocks.tables.items()}
-        record.cached_blocks = list(self.blocks.evictable)
+        kv = self.scheduler.kv_usage()
+        record.kv_blocks_used, record.block_tables = kv["kv_blocks_used"], kv["block_tables"]
+        record.cached_blocks = kv["cached_blocks"]
         record.preempted, self.scheduler.preempted = self.scheduler.preempted, []
         record.end_s = self.clock()
         self.trace.steps.append(record)
@@ -168,59 +167,49 @@ class Engine:
             pass
 
     def _run(self, batch: Batch, record: StepRecord) -> None:
-        """Run one forward pass, then sample and record the new tokens."""
+        """One forward pass: the scheduler prepares it, the runner runs it, the scheduler
+        takes the new tokens; the engine records what happened."""
         with self._lock:  # a request cancelled meanwhile does not run
-            decode = [r for r in batch.decode if not r.finished]
-            prefill = [(r, n) for r, n in batch.prefill if not r.finished]
-        chunks, samples = [], []  # samples: (request, chunk index) that get a new token
-        for req in decode:
-            self.blocks.ensure(req.id, req.num_computed + 1)
-            samples.append((req, len(chunks)))
-            chunks.append(Chunk(req.id, req.next_input(), req.num_computed))
-        for req in batch.padding:  # recompute its last position; the result is thrown away
-            self.blocks.ensure(req.id, req.num_computed + 1)
-            chunks.append(Chunk(req.id, req.next_input(), req.num_computed))
-        for req, n in prefill:  # the prompt (+ generated tokens, recomputed after preemption)
-            self.blocks.ensure(req.id, req.num_computed + n)
-            if req.num_computed + n == req.prefill_len:
-                samples.append((req, len(chunks)))
-            chunks.append(Chunk(req.id, req.token_ids(req.num_computed, req.num_computed + n),
-                                req.num_computed))
-            record.prefill.append((req.id, req.num_computed, n))
-        if not chunks:
-            return
-        record.decoded += [r.id for r in decode]
-        record.slot_of.update({r.id: r.slot for r in decode + [r for r, _ in prefill] + batch.padding
-                               if r.slot is not None})
+            batch = Batch([r for r in batch.decode if not r.finished],
+                          [(r, n) for r, n in batch.prefill if not r.finished],
+                          batch.padding, batch.padding_tokens)
+            if not batch.decode and not batch.prefill:
+                return
+            chunks = self.scheduler.prepare(batch)
+        record.decoded += [r.id for r in batch.decode]
+        record.prefill += [(r.id, r.num_computed, n) for r, n in batch.prefill]
+        record.slot_of.update({r.id: r.slot for r in batch.requests if r.slot is not None})
         record.padding += [r.id for r in batch.padding]
         record.padding_tokens += batch.padding_tokens
-        start = self.clock()  # a simulator's clock advances inside forward()
-        logits = self.runner.forward(chunks)
-        tokens = sample_rows(logits[[i for _, i in samples]], [r.sampler for r, _ in samples]) \
-            if samples else []
-        record.forward_s += self.clock() - start
-        record.passes += 1
-        with self._lock:
-            for req in decode:
-                req.num_computed += 1
-            for req, n in prefill:
-                req.num_computed += n
-            for req in decode + [r for r, _ in prefill]:  # full blocks join the prefix cache
-                if not req.finished:
-                    self.blocks.cache_full_blocks(req.id, req.num_computed, req.token_ids)
-            now = self.clock()
-            for (req, _), token in zip(samples, tokens):
-                if req.finished:  # cancelled while the pass ran
-                    continue
-                record.emitted.setdefault(req.id, []).append(token)
-                reason = req.add_token(token, now)
-                if reason is not None:
-                    self._finish(req, reason)
-                    record.finished[req.id] = reason
+        start = self.clock()  # a simulator's clock advances inside the runner
+        try:
+            tokens = self.runner.run(chunks)
+        except Exception as e:  # the pass is lost: its requests end, everyone else goes on
+            log.exception("a forward pass of %d chunks failed; its requests finish with "
+                          "reason 'error'", len(chunks))
+            with self._lock:
+                for req in batch.requests:
+                    if not req.finished:
+                        self._finish(req, "error", cause=e)
+                        record.finished[req.id] = "error"
                     self.scheduler.remove(req)
+            return
+        finally:
+            record.forward_s += self.clock() - start
+            record.passes += 1
+        with self._lock:
+            for req, token, reason in self.scheduler.postprocess(batch, tokens, self.clock()):
+                record.emitted.setdefault(req.id, []).append(token)
+                if reason is not None:
+                    self._count(reason)
+                    record.finished[req.id] = reason
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: str, cause: BaseException | None = None) -> None:
         req.finish(reason, self.clock())
+        req.error = cause
+        self._count(reason)
+
+    def _count(self, reason: str) -> None:
         self.finished_by_reason[reason] = self.finished_by_reason.get(reason, 0) + 1
 
     def queue_depth(self) -> int:
@@ -242,50 +231,48 @@ class Engine:
             running = sum(1 for r in self._requests.values() if not r.finished)
             finished = dict(self.finished_by_reason)
             queued = self._queue_depth()
+            kv = self.scheduler.kv_usage()
         return {**metrics.summarize(snapshot), "running": running, "queued": queued,
-                "finished": finished, "num_kv_blocks": self.blocks.num_blocks,
-                "free_kv_blocks": self.blocks.num_free,
-                "preemptions": self.scheduler.num_preemptions,
-                "prefix_cache_hits": self.blocks.hit_blocks,
-                "prefix_cache_hit_tokens": self.blocks.hit_tokens}
+                "finished": finished,
+                **{k: kv[k] for k in ("num_kv_blocks", "free_kv_blocks", "preemptions",
+                                      "prefix_cache_hits", "prefix_cache_hit_tokens")}}
 
 
-def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
-                prefill_step: int | None = None, token_budget: int | None = None,
+def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
                 kv_block_size: int = 16, num_kv_blocks: int | None = None,
-                max_seq_len: int | None = None, executor=ModelRunner,
-                trace_limit: int | None = None, enable_prefix_cache: bool = False,
-                admission: Admission | None = None, clock=None) -> Engine:
-    """Build an engine of one kind: sequential | static | continuous | stallfree.
+                max_seq_len: int | None = None, trace_limit: int | None = None,
+                enable_prefix_cache: bool = False, admission: Admission | None = None,
+                clock=None, **options) -> Engine:
+    """Build an engine around a scheduler: a kind name (sequential | static | continuous |
+    stallfree) or a scheduler class of your own (a subclass of ``Scheduler``).
 
-    Options that do not apply to a kind are an error, not silently ignored:
-    sequential takes no batch size; only continuous takes ``prefill_step``; only
-    stallfree takes ``token_budget``. ``executor(lm, blocks)`` builds what runs the
-    batches: the real ``ModelRunner`` unless a test or simulator passes another.
-    ``enable_prefix_cache`` (continuous and stallfree) shares the KV blocks of a prompt
-    prefix that an earlier request already computed.
+    ``options`` are the scheduler's own (``max_batch_size``, ``prefill_step``,
+    ``token_budget``, ``policy``...: the keyword arguments of its constructor); one that
+    the kind does not take is an error, not silently ignored. ``runner(lm, num_blocks,
+    block_size)`` builds what runs the passes: the real ``ModelRunner`` (the default; the
+    one place the engine reaches MLX) unless a test or the simulator passes another. ``enable_prefix_cache`` (kinds that take KV on demand)
+    shares the KV blocks of a prompt prefix that an earlier request already computed.
     ``admission`` bounds the queue and sheds stale requests (default: neither).
     ``clock()`` gives every timestamp in seconds (default: real time since the engine
     was made; the simulator passes its virtual clock).
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)}")
-    given = {"max_batch_size": max_batch_size, "prefill_step": prefill_step,
-             "token_budget": token_budget}
-    allowed = {"sequential": set(), "static": {"max_batch_size"},
-               "continuous": {"max_batch_size", "prefill_step"},
-               "stallfree": {"max_batch_size", "token_budget"}}[kind]
-    wrong = [k for k, v in given.items() if v is not None and k not in allowed]
-    if enable_prefix_cache and kind not in ("continuous", "stallfree"):
+    cls = scheduler_class(kind)
+    name = cls.kind
+    defaults = cls.option_defaults()
+    options = {k: v for k, v in options.items() if v is not None}  # None: the default
+    wrong = [k for k in options if k not in defaults]
+    if enable_prefix_cache and not cls.kv_on_demand:
         wrong.append("enable_prefix_cache")
     if wrong:
-        raise ValueError(f"{', '.join(wrong)} does not apply to the {kind} engine")
+        raise ValueError(f"{', '.join(wrong)} does not apply to the {name} engine "
+                         f"(it takes: {', '.join(defaults) or 'no options'})")
     max_seq_len = max_seq_len or lm.max_seq_len
     if not isinstance(max_seq_len, int) or not 2 <= max_seq_len <= lm.max_seq_len:
         raise ValueError(f"max_seq_len must be an integer in [2, {lm.max_seq_len}]")
-    batch = 1 if kind == "sequential" else (8 if max_batch_size is None else max_batch_size)
+    batch = options.get("max_batch_size", defaults.get("max_batch_size", 1))
     if num_kv_blocks is None:  # room for a full-length request, or ~1k tokens per slot
-        num_kv_blocks = math.ceil(max(max_seq_len, (batch + 1) * 1024) / kv_block_size)
+        num_kv_blocks = math.ceil(max(max_seq_len, (batch + 1) * 1024) / kv_block_size) \
+            if isinstance(batch, int) else 1
     blocks = BlockManager(num_kv_blocks, kv_block_size, enable_prefix_cache)
     if clock is None:
         t0 = time.perf_counter()
@@ -293,14 +280,22 @@ def make_engine(kind: str, lm: LoadedModel, max_batch_size: int | None = None,
         def clock() -> float:
             return time.perf_counter() - t0
 
-    scheduler = {
-        "sequential": lambda: SequentialScheduler(blocks, clock),
-        "static": lambda: StaticScheduler(batch, blocks, clock),
-        "continuous": lambda: ContinuousScheduler(batch, blocks, clock, prefill_step),
-        "stallfree": lambda: StallFreeScheduler(
-            batch, blocks, clock, 256 if token_budget is None else token_budget),
-    }[kind]()
-    return Engine(lm, scheduler, executor(lm, blocks), max_seq_len, trace_limit, admission)
+    scheduler = cls(blocks, clock, **options)
+    if runner is None:
+        from .runner import ModelRunner
+        runner = ModelRunner
+    return Engine(lm, scheduler, runner(lm, num_kv_blocks, kv_block_size), max_seq_len,
+                  trace_limit, admission)
+
+
+def scheduler_class(kind: str | type[Scheduler]) -> type[Scheduler]:
+    """The scheduler class for a kind name, or the class itself if one is given."""
+    if isinstance(kind, type) and issubclass(kind, Scheduler):
+        return kind
+    if kind not in KINDS:
+        raise ValueError(f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)} "
+                         f"or pass a Scheduler subclass")
+    return KINDS[kind]
 
 
 class EngineLoop:

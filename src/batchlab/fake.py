@@ -1,10 +1,11 @@
 """A fake model for instant tests and exercise checkers of scheduling logic.
 
 It is NOT a language model: the next token is a fixed hash of the whole sequence so
-far, so the right output of any request is known without MLX. The fake runner also
-checks the engine's bookkeeping: it reads each request's context through its block
-table from a pool of slots, like the real runner, so the answer is right only if the
-block tables, chunks and shared (prefix-cached) blocks are right.
+far, so the right output of any request is known without MLX (this module imports
+none). The fake runner also checks the engine's bookkeeping: it reads each request's
+context through the block table its chunk carries, from a pool of KV positions, like
+the real runner, so the answer is right only if the block tables, chunks and shared
+(prefix-cached) blocks are right.
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ import zlib
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-import mlx.core as mx
 import numpy as np
 
-from .kv import BlockManager
-from .runner import Chunk
+from .batch import Chunk, Runner
+from .sampling import sample_rows
 
 
 def next_token(sequence: list[int], vocab_size: int) -> int:
@@ -51,38 +51,36 @@ class FakeModel:
         return SimpleNamespace(vocab_size=self.vocab_size, eos_token_ids=frozenset({self.eos_id}))
 
 
-class FakeRunner:
-    """Drop-in for ``ModelRunner``: ``make_engine(..., executor=FakeRunner)``.
+class FakeRunner(Runner):
+    """Drop-in for ``ModelRunner``: ``make_engine(..., runner=FakeRunner)``.
 
-    Like the real runner it keeps its "KV cache" in a pool of slots, here the token each
-    slot holds, and reads a request's context only through its block table. So a chunk
-    that skips positions, a block table that points at someone else's tokens, or a
-    write into a block shared with another request gives a wrong answer or an error.
+    Like the real runner it keeps its "KV cache" in a pool of positions, here the token
+    each one holds, and reads a request's context only through its chunk's block table.
+    So a chunk that skips positions, or a block table that points at someone else's
+    tokens, gives a wrong answer or an error.
     """
 
-    def __init__(self, lm: FakeModel, blocks: BlockManager):
-        self.lm, self.blocks = lm, blocks
-        self.kv = np.full(blocks.num_blocks * blocks.block_size, -1, dtype=np.int64)  # -1: never written
+    def __init__(self, lm: FakeModel, num_blocks: int, block_size: int):
+        self.lm, self.block_size = lm, block_size
+        self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)  # -1: never written
         self.passes: list[list[Chunk]] = []
 
-    def forward(self, chunks: list[Chunk]) -> mx.array:
+    def forward(self, chunks: list[Chunk]) -> np.ndarray:
+        """Logits [len(chunks), vocab] that put all weight on the fake model's choice."""
         self.passes.append(chunks)
         logits = np.full((len(chunks), self.lm.vocab_size), -1e9, dtype=np.float32)
         for row, chunk in enumerate(chunks):
-            end = chunk.start + len(chunk.tokens)
-            writes = self.blocks.slots(chunk.req_id, chunk.start, end)  # raises if blocks are missing
-            shared = [b for b in set((writes // self.blocks.block_size).tolist())
-                      if self.blocks.ref_counts[b] > 1]
-            if shared and (self.kv[writes] != chunk.tokens).any():
-                raise AssertionError(f"{chunk.req_id}: chunk at {chunk.start} overwrites shared "
-                                     f"KV block(s) {shared}")
-            context = self.kv[self.blocks.slots(chunk.req_id, 0, chunk.start)]
+            writes = chunk.slot_mapping(chunk.start, chunk.end, self.block_size)
+            context = self.kv[chunk.slot_mapping(0, chunk.start, self.block_size)]
             if (context < 0).any():
                 raise AssertionError(f"{chunk.req_id}: chunk starts at {chunk.start} but the "
                                      f"cache has never-written positions before it (a gap)")
             self.kv[writes] = chunk.tokens
             logits[row, next_token(context.tolist() + list(chunk.tokens), self.lm.vocab_size)] = 0.0
-        return mx.array(logits)
+        return logits
+
+    def sample(self, logits: np.ndarray, rows: list[int], samplers) -> list[int]:
+        return sample_rows(logits[rows], samplers)
 
 
 class TickClock:

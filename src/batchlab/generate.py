@@ -14,7 +14,8 @@ import mlx.core as mx
 
 from .model import LoadedModel
 from .prompts import clamp_new_tokens, prompt_ids
-from .sampling import Sampler, SamplingParams, sample_rows
+from .runner import sample
+from .sampling import Sampler, SamplingParams
 
 
 @dataclass
@@ -39,7 +40,7 @@ def generate(lm: LoadedModel, prompt: Any, max_new_tokens: int = 64, temperature
     tokens: list[int] = []
     times: list[float] = []
     while True:
-        token = sample_rows(logits, [sampler])[0]
+        token = sample(logits, [sampler])[0]
         tokens.append(token)
         times.append(time.perf_counter() - start)
         if not ignore_eos and token in lm.tokenizer.eos_token_ids:

@@ -1,9 +1,10 @@
 """KV memory: a pool of fixed-size blocks and a block table per request.
 
-Every layer keeps its keys and values in one big array of token slots,
-``[num_blocks * block_size, kv_heads, head_dim]``. A request owns a list of blocks
-(its *block table*); its token number ``i`` lives at slot
-``table[i // block_size] * block_size + i % block_size``. Joining a batch therefore
+The runner keeps every layer's keys and values in one big array of token positions,
+``[num_blocks * block_size, kv_heads, head_dim]`` (``runner.KVPool``). A request owns a
+list of blocks (its *block table*); its token number ``i`` lives at flat address
+``table[i // block_size] * block_size + i % block_size`` (``Chunk.slot_mapping``). This
+module is the bookkeeping only, in pure Python: the scheduler is its one user. Joining a batch therefore
 costs only taking free blocks from a list, and leaving costs giving them back:
 no other request's cache is ever copied or moved. (vLLM calls this PagedAttention.)
 """
@@ -15,7 +16,6 @@ import math
 from collections import OrderedDict
 from typing import Callable, Sequence
 
-import mlx.core as mx
 import numpy as np
 
 
@@ -116,6 +116,17 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
+    def check_writable(self, req_id: str, start: int, stop: int) -> None:
+        """A pass may write positions ``start..stop-1`` of ``req_id`` only into blocks no
+        other table holds: a shared (prefix-cached) block is read-only. Raises if not, so
+        a scheduler bug shows up as an error instead of corrupting another request."""
+        table = self.tables.get(req_id, [])
+        for i in range(start // self.block_size, (stop - 1) // self.block_size + 1):
+            if i < len(table) and self.ref_counts[table[i]] > 1:
+                raise RuntimeError(f"{req_id}: positions {start}..{stop - 1} would overwrite "
+                                   f"KV block {table[i]}, which {self.ref_counts[table[i]]} "
+                                   f"requests share")
+
     def release(self, req_id: str) -> None:
         """Drop ``req_id``'s hold on its blocks. Its last block goes first, so a cached
         prompt's tail is evicted before its head (the head is what others share)."""
@@ -174,24 +185,3 @@ class BlockManager:
             keys.append(key)
             if key not in self.cached:  # a twin computed elsewhere keeps the name
                 self.cached[key], self.key_of[table[i]] = table[i], key
-
-    def slots(self, req_id: str, start: int, stop: int) -> np.ndarray:
-        """Flat slot numbers of tokens ``start..stop-1`` of ``req_id``."""
-        table = np.asarray(self.tables[req_id], dtype=np.int32)
-        positions = np.arange(start, stop, dtype=np.int32)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
-
-
-class KVPool:
-    """The memory itself (MLX arrays): keys and values of every layer, by flat slot."""
-
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: mx.Dtype):
-        shape = (num_blocks * block_size, kv_heads, head_dim)
-        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        mx.eval(self.keys, self.values)
-
-    @staticmethod
-    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
-        return 2 * num_layers * kv_heads * head_dim * dtype.size

@@ -14,7 +14,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .kv import BlockManager
 from .model import LoadedModel
-from .runner import Chunk, ModelRunner
+from .batch import Chunk
+from .runner import ModelRunner
 
 
 def fused_step_ratio(lm: LoadedModel, decodes: int = 16, chunk: int = 128, context: int = 256,
@@ -27,17 +28,18 @@ def fused_step_ratio(lm: LoadedModel, decodes: int = 16, chunk: int = 128, conte
     below 1 is what one fused pass saves over two separate passes.
     """
     blocks = BlockManager(BlockManager.blocks_needed(context + chunk, 16) * (decodes + 1), 16)
-    runner = ModelRunner(lm, blocks)
+    runner = ModelRunner(lm, blocks.num_blocks, blocks.block_size)
     filler = [(i * 7919) % 1000 + 100 for i in range(context + chunk)]
-    rows = []
+    rows, tables = [], []
     for d in range(decodes + 1):
         blocks.reserve(f"r{d}", context + chunk)
-        blocks.ensure(f"r{d}", context + chunk)
+        tables.append(list(blocks.ensure(f"r{d}", context + chunk)))
     for d in range(decodes):  # fill each decode row's cache with `context` tokens
-        runner.forward([Chunk(f"r{d}", filler[:context], 0)])
-        rows.append(Chunk(f"r{d}", [filler[context]], context))
-    runner.forward([Chunk(f"r{decodes}", filler[:context], 0)])
-    prefill = Chunk(f"r{decodes}", filler[context:context + chunk], context)  # a continuing chunk
+        runner.forward([Chunk(f"r{d}", filler[:context], 0, tables[d])])
+        rows.append(Chunk(f"r{d}", [filler[context]], context, tables[d]))
+    runner.forward([Chunk(f"r{decodes}", filler[:context], 0, tables[decodes])])
+    prefill = Chunk(f"r{decodes}", filler[context:context + chunk], context,  # a continuing chunk
+                    tables[decodes])
     variants = {"chunk_alone": [prefill], "decode_alone": rows, "fused": rows + [prefill]}
     times = {name: [] for name in variants}
     for name, chunks in variants.items():  # warm-up

@@ -1,5 +1,8 @@
-"""Admission control and load shedding: what an engine does when more work arrives than
-it can serve.
+"""Policies: who is served first, who gives way, and what happens under overload.
+
+``PriorityPolicy`` orders the queue and picks the victim of a preemption; the
+schedulers consult it. *Admission control* and *load shedding* decide what an engine
+does when more work arrives than it can serve.
 
 *Admission control* refuses a request at the door (``submit`` raises ``QueueFull``) when
 the queue already holds ``max_queue`` waiting requests: the client learns at once and can
@@ -15,10 +18,32 @@ nothing, so an engine without options behaves exactly as before.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .request import Request, State
+
+
+class PriorityPolicy:
+    """Who is served next and who gives way when KV memory runs out.
+
+    A lower ``priority`` number is more important (as in vLLM). The queue is served by
+    priority, then queue order: with every priority 0 that is first come, first served,
+    and a preempted request (put back at the front) is served first again. The victim of
+    a preemption is the least important running request, the newest among equals: it
+    has the least work to lose.
+    """
+
+    @staticmethod
+    def importance(req: Request) -> tuple:
+        return req.priority, req.arrival_s  # smaller is more important
+
+    def next_queued(self, queue: deque[Request]) -> Request:
+        return min(queue, key=lambda r: r.priority)  # the first of the best priority
+
+    def victim(self, running: list[Request]) -> Request:
+        return max(reversed(running), key=self.importance)  # ties: the latest admitted
 
 
 class QueueFull(Exception):

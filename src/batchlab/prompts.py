@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .model import LoadedModel
+if TYPE_CHECKING:  # no MLX at import: the engine uses this module with fake models too
+    from .model import LoadedModel
 
 
 def prompt_ids(lm: LoadedModel, prompt: Any) -> list[int]:

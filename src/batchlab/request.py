@@ -5,7 +5,8 @@
 *Prefill* runs the prompt's tokens through the model to fill the KV cache; it ends by
 sampling the first new token. *Decode* then adds one token per step. A request
 finishes on an EOS token ("stop"), at max_new_tokens or the maximum sequence length
-("length"), or when cancelled ("cancelled").
+("length"), when cancelled ("cancelled"), shed by an overloaded engine ("shed"), or when
+its forward pass failed ("error").
 
 When KV memory runs out a running request may be *preempted*: it gives back all its
 blocks and goes back to the queue, keeping the tokens it generated. Re-admitted, it
@@ -44,6 +45,7 @@ class Request:
     finish_reason: str | None = None
     slot: int | None = None  # decode slot while it holds one
     priority: int = 0  # lower is more important (as in vLLM)
+    error: BaseException | None = None  # why it finished with reason "error"
     prefill_len: int = field(init=False)  # tokens to prefill: the prompt (+ outputs after preemption)
     sampler: Sampler = field(init=False)
     record: RequestRecord = field(init=False)  # timestamps for metrics and timelines

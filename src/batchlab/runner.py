@@ -1,5 +1,7 @@
-"""The model runner (the executor's mechanism): run one batch of ragged sequences as
-ONE forward pass over an mlx-lm Llama-family model, reading and writing paged KV.
+"""The model runner (the mechanism): run one batch of ragged sequences as ONE forward
+pass over an mlx-lm Llama-family model, reading and writing paged KV, and sample the
+next tokens. It owns the KV pool (the memory) but never decides who gets which block:
+each ``Chunk`` arrives with its request's block table, made by the scheduler.
 
 A batch is a list of ``Chunk``s. A decode row is a chunk of one token; a prefill chunk
 is several consecutive prompt tokens. All tokens of all chunks are packed into one
@@ -14,25 +16,40 @@ The runner decides nothing: which chunks run is the scheduler's job.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import numpy as np
 
-from .kv import BlockManager, KVPool
+from .batch import Chunk, Runner
 from .model import LoadedModel
+from .sampling import Sampler, sample_rows
 
 
-@dataclass(frozen=True)
-class Chunk:
-    req_id: str
-    tokens: list[int]  # the tokens to run: one for a decode row, several for a prefill chunk
-    start: int  # position of tokens[0] in its sequence (= tokens already in the KV cache)
+class KVPool:
+    """The KV memory itself (MLX arrays): keys and values of every layer, by flat address."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: mx.Dtype):
+        shape = (num_blocks * block_size, kv_heads, head_dim)
+        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        mx.eval(self.keys, self.values)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
+        return 2 * num_layers * kv_heads * head_dim * dtype.size
 
 
-class ModelRunner:
-    def __init__(self, lm: LoadedModel, blocks: BlockManager):
-        self.lm, self.blocks = lm, blocks
+def sample(logits: mx.array, samplers: list[Sampler]) -> list[int]:
+    """One token per row of ``logits`` [N, vocab]. All greedy: one argmax on the device;
+    otherwise the rows go to numpy and each request's own sampler."""
+    if all(s.params.greedy for s in samplers):
+        return mx.argmax(logits, axis=-1).tolist()
+    return sample_rows(np.array(logits.astype(mx.float32)), samplers)
+
+
+class ModelRunner(Runner):
+    def __init__(self, lm: LoadedModel, num_blocks: int, block_size: int):
+        self.lm, self.block_size = lm, block_size
         model = lm.model
         self.layers = model.model.layers
         attn = self.layers[0].self_attn
@@ -43,8 +60,11 @@ class ModelRunner:
         self.dtype = model.model.embed_tokens.weight.dtype
         if self.dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized models
             self.dtype = mx.float16
-        self.pool = KVPool(len(self.layers), blocks.num_blocks, blocks.block_size,
-                           self.n_kv_heads, self.head_dim, self.dtype)
+        self.pool = KVPool(len(self.layers), num_blocks, block_size, self.n_kv_heads,
+                           self.head_dim, self.dtype)
+
+    def sample(self, logits: mx.array, rows: list[int], samplers: list[Sampler]) -> list[int]:
+        return sample(logits[mx.array(rows)], samplers)
 
     def forward(self, chunks: list[Chunk]) -> mx.array:
         """Run all ``chunks`` in one pass; return logits ``[len(chunks), vocab]`` for the
@@ -59,7 +79,7 @@ class ModelRunner:
         positions = mx.array(np.concatenate(
             [np.arange(c.start, c.start + len(c.tokens)) for c in chunks]).astype(np.int32))
         writes = mx.array(np.concatenate(
-            [self.blocks.slots(c.req_id, c.start, c.start + len(c.tokens)) for c in chunks]))
+            [c.slot_mapping(c.start, c.end, self.block_size) for c in chunks]))
         row_context = self._row_context(rows) if rows else None
         prefill_context = [self._prefill_context(c) for c in prefills]
 
@@ -120,7 +140,7 @@ class ModelRunner:
         longest = max(lengths)
         gather = np.zeros((len(rows), longest), dtype=np.int32)
         for r, c in enumerate(rows):
-            gather[r, :lengths[r]] = self.blocks.slots(c.req_id, 0, lengths[r])
+            gather[r, :lengths[r]] = c.slot_mapping(0, lengths[r], self.block_size)
         mask = np.arange(longest)[None, :] < np.array(lengths)[:, None]
         return mx.array(gather), mx.array(mask)[:, None, None, :]
 
@@ -131,7 +151,7 @@ class ModelRunner:
         if chunk.start == 0:
             return None, "causal"
         total = chunk.start + L
-        gather = mx.array(self.blocks.slots(chunk.req_id, 0, total))
+        gather = mx.array(chunk.slot_mapping(0, total, self.block_size))
         mask = np.arange(total)[None, :] <= (chunk.start + np.arange(L))[:, None]
         return gather, mx.array(mask)
 

@@ -2,6 +2,8 @@
 
 Every request carries its own ``SamplingParams`` and its own random stream, so a
 request's samples depend only on its seed, never on which requests share its batch.
+Pure numpy: requests and schedulers import this without MLX; the runner turns its MLX
+logits into tokens with ``runner.sample``.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import mlx.core as mx
 import numpy as np
 
 
@@ -60,15 +61,11 @@ class Sampler:
         return int(order[self.rng.choice(order.size, p=probs)])
 
 
-def sample_rows(logits: mx.array, samplers: list[Sampler]) -> list[int]:
-    """One token per row of ``logits`` [N, vocab]; greedy rows use a single argmax.
-    (The simulator passes numpy logits: an MLX round trip would cost more than its step.)"""
-    greedy = (np if isinstance(logits, np.ndarray) else mx).argmax(logits, axis=-1)
-    if all(s.params.greedy for s in samplers):
-        return greedy.tolist()
-    rows = np.array(logits.astype(mx.float32))
-    picks = greedy.tolist()
+def sample_rows(logits: np.ndarray, samplers: list[Sampler]) -> list[int]:
+    """One token per row of ``logits`` [N, vocab]: argmax for greedy rows, the row's own
+    sampler for the others."""
+    picks = np.argmax(logits, axis=-1).tolist()
     for i, s in enumerate(samplers):
         if not s.params.greedy:
-            picks[i] = s.sample(rows[i])
+            picks[i] = s.sample(logits[i])
     return picks

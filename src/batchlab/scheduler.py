@@ -1,75 +1,51 @@
-"""Schedulers: the policy half of the engine, in pure Python (no MLX).
+"""Schedulers: the policy half of the engine, in pure Python (no MLX, not even through
+an import).
 
-A scheduler owns the waiting queue and the decode slots, and decides what the model
-runs. Its ``batches()`` is a generator: it yields one ``Batch`` (one forward pass) at
-a time, the engine runs it and records the new tokens, and the generator resumes and
-sees the result. The four kinds differ only here:
+A scheduler owns the waiting queue, the decode slots and the KV blocks (it is the only
+code that takes or frees them), and decides what the model runs. Its ``batches()`` is a
+generator: it yields one ``Batch`` (one forward pass) at a time; the engine asks it to
+``prepare`` the pass (take its blocks, describe it as runner ``Chunk``s), runs it, and
+hands the new tokens to ``postprocess``; then the generator resumes and sees the result.
+The four kinds differ only in ``batches``:
 
 - ``SequentialScheduler``: one request at a time, start to finish.
 - ``StaticScheduler``: up to B requests start together; nobody joins until all finish.
 - ``ContinuousScheduler``: iteration-level scheduling in five phases (see ``batches``).
 - ``StallFreeScheduler``: a token budget per step, decodes first, one fused pass.
+
+*Write your own*: subclass one of them, give it a ``kind`` name, and pass the class to
+``make_engine(MyScheduler, lm, ...)``. A scheduler's options are the keyword arguments of
+its constructor after ``(blocks, clock)``, with their defaults; the constructor checks them.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from .batch import Batch, Chunk
 from .kv import BlockManager
+from .policies import PriorityPolicy
 from .request import Request, State
 
 
-@dataclass
-class Batch:
-    """The work of one forward pass."""
-
-    decode: list[Request] = field(default_factory=list)  # one token each
-    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, prompt tokens)
-    padding: list[Request] = field(default_factory=list)  # static: finished rows still computed
-    padding_tokens: int = 0  # static: prompt padding a padded batch would compute (not run)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decode) + len(self.padding) + sum(n for _, n in self.prefill)
-
-
-class PriorityPolicy:
-    """Who is served next and who gives way when KV memory runs out.
-
-    A lower ``priority`` number is more important (as in vLLM). The queue is served by
-    priority, then queue order: with every priority 0 that is first come, first served,
-    and a preempted request (put back at the front) is served first again. The victim of
-    a preemption is the least important running request, the newest among equals: it
-    has the least work to lose.
-    """
-
-    @staticmethod
-    def importance(req: Request) -> tuple:
-        return req.priority, req.arrival_s  # smaller is more important
-
-    def next_queued(self, queue: deque[Request]) -> Request:
-        return min(queue, key=lambda r: r.priority)  # the first of the best priority
-
-    def victim(self, running: list[Request]) -> Request:
-        return max(reversed(running), key=self.importance)  # ties: the latest admitted
-
-
 class Scheduler:
-    """What every policy shares: a queue, B decode slots, KV admission.
+    """What every policy shares: a queue, B decode slots, the KV blocks.
 
     Static and sequential batching reserve a request's whole KV memory up front
-    (``try_admit``). Continuous and stall-free take blocks on demand (``fits``, ``start``,
+    (``reserve``). Continuous and stall-free take blocks on demand (``fits``, ``start``,
     ``make_room``) and preempt when the pool runs dry; ``running`` lists who holds blocks.
     """
 
     kind = "base"
+    kv_on_demand = False  # blocks taken as requests grow (so prefix caching can share them)
+    prefill_lane = False  # prefilling requests hold no decode slot (pictures draw a lane)
 
-    def __init__(self, max_batch_size: int, blocks: BlockManager, clock: Callable[[], float],
+    def __init__(self, blocks: BlockManager, clock: Callable[[], float], max_batch_size: int = 8,
                  policy: PriorityPolicy | None = None):
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.max_batch_size = max_batch_size
         self.blocks, self.clock = blocks, clock
@@ -79,6 +55,14 @@ class Scheduler:
         self.running: list[Request] = []  # on demand: requests holding KV blocks, by admission
         self.preempted: list[str] = []  # preempted since the engine last read this
         self.num_preemptions = 0
+
+    @classmethod
+    def option_defaults(cls) -> dict:
+        """The options this kind takes, with their defaults: its constructor's keyword
+        arguments after ``(blocks, clock)``."""
+        params = list(inspect.signature(cls.__init__).parameters.values())[3:]
+        return {p.name: p.default for p in params
+                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
     # -- bookkeeping shared by all policies --------------------------------------------
     def add(self, req: Request) -> None:
@@ -94,8 +78,9 @@ class Scheduler:
         req.slot = self.free_slot()
         self.slots[req.slot] = req
 
-    def try_admit(self, req: Request) -> bool:
-        """Reserve KV blocks for the whole request (prompt + every token it may generate)."""
+    def reserve(self, req: Request) -> bool:
+        """Reserve KV blocks for the whole request (prompt + every token it may generate);
+        False if the pool cannot promise them now."""
         if not self.blocks.can_reserve(req.prompt_len + req.max_new_tokens):
             return False
         self.blocks.reserve(req.id, req.prompt_len + req.max_new_tokens)
@@ -111,6 +96,68 @@ class Scheduler:
             self.running.remove(req)
         req.slot = None
         self.blocks.release(req.id)
+
+    def check_room(self, num_tokens: int) -> None:
+        """Refuse (ValueError) a request that could never fit the KV pool."""
+        need = self.blocks.blocks_for(num_tokens)
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt + max_new_tokens = {num_tokens} tokens needs {need} KV blocks, but the "
+                f"engine has {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens; "
+                f"raise num_kv_blocks")
+
+    # -- one pass: before and after the runner --------------------------------------------
+    def prepare(self, batch: Batch) -> list[Chunk]:
+        """Take the KV blocks ``batch`` writes and describe it to the runner: one chunk per
+        request, in ``batch.requests`` order. (On-demand kinds took them while planning,
+        with ``make_room``; for up-front kinds this is where reserved blocks are taken.)"""
+        chunks = [self._chunk(r, r.next_input(), sample=True) for r in batch.decode]
+        for req, n in batch.prefill:  # the prompt (+ generated tokens, recomputed after preemption)
+            end = req.num_computed + n
+            chunks.append(self._chunk(req, req.token_ids(req.num_computed, end),
+                                      sample=end == req.prefill_len))
+        # static: a finished row's last position is recomputed and the result thrown away
+        chunks += [self._chunk(r, r.next_input(), sample=False) for r in batch.padding]
+        return chunks
+
+    def _chunk(self, req: Request, tokens: list[int], sample: bool) -> Chunk:
+        start, end = req.num_computed, req.num_computed + len(tokens)
+        table = self.blocks.ensure(req.id, end)
+        self.blocks.check_writable(req.id, start, end)
+        return Chunk(req.id, tokens, start, list(table), req.sampler if sample else None)
+
+    def postprocess(self, batch: Batch, tokens: list[int | None], now: float
+                    ) -> list[tuple[Request, int, str | None]]:
+        """After the pass: advance every request by what it computed, name full blocks
+        for the prefix cache, hand out the new tokens (one per ``batch.requests`` entry,
+        None where none was sampled) and free the requests that finished. Returns
+        ``(request, token, finish reason or None)`` for every token handed out."""
+        for req in batch.decode:
+            req.num_computed += 1
+        for req, n in batch.prefill:
+            req.num_computed += n
+        for req in batch.requests[:len(batch.decode) + len(batch.prefill)]:
+            if not req.finished:  # full blocks join the prefix cache
+                self.blocks.cache_full_blocks(req.id, req.num_computed, req.token_ids)
+        events = []
+        for req, token in zip(batch.requests, tokens):
+            if token is None or req.finished:  # nothing sampled, or cancelled during the pass
+                continue
+            reason = req.add_token(token, now)
+            if reason is not None:
+                req.finish(reason, now)
+                self.remove(req)
+            events.append((req, token, reason))
+        return events
+
+    def kv_usage(self) -> dict:
+        """What KV memory looks like now (for the trace and ``stats``)."""
+        b = self.blocks
+        return {"num_kv_blocks": b.num_blocks, "free_kv_blocks": b.num_free,
+                "kv_blocks_used": b.num_blocks - b.num_free,
+                "block_tables": {rid: list(t) for rid, t in b.tables.items()},
+                "cached_blocks": list(b.evictable), "preemptions": self.num_preemptions,
+                "prefix_cache_hits": b.hit_blocks, "prefix_cache_hit_tokens": b.hit_tokens}
 
     # -- on-demand KV memory (continuous, stall-free) ------------------------------------
     def _first_chunk(self, req: Request, max_tokens: float) -> tuple[list[int], int, int]:
@@ -174,12 +221,12 @@ class SequentialScheduler(Scheduler):
     kind = "sequential"
 
     def __init__(self, blocks: BlockManager, clock):
-        super().__init__(1, blocks, clock)
+        super().__init__(blocks, clock, 1)
 
     def batches(self):
         current = self.slots[0]
         if current is None:
-            if not self.queue or not self.try_admit(self.queue[0]):
+            if not self.queue or not self.reserve(self.queue[0]):
                 return
             current = self.queue.popleft()
             self.take_slot(current)
@@ -198,8 +245,8 @@ class StaticScheduler(Scheduler):
 
     kind = "static"
 
-    def __init__(self, max_batch_size: int, blocks: BlockManager, clock):
-        super().__init__(max_batch_size, blocks, clock)
+    def __init__(self, blocks: BlockManager, clock, max_batch_size: int = 8):
+        super().__init__(blocks, clock, max_batch_size)
         self.batch: list[Request] = []
 
     def has_work(self) -> bool:
@@ -212,7 +259,7 @@ class StaticScheduler(Scheduler):
 
     def batches(self):
         if not self.batch:
-            while self.queue and len(self.batch) < self.max_batch_size and self.try_admit(self.queue[0]):
+            while self.queue and len(self.batch) < self.max_batch_size and self.reserve(self.queue[0]):
                 req = self.queue.popleft()
                 self.take_slot(req)
                 req.set_state(State.PREFILLING, self.clock())
@@ -249,11 +296,14 @@ class ContinuousScheduler(Scheduler):
     """
 
     kind = "continuous"
+    kv_on_demand = True
+    prefill_lane = True
 
-    def __init__(self, max_batch_size: int, blocks: BlockManager, clock,
+    def __init__(self, blocks: BlockManager, clock, max_batch_size: int = 8,
                  prefill_step: int | None = None, policy: PriorityPolicy | None = None):
-        super().__init__(max_batch_size, blocks, clock, policy)
-        if prefill_step is not None and (not isinstance(prefill_step, int) or prefill_step < 1):
+        super().__init__(blocks, clock, max_batch_size, policy)
+        if prefill_step is not None and (isinstance(prefill_step, bool) or not isinstance(prefill_step, int)
+                                         or prefill_step < 1):
             raise ValueError(f"prefill_step must be an integer >= 1, got {prefill_step!r}")
         self.prefill_step = prefill_step or math.inf
         self.prefilling: Request | None = None
@@ -325,11 +375,12 @@ class StallFreeScheduler(Scheduler):
     A prefilling request holds its slot from admission, so nobody waits for a slot."""
 
     kind = "stallfree"
+    kv_on_demand = True
 
-    def __init__(self, max_batch_size: int, blocks: BlockManager, clock, token_budget: int = 256,
+    def __init__(self, blocks: BlockManager, clock, max_batch_size: int = 8, token_budget: int = 256,
                  policy: PriorityPolicy | None = None):
-        super().__init__(max_batch_size, blocks, clock, policy)
-        if not isinstance(token_budget, int) or token_budget < max_batch_size:
+        super().__init__(blocks, clock, max_batch_size, policy)
+        if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < max_batch_size:
             raise ValueError(f"token_budget must be an integer >= max_batch_size "
                              f"({max_batch_size}), got {token_budget!r}")
         self.token_budget = token_budget
@@ -395,3 +446,7 @@ class StallFreeScheduler(Scheduler):
                 self.prefilling.remove(req)
                 if not req.finished:
                     req.set_state(State.DECODING, self.clock())
+
+
+KINDS = {cls.kind: cls for cls in (SequentialScheduler, StaticScheduler, ContinuousScheduler,
+                                   StallFreeScheduler)}

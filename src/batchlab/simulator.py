@@ -22,11 +22,10 @@ from typing import Sequence
 
 import numpy as np
 
+from .batch import Chunk, Runner
 from .fake import FakeModel
-from .kv import BlockManager
-from .runner import Chunk
 from .trace import Trace
-from .workloads import Workload, WorkloadRequest, arrival_times
+from .workloads import Workload, WorkloadRequest, arrival_times, run_workload
 
 COST_MODEL_FILE = Path(__file__).parent / "data" / "cost_model.json"
 
@@ -119,33 +118,28 @@ class VirtualClock:
         self.now = max(self.now, float(t))
 
 
-class SimRunner:
-    """Stands where ``ModelRunner`` goes; build with :func:`sim_executor`.
+class SimRunner(Runner):
+    """Stands where ``ModelRunner`` goes; build with :func:`sim_runner`.
 
-    It computes nothing (the engine has already given every chunk its KV blocks): each
-    pass costs the cost model's prediction on the virtual clock, and every row's logits
-    pick token ``1``. Simulated workloads therefore set
+    It computes nothing: each pass costs the cost model's prediction on the virtual
+    clock, and every sampled token is ``1``. Simulated workloads therefore set
     ``ignore_eos`` so that lengths, not tokens, decide when a request ends."""
 
-    def __init__(self, lm, blocks: BlockManager, cost: CostModel, clock: VirtualClock):
-        self.lm, self.blocks, self.cost, self.clock = lm, blocks, cost, clock
+    def __init__(self, lm, cost: CostModel, clock: VirtualClock):
+        self.lm, self.cost, self.clock = lm, cost, clock
         self.passes = 0
-        self._logits: dict[int, np.ndarray] = {}  # one array per row count, made once
 
-    def forward(self, chunks: list[Chunk]) -> np.ndarray:
+    def forward(self, chunks: list[Chunk]) -> None:
         self.clock.advance(self.cost.predict(chunks))
         self.passes += 1
-        n = len(chunks)
-        if n not in self._logits:
-            logits = np.zeros((n, self.lm.tokenizer.vocab_size), dtype=np.float32)
-            logits[:, 1] = 1.0
-            self._logits[n] = logits
-        return self._logits[n]
+
+    def sample(self, logits, rows: list[int], samplers) -> list[int]:
+        return [1] * len(rows)
 
 
-def sim_executor(cost: CostModel, clock: VirtualClock):
-    """The ``executor`` argument of ``make_engine`` for a simulated engine."""
-    return lambda lm, blocks: SimRunner(lm, blocks, cost, clock)
+def sim_runner(cost: CostModel, clock: VirtualClock):
+    """The ``runner`` argument of ``make_engine`` for a simulated engine."""
+    return lambda lm, num_blocks, block_size: SimRunner(lm, cost, clock)
 
 
 # Tokens do not matter in a simulation: a tiny vocabulary, room for the longest synthetic request.
@@ -153,12 +147,12 @@ SIM_MODEL = FakeModel(vocab_size=8, eos_id=0, max_seq_len=2048)
 
 
 def make_sim_engine(kind: str = "stallfree", cost: CostModel | None = None, **options):
-    """``make_engine(kind, ...)`` on a virtual clock with the cost model as its executor.
+    """``make_engine(kind, ...)`` on a virtual clock with the cost model as its runner.
     Returns the engine; its clock is ``engine.clock``."""
     from .engine import make_engine
 
     clock = VirtualClock()
-    return make_engine(kind, SIM_MODEL, executor=sim_executor(cost or CostModel.load(), clock),
+    return make_engine(kind, SIM_MODEL, runner=sim_runner(cost or CostModel.load(), clock),
                        clock=clock, **options)
 
 
@@ -193,42 +187,11 @@ def merge(*workloads: Workload) -> Workload:
 
 
 def simulate(engine, workload: Workload, priorities: dict[str, int] | None = None) -> Trace:
-    """Run ``workload`` on a simulated engine and return its trace.
-
-    Requests are submitted when the virtual clock reaches their arrival; when the engine
-    is idle the clock jumps to the next arrival. Refused requests (``QueueFull``) get a
-    record finished with reason ``"rejected"`` so the trace accounts for every request.
-    ``priorities`` maps request ids to a priority, passed to ``submit`` when given.
-    """
-    from .policies import QueueFull
-    from .trace import RequestRecord
-
-    clock = engine.clock
-    if not isinstance(clock, VirtualClock):
+    """Run ``workload`` on a simulated engine (``workloads.run_workload``, whose clock
+    jumps to the next arrival when the engine is idle) and return its trace."""
+    if not isinstance(engine.clock, VirtualClock):
         raise ValueError("simulate needs an engine made by make_sim_engine (a virtual clock)")
-    reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
-    t0, nxt, rejected = clock(), 0, {}
-    while True:
-        while nxt < len(reqs) and t0 + reqs[nxt].arrival_s <= clock():
-            r = reqs[nxt]
-            extra = {} if priorities is None else {"priority": priorities[r.id]}
-            try:
-                engine.submit(r.prompt_ids, max_new_tokens=r.max_new_tokens, ignore_eos=True,
-                              request_id=r.id, arrival_s=t0 + r.arrival_s, **extra)
-            except QueueFull:
-                t = t0 + r.arrival_s
-                rejected[r.id] = RequestRecord(r.id, r.prompt_len, r.max_new_tokens, t,
-                                               [(t, "finished")], finished_s=t,
-                                               finish_reason="rejected")
-            nxt += 1
-        if not engine.step():
-            if nxt == len(reqs):
-                break
-            clock.advance_to(t0 + reqs[nxt].arrival_s)
-    steps = [s for s in engine.trace.steps if s.start_s >= t0]
-    records = {r.id: rejected.get(r.id) or engine.trace.requests[r.id] for r in reqs}
-    return Trace(engine.trace.kind, engine.trace.max_batch_size, steps, records,
-                 engine.trace.num_kv_blocks)
+    return run_workload(engine, workload, progress=False, priorities=priorities)
 
 
 def service_rate(workload: Workload, kind: str = "stallfree", cost: CostModel | None = None,

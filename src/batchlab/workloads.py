@@ -39,7 +39,6 @@ Every workload has a ``"quick"`` size (about a minute on a 2-core CPU) and a ``"
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import time
@@ -49,7 +48,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .trace import Trace
+from .trace import RequestRecord, Trace
 
 CORPUS_FILE = Path(__file__).parent / "data" / "python_reference.txt"
 
@@ -458,73 +457,85 @@ def make_workload(name: str, tokenizer, **kwargs) -> Workload:
 
 
 # -- the driver ------------------------------------------------------------------------------
+class EngineStuck(RuntimeError):
+    """The engine kept stepping without running anything (a scheduler bug): the driver
+    stops instead of looping forever."""
+
+
 def run_workload(engine, workload: Workload, progress: bool = True,
-                 timeout_s: float | None = None, temperature: float = 0.0) -> Trace:
-    """Run ``workload`` on ``engine`` and return the trace of this run alone.
+                 timeout_s: float | None = None, temperature: float = 0.0,
+                 priorities: dict[str, int] | None = None, max_idle_steps: int = 50) -> Trace:
+    """Run ``workload`` on ``engine`` and return the trace of this run alone. The one
+    driver of every run: real engines, the simulator and the exercise checkers.
 
     Each request is submitted once its arrival time (seconds after the run starts, on the
-    engine's clock) has come; requests due at the start are all submitted before the
-    first step. The engine steps until every request is done; when it is idle and the
-    next request is still to come, the driver sleeps until then.
-
-    The returned trace holds the steps of this run and copies of its requests' records,
-    with ``arrival_s`` set to when each request was *due*: a request due while a step was
-    running is submitted after the step, and that wait is part of its TTFT, as it would
-    be in a server. After ``timeout_s`` seconds the requests still running are cancelled.
+    engine's clock) has come, with ``arrival_s`` = when it was *due*: a request due while
+    a step was running is submitted after the step, and that wait is part of its TTFT, as
+    it would be in a server. When the engine is idle and the next request is still to
+    come, the driver waits: it sleeps on a real clock and jumps a virtual one (the
+    simulator's) forward. A request refused at the door (``QueueFull``) gets a record
+    finished with reason ``"rejected"``, so the trace accounts for every request.
+    ``priorities`` maps request ids to a ``submit`` priority. After ``timeout_s`` seconds
+    the requests still running are cancelled. ``max_idle_steps`` steps in a row that run
+    no forward pass raise ``EngineStuck``.
     """
     from tqdm.auto import tqdm
 
+    from .policies import QueueFull
+
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)  # stable: ties keep order
-    ids = [r.id for r in reqs]
-    if len(set(ids)) != len(ids):
+    if len({r.id for r in reqs}) != len(reqs):
         raise ValueError("workload request ids must be unique")
-    t0 = engine.clock()
-    due: dict[str, float] = {}
-    records = {}  # the engine's live records (an engine with trace_limit drops them once done)
-    running: set[str] = set()
-    nxt = 0
+    clock = engine.clock
+    wait_until = getattr(clock, "advance_to", None) or (lambda t: time.sleep(max(0.0, t - clock())))
+    t0 = clock()
+    records: dict[str, RequestRecord] = {}
+    nxt = idle = 0
     bar = tqdm(total=sum(r.max_new_tokens for r in reqs), unit="tok", desc=workload.name,
                disable=not progress, leave=False)
     try:
-        while nxt < len(reqs) or running:
-            now = engine.clock() - t0
+        while True:
+            now = clock() - t0
             if timeout_s is not None and now > timeout_s:
-                for rid in running:
-                    engine.cancel(rid)
+                for rid, rec in records.items():
+                    if rec.finished_s is None:
+                        engine.cancel(rid)
                 engine.step()  # sweeps the cancelled requests out
-                for rid in running:
-                    engine.poll(rid)
                 break
             while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
-                r = reqs[nxt]
-                rid = engine.submit(r.prompt_ids, max_new_tokens=r.max_new_tokens,
-                                    ignore_eos=True, temperature=temperature, request_id=r.id)
-                due[rid] = t0 + r.arrival_s
-                records[rid] = engine.trace.requests[rid]
-                running.add(rid)
+                r, due = reqs[nxt], t0 + reqs[nxt].arrival_s
                 nxt += 1
-            worked = engine.step()
-            for rid in list(running):
-                tokens, status, _ = engine.poll(rid)
-                bar.update(len(tokens))
-                if status != "running":
-                    running.discard(rid)
-            if not worked:
-                if nxt < len(reqs):  # idle: wait for the next arrival
-                    time.sleep(max(0.0, t0 + reqs[nxt].arrival_s - engine.clock()))
-                elif running:
-                    raise RuntimeError(f"the engine is idle but {len(running)} requests are "
-                                       f"not done: {sorted(running)[:5]}")
+                extra = {} if priorities is None else {"priority": priorities[r.id]}
+                try:
+                    engine.submit(r.prompt_ids, max_new_tokens=r.max_new_tokens, ignore_eos=True,
+                                  temperature=temperature, request_id=r.id, arrival_s=due, **extra)
+                except QueueFull:
+                    records[r.id] = RequestRecord(r.id, r.prompt_len, r.max_new_tokens, due,
+                                                  [(due, "finished")], finished_s=due,
+                                                  finish_reason="rejected")
+                    continue
+                records[r.id] = engine.trace.requests[r.id]
+            if engine.step():
+                step = engine.trace.steps[-1]
+                bar.update(sum(map(len, step.emitted.values())))
+                idle = 0 if step.passes else idle + 1
+                if idle >= max_idle_steps:
+                    raise EngineStuck(
+                        f"the engine stepped {idle} times in a row without running anything: "
+                        f"its scheduler says it has work, but batches() yields nothing")
+            elif nxt < len(reqs):
+                wait_until(t0 + reqs[nxt].arrival_s)  # idle: wait for the next arrival
+            else:
+                break
     finally:
         bar.close()
-    out = {}
-    for rid in ids:
-        if rid in due:
-            out[rid] = rec = copy.deepcopy(records[rid])
-            rec.arrival_s = due[rid]
-    trace = engine.trace
-    steps = [s for s in list(trace.steps) if s.start_s >= t0]  # this run's steps only
-    return Trace(trace.kind, trace.max_batch_size, steps, out, trace.num_kv_blocks)
+    unfinished = sorted(rid for rid, rec in records.items() if rec.finished_s is None)
+    if unfinished and timeout_s is None:
+        raise RuntimeError(f"the engine is idle but {len(unfinished)} requests are not done: "
+                           f"{unfinished[:5]}")
+    steps = [s for s in list(engine.trace.steps) if s.start_s >= t0]  # this run's steps only
+    return replace(engine.trace, steps=steps, requests={r.id: records[r.id] for r in reqs
+                                                        if r.id in records})
 
 
 def shared_prefix(tokenizer, seed: int = 0, num_requests: int = 8, system_chars: int = 1200,

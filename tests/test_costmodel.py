@@ -15,6 +15,7 @@ keys and values), and the fastest run counts. The tokens are those of the first 
 import time
 
 import numpy as np
+import pytest
 
 from batchlab import make_engine, workloads
 from batchlab.runner import ModelRunner

@@ -19,11 +19,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable
 
-from .checks import Case, Verdict, run_cases, whole_number_compare
-from .checks_lesson1 import Req, _prompt, compare_runs, fake_engine, run_requests
-from .fake import FakeModel
-from .request import State
-from .scheduler import ContinuousScheduler
+from ..fake import FakeModel
+from ..request import State
+from ..scheduler import ContinuousScheduler
+from ._core import Case, Verdict, run_cases
+from .lesson01 import (MIXED_OUTPUTS, Req, compare_runs, fake_engine, fake_prompt, output_lens_cases,
+                       run_requests, static_step_count)
 
 __all__ = ["place_awaiting", "admit_next", "continuous_steps"]
 
@@ -76,9 +77,9 @@ def _hooked(admit=None, place=None):
 _ENGINE_CASES = [  # (label, B, requests): all arrive at once
     ("in the engine: 5 requests, B=2, outputs [4, 6, 2, 5, 3]; the engine's tokens and every "
      "step must match the library's scheduler", 2,
-     [Req(_prompt(5 + i, 200 + i), o) for i, o in enumerate([4, 6, 2, 5, 3])]),
+     [Req(fake_prompt(5 + i, 200 + i), o) for i, o in enumerate([4, 6, 2, 5, 3])]),
     ("in the engine: 12 requests, B=4, outputs between 1 and 9 tokens", 4,
-     [Req(_prompt(3 + i, 300 + i), o) for i, o in enumerate([7, 1, 3, 9, 2, 2, 8, 5, 1, 6, 4, 3])]),
+     [Req(fake_prompt(3 + i, 300 + i), o) for i, o in enumerate([7, 1, 3, 9, 2, 2, 8, 5, 1, 6, 4, 3])]),
 ]
 
 
@@ -237,35 +238,31 @@ def continuous_steps(fn: Callable) -> Verdict:
 
     def truth(lens, B):
         run = run_requests(fake_engine(ContinuousScheduler, B, fake),
-                           [Req(_prompt(5, 400 + i), o) for i, o in enumerate(lens)])
+                           [Req(fake_prompt(5, 400 + i), o) for i, o in enumerate(lens)])
         return len(run.steps)
 
-    def static(lens, B):
-        return sum(max(1, max(lens[i:i + B]) - 1) for i in range(0, len(lens), B))
-
-    def compare_for(lens, B):
+    def diagnose_for(lens, B):
         def diagnose(got, expected):
-            if got == static(lens, B) and got != expected:
+            if got == static_step_count(lens, B) and got != expected:
                 return "that is the count for static batching (lesson 1), not continuous batching"
             if got == expected + 1 or got == expected - 1:
                 return ("off by one: a request's first token comes from its prefill, and it "
                         "decodes in the very step it is placed")
             return ""
-        return whole_number_compare(diagnose)
+        return diagnose
 
-    mixed = [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14]
     rows = [
         ("one request with 3 output tokens, B=1", [3], 1),
         ("outputs [5, 2, 3], B=3: admitted one per step", [5, 2, 3], 3),
         ("outputs [5, 2, 3], B=1: the second waits for the only slot", [5, 2, 3], 1),
         ("outputs [1, 1, 1], B=2: single-token requests never need a slot", [1, 1, 1], 2),
         ("outputs [6, 2, 2, 2, 2], B=2: short requests pass through the second slot", [6, 2, 2, 2, 2], 2),
-        ("the mixed workload's outputs, B=8", mixed, 8),
-        ("the mixed workload's outputs, B=16", mixed, 16),
+        ("the mixed workload's outputs, B=8", MIXED_OUTPUTS, 8),
+        ("the mixed workload's outputs, B=16", MIXED_OUTPUTS, 16),
     ]
-    cases = [Case(label, lambda f, l=lens, b=B: f(list(l), b), truth(lens, B), compare_for(lens, B),
-                  hint="simulate the step: admit one request if none waits for a slot (its prefill "
-                       "makes its first token), place waiting requests into free slots, then every "
-                       "occupied slot makes one token; a request leaves its slot when done")
-             for label, lens, B in rows]
+    cases = output_lens_cases(
+        rows, truth, diagnose_for,
+        "simulate the step: admit one request if none waits for a slot (its prefill "
+        "makes its first token), place waiting requests into free slots, then every "
+        "occupied slot makes one token; a request leaves its slot when done")
     return run_cases("continuous_steps", fn, cases)

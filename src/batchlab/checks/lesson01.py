@@ -19,11 +19,11 @@ from typing import Callable
 
 import numpy as np
 
-from .checks import Case, Verdict, run_cases, whole_number_compare
-from .engine import Engine
-from .fake import FakeModel, FakeRunner, reference_output
-from .kv import BlockManager
-from .scheduler import StaticScheduler
+from ..engine import Engine
+from ..fake import FakeModel, FakeRunner, reference_output
+from ..kv import BlockManager
+from ..scheduler import StaticScheduler
+from ._core import Case, Verdict, run_cases, whole_number_compare
 
 __all__ = ["static_batches", "wasted_slot_steps", "static_steps"]
 
@@ -107,14 +107,14 @@ def run_requests(engine: Engine, reqs: list[Req]) -> Run:
 def _eos_prompt(fake: FakeModel) -> tuple[tuple[int, ...], int]:
     """A prompt whose fake continuation hits EOS after a few tokens, and that length."""
     for seed in range(10_000):
-        prompt = _prompt(6, 1000 + seed)
+        prompt = fake_prompt(6, 1000 + seed)
         out = reference_output(list(prompt), 12, fake.vocab_size, frozenset({fake.eos_id}))
         if 3 <= len(out) <= 6 and out[-1] == fake.eos_id:
             return prompt, len(out)
     raise RuntimeError("no EOS prompt found")  # never happens with the default fake model
 
 
-def _prompt(n: int, seed: int) -> tuple[int, ...]:
+def fake_prompt(n: int, seed: int) -> tuple[int, ...]:
     """``n`` fake prompt tokens (never the EOS id 0)."""
     rng = np.random.default_rng(seed)
     return tuple(int(t) for t in rng.integers(1, FakeModel().vocab_size, n))
@@ -208,17 +208,17 @@ def static_batches(cls) -> Verdict:
     rows = [
         ("one batch with fewer requests than slots: 3 requests (prompts of 5, 9 and 3 tokens, "
          "outputs of 4, 2 and 6 tokens), B=4",
-         4, [Req(_prompt(5, 1), 4), Req(_prompt(9, 2), 2), Req(_prompt(3, 3), 6)]),
+         4, [Req(fake_prompt(5, 1), 4), Req(fake_prompt(9, 2), 2), Req(fake_prompt(3, 3), 6)]),
         ("two batches: 5 requests with B=3; the 4th and 5th wait until all of the first three "
-         "are done", 3, [Req(_prompt(4 + i, 10 + i), o) for i, o in enumerate([3, 7, 2, 5, 4])]),
+         "are done", 3, [Req(fake_prompt(4 + i, 10 + i), o) for i, o in enumerate([3, 7, 2, 5, 4])]),
         ("every request wants a single token (3 requests, B=2): the prefill makes it, no decode rows",
-         2, [Req(_prompt(6, 20 + i), 1) for i in range(3)]),
+         2, [Req(fake_prompt(6, 20 + i), 1) for i in range(3)]),
         (f"a request stops early on EOS (the fake model's token 0, after {eos_len} tokens) and "
          "stays in its batch as a padding row", 3,
-         [Req(_prompt(7, 30), 9), Req(eos_prompt, 12, ignore_eos=False), Req(_prompt(5, 31), 8)]),
-        ("B=1: one request at a time", 1, [Req(_prompt(4, 40 + i), o) for i, o in enumerate([3, 1, 4])]),
+         [Req(fake_prompt(7, 30), 9), Req(eos_prompt, 12, ignore_eos=False), Req(fake_prompt(5, 31), 8)]),
+        ("B=1: one request at a time", 1, [Req(fake_prompt(4, 40 + i), o) for i, o in enumerate([3, 1, 4])]),
         ("16 requests with prompt and output lengths drawn like the mixed workload's, B=8", 8,
-         [Req(_prompt(int(p), 50 + i), int(o)) for i, (p, o) in enumerate(zip(mixed_p, mixed_o))]),
+         [Req(fake_prompt(int(p), 50 + i), int(o)) for i, (p, o) in enumerate(zip(mixed_p, mixed_o))]),
     ]
 
     def case(label, B, reqs):
@@ -240,7 +240,24 @@ def static_batches(cls) -> Verdict:
 def _static_run(output_lens: list[int], B: int) -> Run:
     """The static engine (fake model) on short prompts with these output lengths, all at once."""
     return run_requests(fake_engine(StaticScheduler, B),
-                        [Req(_prompt(5, 60 + i), o) for i, o in enumerate(output_lens)])
+                        [Req(fake_prompt(5, 60 + i), o) for i, o in enumerate(output_lens)])
+
+
+def static_step_count(output_lens: list[int], B: int) -> int:
+    """The engine steps static batching takes for these output lengths, all arriving at once."""
+    return len(_static_run(output_lens, B).steps)
+
+
+MIXED_OUTPUTS = [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14]  # the mixed workload's
+
+
+def output_lens_cases(rows, truth: Callable[[list[int], int], int],
+                      diagnose_for: Callable[[list[int], int], Callable], hint: str) -> list[Case]:
+    """Cases for a count ``fn(output_lens, B) -> int``, from rows of (label, output_lens, B):
+    the right count is ``truth(lens, B)``, a wrong one is explained by ``diagnose_for(lens, B)``."""
+    return [Case(label, lambda f, l=lens, b=B: f(list(l), b), truth(lens, B),
+                 whole_number_compare(diagnose_for(lens, B)), hint=hint)
+            for label, lens, B in rows]
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,7 +272,7 @@ def wasted_slot_steps(fn: Callable) -> Verdict:
         decode_steps = [s for s in _static_run(lens, B).steps if s["decoded"]]
         return sum(B - len(s["decoded"]) for s in decode_steps)
 
-    def compare_for(lens, B):
+    def diagnose_for(lens, B):
         def diagnose(got, expected):
             m = max(lens)
             if got == sum(m - o for o in lens) and len(lens) < B:
@@ -267,7 +284,7 @@ def wasted_slot_steps(fn: Callable) -> Verdict:
                 return (f"the batch runs max - 1 = {m - 1} decode steps, not {m}: each request's "
                         "first token comes from the prefill, not from a decode row")
             return ""
-        return whole_number_compare(diagnose)
+        return diagnose
 
     rows = [
         ("outputs [5, 2, 3] filling B=3 slots", [5, 2, 3], 3),
@@ -276,13 +293,12 @@ def wasted_slot_steps(fn: Callable) -> Verdict:
         ("outputs [1, 10], B=2: one short request beside a long one", [1, 10], 2),
         ("outputs [1, 1], B=2: the prefill makes every token, there is no decode step", [1, 1], 2),
         ("the first batch of the mixed workload: [42, 37, 38, 61, 20, 53, 44, 4], B=8",
-         [42, 37, 38, 61, 20, 53, 44, 4], 8),
+         MIXED_OUTPUTS[:8], 8),
     ]
-    cases = [Case(label, lambda f, l=lens, b=B: f(list(l), b), truth(lens, B), compare_for(lens, B),
-                  hint="count, over the max(output_lens) - 1 decode steps, the slots that made no "
-                       "token: B slots per step minus the decode rows of requests still running")
-             for label, lens, B in rows]
-    return run_cases("wasted_slot_steps", fn, cases)
+    return run_cases("wasted_slot_steps", fn, output_lens_cases(
+        rows, truth, diagnose_for,
+        "count, over the max(output_lens) - 1 decode steps, the slots that made no "
+        "token: B slots per step minus the decode rows of requests still running"))
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,10 +308,7 @@ def static_steps(fn: Callable) -> Verdict:
     """Check ``fn(output_lens, B) -> int``: the engine steps a static engine with ``B`` slots
     takes for requests that all arrive at once and generate ``output_lens`` tokens."""
 
-    def truth(lens, B):
-        return len(_static_run(lens, B).steps)
-
-    def compare_for(lens, B):
+    def diagnose_for(lens, B):
         groups = [lens[i:i + B] for i in range(0, len(lens), B)]
 
         def diagnose(got, expected):
@@ -310,7 +323,7 @@ def static_steps(fn: Callable) -> Verdict:
                 return (f"with B={B}, the {len(lens)} requests run as {len(groups)} batches, one "
                         f"after the other, in arrival order")
             return ""
-        return whole_number_compare(diagnose)
+        return diagnose
 
     rows = [
         ("one request with 3 output tokens, B=1", [3], 1),
@@ -318,12 +331,10 @@ def static_steps(fn: Callable) -> Verdict:
         ("outputs [5, 2, 3] with B=2: batches [5, 2] then [3]", [5, 2, 3], 2),
         ("outputs [1, 1, 1] with B=2: two batches of single-token requests", [1, 1, 1], 2),
         ("outputs [4, 9, 2, 2, 7] with B=1: one request at a time", [4, 9, 2, 2, 7], 1),
-        ("the mixed workload's outputs, B=8", [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14], 8),
-        ("the mixed workload's outputs, B=16 (a single batch)",
-         [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14], 16),
+        ("the mixed workload's outputs, B=8", MIXED_OUTPUTS, 8),
+        ("the mixed workload's outputs, B=16 (a single batch)", MIXED_OUTPUTS, 16),
     ]
-    cases = [Case(label, lambda f, l=lens, b=B: f(list(l), b), truth(lens, B), compare_for(lens, B),
-                  hint="split the requests into batches of B in arrival order; a batch lasts "
-                       "until its longest request is done")
-             for label, lens, B in rows]
-    return run_cases("static_steps", fn, cases)
+    return run_cases("static_steps", fn, output_lens_cases(
+        rows, static_step_count, diagnose_for,
+        "split the requests into batches of B in arrival order; a batch lasts "
+        "until its longest request is done"))

@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from .checks import Case, Verdict, _as_number, _close, _is_whole_number, _show, run_cases
+from ._core import (Case, Verdict, answer_compare, as_pairs, close, is_whole_number, number_compare,
+                    optional_compare, run_cases, whole_number_compare)
 
 __all__ = ["chunk_plan", "predict_long_ttft", "largest_chunk"]
 
@@ -31,8 +32,8 @@ def engine_chunks(prompt_len: int, prefill_step: int | None) -> list[tuple[int, 
     """The (start, length) chunks the continuous engine really runs for a prompt of
     ``prompt_len`` tokens, read from the trace of a run on the fake model (two other
     requests decode meanwhile)."""
-    from .engine import make_engine
-    from .fake import FakeModel, FakeRunner
+    from ..engine import make_engine
+    from ..fake import FakeModel, FakeRunner
 
     eng = make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=3,
                       prefill_step=prefill_step)
@@ -43,21 +44,20 @@ def engine_chunks(prompt_len: int, prefill_step: int | None) -> list[tuple[int, 
     return [(start, n) for step in eng.trace.steps for r, start, n in step.prefill if r == rid]
 
 
-def _pairs(got: Any) -> tuple[list[tuple[int, int]] | None, str | None]:
-    if not isinstance(got, (list, tuple)):
-        return None, f"expected a list of (start, length) pairs, but you returned a {type(got).__name__}"
-    out = []
-    for i, item in enumerate(got):
-        if _is_whole_number(item):
-            return None, ("your list holds plain numbers; return (start, length) pairs, e.g. "
-                          "[(0, 128), (128, 128), (256, 44)]")
-        if not isinstance(item, (list, tuple)) or len(item) != 2:
-            return None, f"item {i} is {_show(item)}, not a (start, length) pair"
-        a, b = item
-        if not (_is_whole_number(a) and _is_whole_number(b)):
-            return None, f"item {i} is {_show(item)}: starts and lengths are whole numbers of tokens"
-        out.append((int(a), int(b)))
-    return out, None
+def _chunk_problem(start: Any, length: Any) -> str | None:
+    if is_whole_number(start) and is_whole_number(length):
+        return None
+    return "starts and lengths are whole numbers of tokens"
+
+
+def _chunks(got: Any) -> tuple[list[tuple[int, int]] | None, str | None]:
+    if isinstance(got, (list, tuple)) and any(is_whole_number(item) for item in got):
+        return None, ("your list holds plain numbers; return (start, length) pairs, e.g. "
+                      "[(0, 128), (128, 128), (256, 44)]")
+    pairs, problem = as_pairs(got, "(start, length)", _chunk_problem)
+    if problem:
+        return None, problem
+    return [(int(a), int(b)) for a, b in pairs], None
 
 
 def chunk_plan(fn: Callable) -> Verdict:
@@ -67,12 +67,7 @@ def chunk_plan(fn: Callable) -> Verdict:
     ``ContinuousScheduler`` does, read from a trace."""
 
     def compare_for(prompt_len, step):
-        def compare(got, expected):
-            pairs, problem = _pairs(got)
-            if problem:
-                return problem
-            if pairs == expected:
-                return None
+        def diagnose(pairs, expected):
             covered = sum(n for _, n in pairs)
             if covered < prompt_len and pairs == expected[:len(pairs)]:
                 return (f"your chunks cover only {covered} of the {prompt_len} prompt tokens: "
@@ -85,7 +80,7 @@ def chunk_plan(fn: Callable) -> Verdict:
                     and starts != [s for s, _ in expected]:
                 return "the lengths are right but the starts are not: each chunk starts where the last one ended"
             return ""
-        return compare
+        return answer_compare(_chunks, diagnose)
 
     rows = [
         ("a 300-token prompt, chunks of 128: two full chunks and a short last one", 300, 128),
@@ -114,27 +109,22 @@ def predict_long_ttft(fn: Callable) -> Verdict:
     + (number of chunks - 1) x decode_step_s."""
 
     def compare_for(p, step, rate, dec):
-        def compare(got, expected):
-            value, problem = _as_number(got)
-            if problem:
-                return problem
-            if _close(value, expected):
-                return None
+        def diagnose(value, expected):
             n = _n_chunks(p, step)
-            if _close(value, p / rate + n * dec):
+            if close(value, p / rate + n * dec):
                 if n == 1:
                     return ("that adds a decode pass; with the whole prompt in one step, the first "
                             "token is sampled right after the prefill pass, before the decode pass")
                 return (f"that counts one decode pass per chunk ({n}); the step with the last chunk "
                         f"samples the first token right after that chunk, before its decode pass, "
                         f"so only {n - 1} decode passes come first")
-            if step is not None and _close(value, p / rate + (p // step - 1) * dec) and p % step:
+            if step is not None and close(value, p / rate + (p // step - 1) * dec) and p % step:
                 return ("the number of chunks is off: a last, shorter chunk is a step too "
                         "(round the division up)")
-            if _close(value, p / rate):
+            if close(value, p / rate):
                 return "that leaves out the decode passes that run between the chunks"
             return ""
-        return compare
+        return number_compare(diagnose)
 
     rows = [
         ("512 tokens, whole prompt (prefill_step=None), 256 tokens/s, decode pass 0.1 s: no "
@@ -168,19 +158,7 @@ def largest_chunk(fn: Callable) -> Verdict:
     target; None when not even the smallest fits."""
 
     def compare_for(target, rate, dec, choices):
-        def compare(got, expected):
-            if expected is None:
-                if got is None:
-                    return None
-                return ("no chunk size meets this target, so the answer is None (then the "
-                        "target cannot be met by chunking alone)")
-            if got is None:
-                return "a chunk size does fit this target"
-            if not _is_whole_number(got):
-                return f"expected one of the chunk sizes (an int), got {_show(got)}"
-            got = int(got)
-            if got == expected:
-                return None
+        def diagnose(got, expected):
             fits = [c for c in choices if c / rate + dec <= target]
             if got == min(fits, default=None):
                 return "that is the smallest chunk that fits; we want the largest"
@@ -193,7 +171,10 @@ def largest_chunk(fn: Callable) -> Verdict:
                 return (f"a chunk of {got} gives {got / rate + dec:.3f} s between tokens, over the "
                         f"{target} s target")
             return ""
-        return compare
+        return optional_compare(whole_number_compare(diagnose),
+                                "no chunk size meets this target, so the answer is None (then the "
+                                "target cannot be met by chunking alone)",
+                                "a chunk size does fit this target")
 
     sizes = [32, 64, 128, 256]
     rows = [

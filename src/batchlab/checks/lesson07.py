@@ -11,10 +11,9 @@ exactly which stream or which request was handled wrongly.
 from __future__ import annotations
 
 import json
-import math
-from typing import Any, Callable
+from typing import Callable
 
-from .checks import Case, Verdict, _close, run_cases
+from ._core import Case, Verdict, close, number_compare, run_cases
 
 __all__ = ["stream_metrics", "parse_sse", "goodput"]
 
@@ -33,27 +32,27 @@ def stream_metrics(fn: Callable) -> Verdict:
                 return "return three things: (ttft_s, itl_s, tpot_s)"
             ttft, itl, tpot = got
             e_ttft, e_itl, e_tpot = expected
-            if not isinstance(ttft, (int, float)) or not _close(ttft, e_ttft, 1e-9):
-                if isinstance(ttft, (int, float)) and _close(ttft, chunks[0], 1e-9) and sent:
+            if not isinstance(ttft, (int, float)) or not close(ttft, e_ttft, 1e-9):
+                if isinstance(ttft, (int, float)) and close(ttft, chunks[0], 1e-9) and sent:
                     return "TTFT is a duration: subtract the time the request was sent"
                 return f"the TTFT is wrong (it should be {e_ttft:g} s)"
             if not isinstance(itl, (list, tuple)) or len(itl) != len(e_itl):
                 n = len(itl) if isinstance(itl, (list, tuple)) else "not a list"
                 return (f"ITL should be a list of {len(e_itl)} gaps (one between each two of the "
                         f"{len(chunks)} chunks), got {n}")
-            if not all(_close(a, b, 1e-9) for a, b in zip(itl, e_itl)):
+            if not all(close(a, b, 1e-9) for a, b in zip(itl, e_itl)):
                 return "the gaps are wrong: each is a chunk's time minus the previous chunk's"
             if e_tpot is None:
                 return None if tpot is None else \
                     "with fewer than 2 tokens there is no TPOT: return None (do not divide by zero)"
             if not isinstance(tpot, (int, float)):
                 return f"TPOT should be a number, got {tpot!r}"
-            if _close(tpot, e_tpot, 1e-9):
+            if close(tpot, e_tpot, 1e-9):
                 return None
-            if _close(tpot, (done - sent - ttft) / tokens, 1e-9):
+            if close(tpot, (done - sent - ttft) / tokens, 1e-9):
                 return (f"divide by output_tokens - 1 = {tokens - 1}: the first token's time is "
                         f"the TTFT, so only the other {tokens - 1} share the rest")
-            if len(itl) and _close(tpot, sum(itl) / len(itl), 1e-9):
+            if len(itl) and close(tpot, sum(itl) / len(itl), 1e-9):
                 return ("that is the mean ITL (chunks); TPOT counts tokens from usage, and the "
                         "time from the first token to the end of the stream")
             return ""
@@ -173,16 +172,12 @@ def goodput(fn: Callable) -> Verdict:
         return n
 
     def compare_for(reqs, duration):
-        def compare(got, expected):
-            if isinstance(got, bool) or not isinstance(got, (int, float)):
-                return f"return a number (requests per second), not a {type(got).__name__}"
-            if _close(got, expected, 1e-9):
-                return None
+        def diagnose(got, expected):
             good = round(expected * duration)
-            if _close(got, good / len(reqs), 1e-9):
+            if close(got, good / len(reqs), 1e-9):
                 return ("that is the share of good requests; goodput divides their number by "
                         "the duration in seconds")
-            if _close(got, good, 1e-9) and duration != 1:
+            if close(got, good, 1e-9) and duration != 1:
                 return f"that is the number of good requests ({good}); divide by duration_s"
             mistakes = [(dict(strict=True), "a request exactly at a limit meets it: compare with "
                                             "<=, not <"),
@@ -191,10 +186,10 @@ def goodput(fn: Callable) -> Verdict:
                         (dict(either=True), "a request must meet BOTH objectives to be good"),
                         (dict(any_ok=True), "count only requests with ok True")]
             for rule, why in mistakes:
-                if _close(got, count(reqs, **rule) / duration, 1e-9):
+                if close(got, count(reqs, **rule) / duration, 1e-9):
                     return why
             return ""
-        return compare
+        return number_compare(diagnose, rel=1e-9)
 
     cases = [Case(label, lambda f, q=reqs, d=d, a=a, b=b: f([dict(x) for x in q], d, a, b),
                   expected, compare_for(reqs, d),

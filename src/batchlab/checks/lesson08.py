@@ -14,13 +14,23 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Callable
 
-from .checks import Case, Verdict, _show, run_cases
-from .engine import Engine
-from .fake import FakeModel, FakeRunner, TickClock
-from .kv import BlockManager
-from .scheduler import PriorityPolicy, StallFreeScheduler
+from ..engine import Engine
+from ..fake import FakeModel, FakeRunner, TickClock
+from ..kv import BlockManager
+from ..scheduler import PriorityPolicy, StallFreeScheduler
+from ._core import Case, Verdict, answer_compare, run_cases, show
 
 __all__ = ["kv_slots", "cached_prefix", "choose_victim"]
+
+
+def _ints(why_not: str):
+    """A reader for ``answer_compare``: a list of ints from anything that converts, else ``why_not``."""
+    def read(got):
+        try:
+            return [int(x) for x in got], None
+        except (TypeError, ValueError):
+            return None, why_not
+    return read
 
 
 # ---------------------------------------------------------------------------------------
@@ -37,13 +47,7 @@ def kv_slots(fn: Callable) -> Verdict:
     each token ``start .. stop-1`` of a request whose block table is ``table``."""
 
     def compare_for(table, start, stop, block_size):
-        def compare(got, expected):
-            try:
-                got = [int(x) for x in got]
-            except (TypeError, ValueError):
-                return "return a list of slot numbers (ints), one per token"
-            if got == expected:
-                return None
+        def diagnose(got, expected):
             if len(got) != len(expected):
                 return f"{len(got)} slots for {stop - start} tokens: one slot per token start..stop-1"
             naive = list(range(start, stop))
@@ -57,7 +61,7 @@ def kv_slots(fn: Callable) -> Verdict:
                 return ("a block holds block_size slots: block b starts at slot b * block_size, "
                         "not at slot b")
             return ""
-        return compare
+        return answer_compare(_ints("return a list of slot numbers (ints), one per token"), diagnose)
 
     rows = [
         ("one block, table [0], tokens 0..3, block size 4", [0], 0, 4, 4, ""),
@@ -105,13 +109,7 @@ def cached_prefix(fn: Callable) -> Verdict:
     def compare_for(token_ids, cached, block_size):
         full = (len(token_ids) - 1) // block_size
 
-        def compare(got, expected):
-            try:
-                got = [int(b) for b in got]
-            except (TypeError, ValueError):
-                return "return a list of block numbers (the values of the cache)"
-            if got == expected:
-                return None
+        def diagnose(got, expected):
             if len(got) > full:
                 return (f"only the first {full} block(s) may be shared: the block holding the "
                         f"last prompt token is always computed, so the request still gets a "
@@ -122,7 +120,8 @@ def cached_prefix(fn: Callable) -> Verdict:
             if len(got) < len(expected) and got == expected[:len(got)]:
                 return "you stopped early: keep going while the next block's key is in the cache"
             return ""
-        return compare
+        return answer_compare(_ints("return a list of block numbers (the values of the cache)"),
+                              diagnose)
 
     rows = [
         ("nothing cached: no hit", system + [1, 2], {}, 4, ""),
@@ -161,7 +160,7 @@ class _LearnerPolicy(PriorityPolicy):
     def victim(self, running):
         chosen = self.fn(list(running))
         if chosen not in running:
-            raise RuntimeError(f"choose_victim returned {_show(chosen)}, which is not one of "
+            raise RuntimeError(f"choose_victim returned {show(chosen)}, which is not one of "
                                f"the running requests: return one of them")
         return chosen
 

@@ -16,8 +16,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import metrics
-from .checks import Case, Verdict, _as_number, _as_numbers, _close, _show, run_cases
+from .. import metrics
+from ._core import (Case, Verdict, answer_compare, as_numbers, close, number_compare, optional_compare,
+                    run_cases, show)
 
 __all__ = ["time_between_tokens", "percentile_linear", "predict_stall"]
 
@@ -27,8 +28,8 @@ __all__ = ["time_between_tokens", "percentile_linear", "predict_stall"]
 
 def _fake_token_times() -> list[float]:
     """The token times of one request from a real engine run on the fake model."""
-    from .engine import make_engine
-    from .fake import FakeModel, FakeRunner
+    from ..engine import make_engine
+    from ..fake import FakeModel, FakeRunner
 
     eng = make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=2)
     a = eng.submit([3, 1, 4, 1, 5], max_new_tokens=6, ignore_eos=True)
@@ -39,9 +40,9 @@ def _fake_token_times() -> list[float]:
 
 def _show_gaps(value: Any) -> str:
     """Gaps rounded for reading (0.05, not 0.04999999999999999)."""
-    numbers, problem = _as_numbers(value)
+    numbers, problem = as_numbers(value)
     if problem or len(numbers) > 12:
-        return _show(value)
+        return show(value)
     return "[" + ", ".join(f"{x:.6g}" for x in numbers) + "]"
 
 
@@ -50,24 +51,24 @@ def time_between_tokens(fn: Callable) -> Verdict:
     request received its tokens, in order, return the time between each token and the one
     before it. A request with n tokens has n - 1 gaps."""
 
-    def compare(got, expected):
-        gaps, problem = _as_numbers(got)
-        if problem:
-            return problem
-        if len(gaps) == len(expected) and all(_close(g, e, 1e-9) for g, e in zip(gaps, expected)):
-            return None
+    def same(gaps, expected):
+        return len(gaps) == len(expected) and all(close(g, e, 1e-9) for g, e in zip(gaps, expected))
+
+    def diagnose(gaps, expected):
         n_tokens = len(expected) + 1 if expected else None
         if n_tokens and len(gaps) == n_tokens:
             return (f"you returned {len(gaps)} gaps for {n_tokens} tokens: the first token has no "
                     f"token before it, so there are only {n_tokens - 1} gaps (the wait for the "
                     f"first token is the TTFT, a different number)")
-        if len(gaps) == len(expected) and all(_close(g, -e, 1e-9) for g, e in zip(gaps, expected)):
+        if len(gaps) == len(expected) and all(close(g, -e, 1e-9) for g, e in zip(gaps, expected)):
             return "every gap has the wrong sign: subtract the earlier time from the later one"
         cumulative = list(np.cumsum(expected)) if expected else []
-        if len(gaps) == len(expected) and all(_close(g, c, 1e-9) for g, c in zip(gaps, cumulative)):
+        if len(gaps) == len(expected) and all(close(g, c, 1e-9) for g, c in zip(gaps, cumulative)):
             return ("these are the times since the first token; a gap is measured from the "
                     "token just before, not from the first one")
         return ""
+
+    compare = answer_compare(as_numbers, diagnose, same)
 
     stall_times = [1.0, 1.1, 1.2, 3.5, 3.6]
     rows = [
@@ -109,34 +110,26 @@ def percentile_linear(fn: Callable) -> Verdict:
     values at the ranks just below and just above, in proportion. No values: None."""
 
     def compare_for(values, q):
-        def compare(got, expected):
-            if expected is None:
-                if got is None:
-                    return None
-                return ("with no values there is no percentile: return None (a 0 would look "
-                        "like a real, very good latency)")
-            value, problem = _as_number(got)
-            if problem:
-                return problem
-            if _close(value, expected, 1e-9):
-                return None
+        def diagnose(value, expected):
             n, xs = len(values), sorted(values)
             nearest = xs[min(n - 1, max(0, math.ceil(n * q / 100) - 1))]
-            if _close(value, nearest, 1e-9) or _close(value, xs[min(n - 1, round((n - 1) * q / 100))], 1e-9):
+            if close(value, nearest, 1e-9) or close(value, xs[min(n - 1, round((n - 1) * q / 100))], 1e-9):
                 return ("that is one of the values itself (a nearest-rank percentile); the "
                         "linear method interpolates between the two values around rank "
                         "(n - 1) * q / 100")
             unsorted = _interpolate(values, q)
-            if unsorted is not None and _close(value, unsorted, 1e-9) and values != xs:
+            if unsorted is not None and close(value, unsorted, 1e-9) and values != xs:
                 return "it looks like the values were not sorted first"
             rank = n * q / 100
             lo = min(math.floor(rank), n - 1)
             shifted = xs[lo] + (xs[min(lo + 1, n - 1)] - xs[lo]) * (rank - math.floor(rank))
-            if _close(value, shifted, 1e-9):
+            if close(value, shifted, 1e-9):
                 return ("the rank is off by one: with n values the ranks run from 0 to n - 1, "
                         "so the q-th percentile sits at rank (n - 1) * q / 100, not n * q / 100")
             return ""
-        return compare
+        return optional_compare(number_compare(diagnose, rel=1e-9),
+                                "with no values there is no percentile: return None (a 0 would look "
+                                "like a real, very good latency)")
 
     hundred = [float(i) for i in range(1, 101)]
     one_stall = [0.1] * 99 + [2.0]
@@ -171,23 +164,18 @@ def predict_stall(fn: Callable) -> Verdict:
     pass (which takes ``decode_step_s``)."""
 
     def compare_for(n, rate, step):
-        def compare(got, expected):
-            value, problem = _as_number(got)
-            if problem:
-                return problem
-            if _close(value, expected):
-                return None
-            if _close(value, n / rate) and step:
+        def diagnose(value, expected):
+            if close(value, n / rate) and step:
                 return ("that is the prefill pass alone; the decoding request's next token comes "
                         "from the decode pass, which runs after the prefill in the same step")
-            if n and _close(value, rate / n + step):
+            if n and close(value, rate / n + step):
                 return "tokens ÷ (tokens per second) gives seconds: you divided the other way round"
-            if _close(value, 1000 * expected):
+            if close(value, 1000 * expected):
                 return "that looks like milliseconds: return seconds"
-            if _close(value, n / rate - step) or _close(value, step - n / rate):
+            if close(value, n / rate - step) or close(value, step - n / rate):
                 return "the two passes run one after the other: add their times"
             return ""
-        return compare
+        return number_compare(diagnose)
 
     rows = [
         ("a 512-token prompt at 256 tokens/s, decode pass 0.1 s", 512, 256.0, 0.1),

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .checks import Case, Verdict, _show, run_cases
+from ._core import Case, Verdict, answer_compare, run_cases, show
 
 __all__ = ["atomic_poll", "stream_text", "cancel"]
 
@@ -78,16 +78,13 @@ def atomic_poll(cls: Callable) -> Verdict:
         engine.lock = _SpyLock()
         return engine
 
-    def compare(got, expected):
-        result, problem = _poll_result(got)
-        if problem:
-            return problem
-        if result == expected:
-            return None
+    def diagnose(result, expected):
         tokens, status = result
         if tokens == expected[0]:
             return f"the tokens are right but the status is {status!r}"
         return ""
+
+    compare = answer_compare(_poll_result, diagnose)
 
     def seq(*actions):
         """A case that runs ``actions`` on a fresh engine and returns the last poll."""
@@ -308,14 +305,14 @@ def stream_text(fn: Callable, lm) -> Verdict:
             return None
         return compare
 
-    def show(value):
+    def show_stream(value):
         if "pieces" in value:
-            return f"pieces {_show(value['pieces'])} after {value['polls']} polls"
+            return f"pieces {show(value['pieces'])} after {value['polls']} polls"
         return f"text {value['text']!r} after {value['polls']} polls"
 
     def case(label, script, hint="", streaming=False):
         return Case(label, lambda f: _scripted(f, tok, script), expect(script),
-                    compare_for(script, streaming), hint, show)
+                    compare_for(script, streaming), hint, show_stream)
 
     def one_per_poll(ids, done="done", reason="stop"):
         return [([t], "running", None) for t in ids[:-1]] + [([ids[-1]], done, reason)]
@@ -345,7 +342,7 @@ def stream_text(fn: Callable, lm) -> Verdict:
     ]
 
     def real(f):
-        from .engine import EngineLoop, make_engine
+        from ..engine import EngineLoop, make_engine
 
         ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
         loop = EngineLoop(make_engine("stallfree", lm, max_batch_size=2, token_budget=64,
@@ -406,7 +403,7 @@ def cancel(cls: Callable) -> Verdict:
         result, after = got
         if result != expected[0]:
             if not isinstance(result, bool):
-                return f"cancel returns True or False, not {_show(result)}"
+                return f"cancel returns True or False, not {show(result)}"
             return ("cancel should return True only when this call stopped a queued or decoding "
                     "request" if expected[0] else
                     "this request was not running any more, so cancel must return False")

@@ -12,15 +12,15 @@ from __future__ import annotations
 import random
 from typing import Any, Callable
 
-from .checks import Case, Verdict, _show, run_cases
-from .engine import Engine
-from .fake import FakeModel, FakeRunner, TickClock
-from .kv import BlockManager
-from .request import Request, State
-from .runner import Chunk
-from .sampling import SamplingParams
-from .scheduler import Batch, StallFreeScheduler
-from .trace import StepRecord, Trace
+from ..engine import Engine
+from ..fake import FakeModel, FakeRunner, TickClock
+from ..kv import BlockManager
+from ..request import Request, State
+from ..runner import Chunk
+from ..sampling import SamplingParams
+from ..scheduler import Batch, StallFreeScheduler
+from ..trace import StepRecord, Trace
+from ._core import Case, Verdict, as_pairs, is_whole_number, run_cases, show
 
 __all__ = ["plan_step", "pack_chunks", "skipped_decodes"]
 
@@ -63,15 +63,14 @@ def _normalise_plan(got: Any):
     decode, chunks = got
     if not isinstance(decode, (list, tuple)) or not isinstance(chunks, (list, tuple)):
         return None, "both parts of (decode, chunks) should be lists"
-    pairs = []
-    for item in chunks:
-        if not isinstance(item, (list, tuple)) or len(item) != 2:
-            return None, f"each prefill chunk is a pair (request id, number of tokens), not {_show(item)}"
-        rid, n = item
-        if isinstance(n, bool) or not isinstance(n, int):
-            return None, f"the number of tokens of chunk {_show(item)} should be an int"
-        pairs.append((rid, n))
+    pairs, problem = as_pairs(chunks, "(request id, number of tokens)", _chunk_problem)
+    if problem:
+        return None, problem
     return (list(decode), pairs), None
+
+
+def _chunk_problem(rid: Any, n: Any) -> str | None:
+    return None if is_whole_number(n) else "the number of tokens should be an int"
 
 
 def _plan_case(label, decoding, prefilling, queue, budget, free_slots, hint=""):
@@ -376,12 +375,12 @@ def skipped_decodes(fn: Callable) -> Verdict:
                     f"its last")
         return f"missed {missing[:3]}{' ...' if len(missing) > 3 else ''}"
 
-    def show(value):
-        return _show(sorted(value) if isinstance(value, (list, set)) else value)
+    def show_sorted(value):
+        return show(sorted(value) if isinstance(value, (list, set)) else value)
 
     def case(label, make, hint=""):
         trace = make()
-        return Case(label, lambda f: f(trace), _skipped_reference(trace), compare, hint, show)
+        return Case(label, lambda f: f(trace), _skipped_reference(trace), compare, hint, show_sorted)
 
     wrong = _fake_trace(_PrefillFirst, 4, 12, 3)
     return run_cases("skipped_decodes", fn, [

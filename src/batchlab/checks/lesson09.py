@@ -13,8 +13,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from .checks import Case, Verdict, _close, run_cases
-from .scheduler import PriorityPolicy
+from ..scheduler import PriorityPolicy
+from ._core import Case, Verdict, close, number_compare, run_cases
 
 __all__ = ["mean_in_system", "to_shed", "pick_next"]
 
@@ -36,18 +36,14 @@ def mean_in_system(fn: Any) -> Verdict:
         horizon = max(departures)
         stays = [d - a for a, d in zip(arrivals, departures)]
 
-        def compare(got, expected):
-            if isinstance(got, bool) or not isinstance(got, (int, float)):
-                return f"return a number, not a {type(got).__name__}"
-            if _close(float(got), expected, rel=1e-6):
-                return None
-            if _close(float(got), sum(stays) / len(stays)):
+        def diagnose(got, expected):
+            if close(got, sum(stays) / len(stays)):
                 return ("that is W, the mean time one request spends in the system; L is how "
                         "many are in it on average, L = λ W with λ = n / (last departure)")
-            if _close(float(got), len(stays) / horizon):
+            if close(got, len(stays) / horizon):
                 return "that is λ, the arrival rate; L = λ W"
             return ""
-        return compare
+        return number_compare(diagnose)
 
     rows = [
         ("one request, in the system from 0 s to 2 s (so L = 1)", [0.0], [2.0]),

@@ -1,0 +1,53 @@
+"""Checkers for the lessons' exercises.
+
+In a lesson, import this package as ``check`` and call the checker named after the
+exercise with the learner's function::
+
+    from batchlab import checks as check
+    check.greedy_pick(greedy_pick)
+
+A checker runs the function on a few small cases (fake inputs where that keeps it
+instant, the real model where it matters), compares each result with the right
+answer, **prints** a verdict and **returns** it as a :class:`Verdict`:
+
+* all cases right: one line, ``✓ greedy_pick: 5/5 cases match``;
+* a case wrong: which case (numbered, described in words), what was expected, what
+  came back, and a hint; then the other failing cases by name;
+* the function still raises ``NotImplementedError``: ``✗ greedy_pick: not written yet``.
+
+Checkers never raise because the learner's code is wrong: in a notebook a traceback
+would bury the explanation. Code that needs a hard failure tests the returned
+:class:`Verdict` (false unless every case matched) or calls ``verdict.raise_if_failed()``.
+In the committed lessons, checker cells carry ``# NBVAL_CHECK_OUTPUT``, so a wrong
+reference solution also fails the notebook tests.
+
+Writing a checker for a new exercise: build a list of :class:`Case` and return
+``run_cases(name, fn, cases)`` (the parts are in ``_core``; ``lesson00.tokens_per_second``
+is a small example).
+"""
+
+from ._core import FAIL, OK, Case, CheckFailed, Verdict, run_cases, whole_number_compare
+from .lesson00 import greedy_generate, greedy_pick, tokens_per_second
+from .lesson01 import static_batches, static_steps, wasted_slot_steps
+from .lesson02 import admit_next, continuous_steps, place_awaiting
+from .lesson03 import percentile_linear, predict_stall, time_between_tokens
+from .lesson04 import chunk_plan, largest_chunk, predict_long_ttft
+from .lesson05 import pack_chunks, plan_step, skipped_decodes
+from .lesson06 import atomic_poll, cancel, stream_text
+from .lesson07 import goodput, parse_sse, stream_metrics
+from .lesson08 import cached_prefix, choose_victim, kv_slots
+from .lesson09 import mean_in_system, pick_next, to_shed
+
+__all__ = [
+    "OK", "FAIL", "Case", "CheckFailed", "Verdict", "run_cases", "whole_number_compare",
+    "greedy_pick", "greedy_generate", "tokens_per_second",
+    "static_batches", "wasted_slot_steps", "static_steps",
+    "place_awaiting", "admit_next", "continuous_steps",
+    "time_between_tokens", "percentile_linear", "predict_stall",
+    "chunk_plan", "predict_long_ttft", "largest_chunk",
+    "plan_step", "pack_chunks", "skipped_decodes",
+    "atomic_poll", "stream_text", "cancel",
+    "stream_metrics", "parse_sse", "goodput",
+    "kv_slots", "cached_prefix", "choose_victim",
+    "mean_in_system", "to_shed", "pick_next",
+]

@@ -1,0 +1,258 @@
+"""What every checker is made of: a :class:`Case` (one input, the right answer, and how to
+compare), a :class:`Verdict`, ``run_cases`` which runs one against the other, and the
+comparisons that many exercises share (numbers, whole numbers, optional values, pairs)."""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .. import _blas  # noqa: F401  (before mlx)
+import mlx.core as mx
+import numpy as np
+
+OK, FAIL = "✓", "✗"
+
+
+# ---------------------------------------------------------------------------------------
+# The machinery: cases, verdicts, and the loop that runs one against the other.
+
+def show(value: Any) -> str:
+    """A short, readable rendering of a value for a verdict."""
+    if isinstance(value, (mx.array, np.ndarray)):
+        kind = "mx.array" if isinstance(value, mx.array) else "numpy array"
+        dtype = str(value.dtype).removeprefix("mlx.core.")
+        if value.size <= 8:
+            return f"{kind}({np.array(value).tolist()}, dtype={dtype})"
+        return f"{kind} of shape {list(value.shape)}, dtype={dtype}"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (list, tuple)) and len(value) > 16:
+        return repr(list(value[:16]))[:-1] + f", ...] ({len(value)} items)"
+    text = repr(value)
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+@dataclass
+class Case:
+    """One input to try the learner's function on, and the answer it should give.
+
+    ``compare(got, expected)`` returns None when ``got`` is right, otherwise a sentence
+    saying what is wrong ("" when "expected X, got Y" says it all)."""
+
+    label: str  # the case in plain words, e.g. "the largest logit is the last one"
+    call: Callable[[Callable], Any]  # runs the learner's function on this case's input
+    expected: Any
+    compare: Callable[[Any, Any], str | None] = lambda got, expected: None if got == expected else ""
+    hint: str = ""  # shown under a failing case
+    show: Callable[[Any], str] = show
+
+
+@dataclass
+class Verdict:
+    """What a checker found. True only when every case matched."""
+
+    name: str
+    passed: int
+    total: int
+    message: str
+    failed: list[str] = field(default_factory=list)  # labels of the failing cases
+    not_written: bool = False
+
+    def __bool__(self) -> bool:
+        return self.total > 0 and self.passed == self.total
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"Verdict({self.name!r}, {self.passed}/{self.total} cases match)"
+
+    def _ipython_display_(self) -> None:
+        """Show nothing when a checker call ends a notebook cell: the checker printed already."""
+
+    def raise_if_failed(self) -> "Verdict":
+        if not self:
+            raise CheckFailed(self.message)
+        return self
+
+
+class CheckFailed(AssertionError):
+    """Raised by ``Verdict.raise_if_failed`` for code that wants a hard failure."""
+
+
+def _where(exc: BaseException) -> str:
+    """The learner's line that raised, as ' (at line: `code`)', if we can find it."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # all of batchlab
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(here) and "site-packages" not in f.filename
+              and "dist-packages" not in f.filename]
+    if frames and frames[-1].line:
+        return f" at `{frames[-1].line.strip()}`"
+    return ""
+
+
+def run_cases(name: str, fn: Any, cases: list[Case], quiet: bool = False) -> Verdict:
+    """Run ``fn`` on every case, print the verdict (unless ``quiet``) and return it."""
+    verdict = _run(name, fn, cases)
+    if not quiet:
+        print(verdict.message)
+    return verdict
+
+
+def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
+    total = len(cases)
+    if not callable(fn):
+        return Verdict(name, 0, total, f"{FAIL} {name}: expected your function, got {show(fn)}. "
+                                       f"Pass the function itself: check.{name}({name})",
+                       [c.label for c in cases])
+    failures: list[tuple[int, Case, str]] = []
+    for number, case in enumerate(cases, 1):
+        try:
+            got = case.call(fn)
+        except NotImplementedError as e:
+            why = f"NotImplementedError: {e}" if str(e) else "it still raises NotImplementedError"
+            return Verdict(name, 0, total, (
+                f"{FAIL} {name}: not written yet ({why}). Write your code where it says "
+                f"# YOUR CODE HERE, run that cell, then run this check again."),
+                [c.label for c in cases], not_written=True)
+        except Exception as e:  # the learner's code crashed on this case
+            failures.append((number, case, f"    your function raised {type(e).__name__}: {e}{_where(e)}"))
+            continue
+        try:
+            problem = case.compare(got, case.expected)
+        except Exception as e:  # a result so odd that comparing it failed
+            problem = f"it could not be compared with the answer ({type(e).__name__}: {e})"
+        if problem is not None:
+            lines = [f"    expected: {case.show(case.expected)}", f"    got:      {case.show(got)}"]
+            if problem:
+                lines.append(f"    {problem}")
+            failures.append((number, case, "\n".join(lines)))
+    passed = total - len(failures)
+    if not failures:
+        return Verdict(name, passed, total, f"{OK} {name}: {passed}/{total} cases match")
+    number, case, detail = failures[0]
+    lines = [f"{FAIL} {name}: {passed}/{total} cases match. The first that does not:",
+             f"  case {number} of {total}: {case.label}", detail]
+    if case.hint:
+        lines.append(f"    hint: {case.hint}")
+    for number, case, _ in failures[1:]:
+        lines.append(f"  case {number} fails too: {case.label}")
+    return Verdict(name, passed, total, "\n".join(lines), [c.label for _, c, _ in failures])
+
+
+# ---------------------------------------------------------------------------------------
+# Comparing what came back. Each ``*_compare`` builds a case's ``compare``: it rejects an
+# answer of the wrong kind with a sentence, accepts the right one, and otherwise asks the
+# exercise's ``diagnose(got, expected)`` to name the likely mistake ("" if it knows none).
+
+Diagnose = Callable[[Any, Any], str]
+Compare = Callable[[Any, Any], "str | None"]
+
+
+def _knows_none(got: Any, expected: Any) -> str:
+    return ""
+
+
+def close(got: float, expected: float, rel: float = 1e-6) -> bool:
+    """Equal up to a relative tolerance (answers computed in another order differ in the last bits)."""
+    return math.isclose(got, expected, rel_tol=rel, abs_tol=1e-12)
+
+
+def is_whole_number(got: Any) -> bool:
+    """An int or numpy integer, but not a bool (which Python counts as an int)."""
+    return isinstance(got, (int, np.integer)) and not isinstance(got, bool)
+
+
+def as_number(got: Any) -> tuple[float | None, str | None]:
+    """(value, None) for a real number; (None, why not) otherwise."""
+    if isinstance(got, bool) or not isinstance(got, (int, float, np.integer, np.floating)):
+        return None, f"expected a number (a Python float), but you returned {show(got)}"
+    value = float(got)
+    if math.isnan(value):
+        return None, "you returned NaN (not a number)"
+    return value, None
+
+
+def as_numbers(got: Any) -> tuple[list[float] | None, str | None]:
+    """A list of floats from a list, tuple or 1-D array of numbers; or why not."""
+    if isinstance(got, np.ndarray):
+        if got.ndim != 1:
+            return None, f"expected a flat list of numbers, but your array has shape {list(got.shape)}"
+        got = got.tolist()
+    if not isinstance(got, (list, tuple)):
+        return None, f"expected a list of numbers, but you returned a {type(got).__name__}"
+    out = []
+    for i, value in enumerate(got):
+        number, problem = as_number(value)
+        if problem:
+            return None, f"item {i}: {problem}"
+        out.append(number)
+    return out, None
+
+
+def as_pairs(got: Any, pair: str, check: Callable[[Any, Any], str | None] | None = None
+             ) -> tuple[list[tuple] | None, str | None]:
+    """A list of 2-tuples from a list or tuple of pairs; or why not. ``pair`` names the two
+    parts for the learner, e.g. "(start, length)"; ``check(a, b)`` says what is wrong with
+    one pair (None if nothing)."""
+    if not isinstance(got, (list, tuple)):
+        return None, f"expected a list of {pair} pairs, but you returned a {type(got).__name__}"
+    out = []
+    for i, item in enumerate(got):
+        if not isinstance(item, (list, tuple)) or len(item) != 2:
+            return None, f"item {i} is {show(item)}, not a {pair} pair"
+        problem = check(*item) if check else None
+        if problem:
+            return None, f"item {i} is {show(item)}: {problem}"
+        out.append(tuple(item))
+    return out, None
+
+
+def answer_compare(read: Callable[[Any], tuple[Any, str | None]], diagnose: Diagnose = _knows_none,
+                   same: Callable[[Any, Any], bool] = operator.eq) -> Compare:
+    """A case's compare: ``read(got)`` gives (value, None), or (None, why it is the wrong
+    kind of answer); a value that is ``same`` as the expected one is right."""
+    def compare(got, expected):
+        value, problem = read(got)
+        if problem:
+            return problem
+        if same(value, expected):
+            return None
+        return diagnose(value, expected)
+    return compare
+
+
+def as_whole_number(got: Any) -> tuple[int | None, str | None]:
+    """(got, None) for a whole number; (None, why not) otherwise."""
+    if is_whole_number(got):
+        return got, None
+    return None, f"expected a whole number (a Python int), but you returned a {type(got).__name__}"
+
+
+def number_compare(diagnose: Diagnose = _knows_none, rel: float = 1e-6) -> Compare:
+    """A case's compare for answers that are numbers, right within ``rel``."""
+    return answer_compare(as_number, diagnose, lambda got, expected: close(got, expected, rel))
+
+
+def whole_number_compare(diagnose: Diagnose = _knows_none) -> Compare:
+    """A case's compare for answers that are whole numbers (counts, sizes)."""
+    return answer_compare(as_whole_number, diagnose)
+
+
+def optional_compare(compare: Compare, when_none_expected: str, when_none_got: str | None = None
+                     ) -> Compare:
+    """``compare`` for answers that may rightly be None: when None is right, anything else
+    gets ``when_none_expected``; when a value is right, None gets ``when_none_got`` (if
+    given, else ``compare`` judges it)."""
+    def optional(got, expected):
+        if expected is None:
+            return None if got is None else when_none_expected
+        if got is None and when_none_got is not None:
+            return when_none_got
+        return compare(got, expected)
+    return optional

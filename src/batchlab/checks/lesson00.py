@@ -1,0 +1,240 @@
+"""Checkers for lesson 0 (the model and one request).
+
+* ``greedy_pick(fn, lm=None)``: ``fn(logits) -> int``, the greedy token of a row of logits;
+* ``greedy_generate(fn, lm)``: ``fn(lm, ids, n) -> list[int]``, greedy decoding with a KV cache,
+  compared with ``batchlab.generate`` on the real model;
+* ``tokens_per_second(fn)``: ``fn(step_times, batch) -> float``, decode throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+from .. import _blas  # noqa: F401  (before mlx)
+import mlx.core as mx
+import numpy as np
+
+from ._core import Case, Verdict, close, number_compare, run_cases, show
+
+__all__ = ["greedy_pick", "greedy_generate", "tokens_per_second"]
+
+
+def _not_python_int(got: Any) -> str | None:
+    """Why ``got`` is not a plain Python int token id (None if it is one)."""
+    if isinstance(got, bool):
+        return f"{got} is a bool, not a token id"
+    if isinstance(got, int):
+        return None
+    if isinstance(got, (mx.array, np.ndarray, np.generic)):
+        return ("that is an array, not a Python int: wrap it in int(...) so the rest of "
+                "the code gets a plain number")
+    return f"a token id is a Python int, but you returned a {type(got).__name__}"
+
+
+def _same_token(got: Any, expected: int) -> str | None:
+    problem = _not_python_int(got)
+    if problem is None and got == expected:
+        return None
+    return problem or ""
+
+
+def _row(values) -> mx.array:
+    return mx.array(np.asarray(values, dtype=np.float32))
+
+
+_LOGITS_CACHE: dict = {}
+
+
+def _france_ids(lm) -> list[int]:
+    return lm.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+
+
+def _last_logits(lm, ids: list[int]) -> mx.array:
+    key = (id(lm.model), tuple(ids))
+    if key not in _LOGITS_CACHE:
+        row = lm.model(mx.array([ids]))[0, -1]
+        mx.eval(row)
+        _LOGITS_CACHE[key] = (lm.model, row)  # holding the model keeps its id unique
+    return _LOGITS_CACHE[key][1]
+
+
+def greedy_pick(fn: Callable, lm=None) -> Verdict:
+    """Check ``fn(logits) -> int``: the id of the largest logit in a 1-D row of logits.
+    With ``lm``, one more case uses the real model's logits."""
+    big = np.full(49152, -3.0, dtype=np.float32)
+    big[40000] = 1.5
+    rows = [
+        ("logits [0.1, 2.5, -1.0, 0.3]: the largest is id 1", [0.1, 2.5, -1.0, 0.3]),
+        ("logits [3.0, 1.0, 2.0]: the largest is the first, id 0", [3.0, 1.0, 2.0]),
+        ("logits [-5.0, -2.0, -9.0, -1.5]: all negative, the largest (-1.5) is the last, id 3",
+         [-5.0, -2.0, -9.0, -1.5]),
+        ("a vocabulary-sized row (49152 logits) whose largest is at id 40000", big),
+    ]
+    cases = [Case(label, lambda f, v=values: f(_row(v)), int(np.argmax(values)), _same_token,
+                  hint="greedy picks the position (the token id) of the largest logit, "
+                       "not the logit itself: mx.argmax gives it")
+             for label, values in rows]
+    if lm is not None:
+        row = _last_logits(lm, _france_ids(lm))
+        expected = int(np.argmax(np.array(row)))
+        cases.append(Case(
+            f"the real model's logits after the France question (greedy says id {expected}, "
+            f"{lm.tokenizer.decode([expected])!r})", lambda f: f(row), expected, _same_token))
+    return run_cases("greedy_pick", fn, cases)
+
+
+class _Recorder:
+    """Wraps an mlx-lm model and notes, for every forward pass, the input shape and
+    whether a KV cache was passed."""
+
+    def __init__(self, model):
+        self._model = model
+        self.calls: list[tuple[tuple[int, ...], bool]] = []
+
+    def __call__(self, inputs, *args, **kwargs):
+        cache = kwargs.get("cache", args[0] if args else None)
+        self.calls.append((tuple(inputs.shape), cache is not None))
+        return self._model(inputs, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+_GENERATED: dict = {}
+
+
+def _reference_tokens(lm, ids: list[int], n: int) -> list[int]:
+    from ..generate import generate
+
+    key = (id(lm.model), tuple(ids))
+    longest = _GENERATED.get(key, (None, []))[1]
+    done = bool(longest) and longest[-1] in lm.tokenizer.eos_token_ids
+    if len(longest) < n and not done:  # greedy is deterministic: a shorter run is a prefix
+        longest = generate(lm, list(ids), max_new_tokens=n).token_ids
+        _GENERATED[key] = (lm.model, longest)  # holding the model keeps its id unique
+    return longest[:n]
+
+
+def _token_list_problem(got: Any) -> str | None:
+    if isinstance(got, (mx.array, np.ndarray)):
+        return "that is an array: return a Python list of ints (array.tolist() makes one)"
+    if not isinstance(got, (list, tuple)):
+        return f"expected a list of token ids, but you returned a {type(got).__name__}"
+    for i, t in enumerate(got):
+        problem = _not_python_int(t)
+        if problem:
+            return f"item {i} is {show(t)}: {problem}"
+    return None
+
+
+def greedy_generate(fn: Callable, lm) -> Verdict:
+    """Check ``fn(lm, ids, n) -> list[int]``: greedy decoding with a KV cache of up to
+    ``n`` new tokens after the prompt ``ids``, stopping after an EOS token (kept in the
+    list). The right answer is ``batchlab.generate(lm, ids, max_new_tokens=n).token_ids``."""
+    tok = lm.tokenizer
+    france = _france_ids(lm)
+
+    def show_ids(ids):
+        if isinstance(ids, (list, tuple)) and all(isinstance(t, int) for t in ids):
+            return f"{show(list(ids))}  = {tok.decode(ids)!r}"
+        return show(ids)
+
+    def compare(got, expected):
+        problem = _token_list_problem(got)
+        if problem:
+            return problem
+        got = list(got)
+        if got == expected:
+            return None
+        if got[:len(expected)] == expected and expected and expected[-1] in tok.eos_token_ids:
+            return (f"the first {len(expected)} tokens are right, but you kept going after the "
+                    f"EOS token {expected[-1]} ({tok.decode([expected[-1]])!r})")
+        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
+                     min(len(got), len(expected)))
+        return f"they first differ at position {first} (counting from 0)"
+
+    recorded: dict[str, list] = {}
+
+    def case(label, ids, n, hint="", record=None):
+        expected = _reference_tokens(lm, ids, n)
+
+        def call(f):
+            recorder = _Recorder(lm.model)
+            if record:
+                recorded[record] = recorder.calls
+            return f(replace(lm, model=recorder), list(ids), n)
+        return Case(label, call, expected, compare, hint, show_ids)
+
+    answer = _reference_tokens(lm, france, 12)
+    stop = tok.decode(answer[-1:])
+    cases = [
+        case("the France question (chat template), n=1: just the first new token", france, 1,
+             "the first new token comes from the last row of the prefill's logits"),
+        case("the France question, n=5: five tokens, each fed back in as the next input", france, 5,
+             "each step feeds the token just picked, as mx.array([[token]]), with the same cache",
+             record="france5"),
+        case(f"the France question, n=12: the answer ends with {stop} (an EOS token) after "
+             f"{len(answer)} tokens, so stop there and keep it", france, 12,
+             "after appending a token, stop if it is in lm.tokenizer.eos_token_ids"),
+        case("a plain text prompt (no chat template) 'Once upon a time', n=6",
+             tok.encode("Once upon a time"), 6),
+        case("a one-token prompt [504] ('The'), n=4", [504], 4),
+    ]
+
+    def cache_ok(calls, _expected):
+        if not calls:
+            return "your function never called lm.model"
+        for i, (shape, with_cache) in enumerate(calls, 1):
+            if not with_cache:
+                return (f"forward pass {i} ran without a cache: make one with "
+                        f"lm.model.make_cache() and pass it as cache=... to every call")
+            if i > 1 and shape[-1] != 1:
+                return (f"forward pass {i} was given {shape[-1]} tokens: with a KV cache, "
+                        f"each step after the prompt feeds only the newest token")
+        return None
+
+    def show_calls(calls):
+        if not isinstance(calls, list):
+            return calls
+        parts = [f"[{', '.join(map(str, s))}]{'' if c else ' (no cache)'}" for s, c in calls]
+        return "input shapes " + ", ".join(parts[:8]) + (" ..." if len(parts) > 8 else "")
+
+    cases.append(Case(
+        "uses the KV cache: the prompt in one pass, then one new token per pass "
+        "(the forward passes of case 2)",
+        lambda f: recorded.get("france5", []),
+        f"input shapes [1, {len(france)}], then [1, 1] for every step, all with the cache",
+        cache_ok, show=show_calls))
+    return run_cases("greedy_generate", fn, cases)
+
+
+def tokens_per_second(fn: Callable) -> Verdict:
+    """Check ``fn(step_times, batch) -> float``: the decode throughput of steps that each
+    took ``step_times[i]`` seconds and each produced one token for every one of ``batch``
+    sequences."""
+
+    def compare_for(steps, batch):
+        def diagnose(got, expected):
+            if close(got, float(np.mean([batch / t for t in steps]))):
+                return ("that is the average of the per-step rates; throughput is all the tokens "
+                        "made divided by all the time taken")
+            if close(got, len(steps) / sum(steps)) and batch != 1:
+                return f"that leaves out the batch: every step makes {batch} tokens, one per sequence"
+            if got and close(1 / got, expected):
+                return "that is seconds per token; tokens per second is the other way up"
+            return ""
+        return number_compare(diagnose)
+
+    rows = [
+        ("10 steps of 0.1 s at batch 1", [0.1] * 10, 1),
+        ("the same 10 steps at batch 16 (every step makes 16 tokens)", [0.1] * 10, 16),
+        ("2 uneven steps, 0.05 s and 0.15 s, at batch 4", [0.05, 0.15], 4),
+        ("1 step of 62 ms at batch 1", [0.062], 1),
+        ("3 steps of 238 ms at batch 64", [0.238] * 3, 64),
+    ]
+    cases = [Case(label, lambda f, s=steps, b=batch: f(list(s), b), batch * len(steps) / sum(steps),
+                  compare_for(steps, batch),
+                  hint="tokens made = batch x number of steps; time taken = the sum of the step times")
+             for label, steps, batch in rows]
+    return run_cases("tokens_per_second", fn, cases)

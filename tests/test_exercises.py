@@ -19,7 +19,7 @@ import nbformat
 import numpy as np
 import pytest
 
-from batchlab import checks, exercises
+from batchlab import checks, course, exercises
 from batchlab.checks import Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,14 @@ LESSON_FILES = sorted(LESSONS.glob("*.ipynb"))
 
 
 def run_cell(source: str, ns: dict):
-    """Run a cell's source like a notebook does; return the value of a final expression."""
+    """Run a cell's source like a notebook does; return the value of a final expression.
+    A ``%%writefile PATH`` cell writes its body to PATH under the course folder instead."""
+    if source.startswith("%%writefile "):
+        first, _, body = source.partition("\n")
+        target = Path(ns["__course_root__"]) / first.split(maxsplit=1)[1].strip()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(body)
+        return None
     tree = ast.parse(source)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     exec(compile(tree, "<cell>", "exec"), ns)
@@ -38,15 +45,18 @@ def run_cell(source: str, ns: dict):
     return None
 
 
-def exercise_namespace(lm) -> dict:
-    """What exercise and checker cells may use (the convention in batchlab.exercises)."""
-    return {"mx": mx, "np": np, "batchlab": batchlab, "check": checks, "lm": lm}
+def exercise_namespace(lm, root: Path) -> dict:
+    """What exercise and checker cells may use (the convention in batchlab.exercises);
+    ``root`` is the course folder where ``%%writefile my_engine/...`` cells write."""
+    course.setup(root)
+    return {"mx": mx, "np": np, "batchlab": batchlab, "check": checks, "course": course,
+            "lm": lm, "__course_root__": str(root)}
 
 
-def run_exercises(nb, lm) -> list[tuple[str, Verdict, str]]:
+def run_exercises(nb, lm, root: Path) -> list[tuple[str, Verdict, str]]:
     """Run every exercise cell and its checker cell, in order, in one namespace:
     (checker cell source, verdict, printed text) for each."""
-    ns = exercise_namespace(lm)
+    ns = exercise_namespace(lm, root)
     results = []
     for ex, chk in exercises.exercise_pairs(nb):
         out = io.StringIO()
@@ -73,9 +83,9 @@ def test_lesson_follows_the_exercise_convention(path):
 
 
 @pytest.mark.parametrize("path", LESSON_FILES, ids=[p.stem for p in LESSON_FILES])
-def test_reference_solutions_pass_every_checker(path, lm):
+def test_reference_solutions_pass_every_checker(path, lm, tmp_path):
     nb = nbformat.read(path, as_version=4)
-    for source, verdict, printed in run_exercises(nb, lm):
+    for source, verdict, printed in run_exercises(nb, lm, tmp_path):
         assert isinstance(verdict, Verdict), f"{source!r} should end with the checker call"
         assert verdict, printed
         assert printed.strip() == verdict.message and printed.startswith(checks.OK)
@@ -86,7 +96,7 @@ def test_generated_learner_copy_fails_every_checker(path, lm, tmp_path):
     shutil_copy(path, tmp_path / "src" / path.name)
     exercises.make_learner_copies(tmp_path / "src", tmp_path / "learner")
     clean = nbformat.read(tmp_path / "learner" / path.name, as_version=4)
-    results = run_exercises(clean, lm)
+    results = run_exercises(clean, lm, tmp_path / "course")
     assert results
     for source, verdict, printed in results:
         assert isinstance(verdict, Verdict)

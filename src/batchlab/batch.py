@@ -49,7 +49,7 @@ class Chunk:
     req_id: str
     tokens: list[int]
     start: int  # position of tokens[0] in its sequence (= tokens already in the KV cache)
-    block_table: list[int]  # the KV blocks holding positions 0, block_size, 2*block_size, ...
+    block_table: list[int] = field(default_factory=list)  # KV blocks of positions 0, bs, 2bs, ...
     sampler: Sampler | None = None
 
     @property

@@ -16,11 +16,15 @@ The convention every lesson follows
   and carries ``# NBVAL_CHECK_OUTPUT`` so the test suite compares its verdict.
 * In a learner copy, an exercise cell is recognised by its placeholder (``# YOUR CODE HERE``
   followed by ``raise NotImplementedError(...)``), so the copies can be checked too.
-* Nothing after an exercise may depend on the learner's function except its checker
-  (exercises come at the end of a lesson).
+* A lesson's main exercise is a piece of the learner's engine: its cell starts with
+  ``%%writefile my_engine/<piece>.py`` (see :mod:`batchlab.course`), its checker cell loads
+  the piece with ``course.piece(...)``, and the cells after it run on
+  ``course.choose(piece, verdict, Reference)``, so a learner copy whose piece is not written
+  yet still runs top to bottom on the reference. Smaller exercises (a function in the
+  notebook) come at the end of a lesson, and nothing but their checker depends on them.
 * Exercise and checker cells may use only what they define themselves plus ``mx``
-  (``mlx.core``), ``np`` (numpy), ``batchlab``, ``check`` and ``lm`` (the loaded model):
-  the tests run them in exactly that namespace.
+  (``mlx.core``), ``np`` (numpy), ``batchlab``, ``check``, ``course`` and ``lm`` (the loaded
+  model): the tests run them in exactly that namespace.
 
 The committed lessons in ``notebooks/`` run *with* the solutions, so the test suite
 passes and learners reading on GitHub see every output. :func:`make_learner_copies`

@@ -12,16 +12,13 @@ The right answers are not written down by hand: each case runs the library's own
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
-from ..engine import Engine
+from ..engine import Engine, make_engine
 from ..fake import FakeModel, FakeRunner, reference_output
-from ..kv import BlockManager
 from ..scheduler import StaticScheduler
 from ._core import Case, Verdict, run_cases, whole_number_compare
 
@@ -33,17 +30,9 @@ MAX_STEPS = 2000  # a learner's scheduler that never finishes is stopped here
 # ---------------------------------------------------------------------------------------
 # Running a scheduler on the fake model and describing what happened.
 
-def fake_engine(make_scheduler: Callable, max_batch_size: int, fake: FakeModel | None = None) -> Engine:
-    """An ``Engine`` on the fake model whose scheduler is ``make_scheduler(B, blocks, clock)``."""
-    fake = fake or FakeModel()
-    blocks = BlockManager(math.ceil((max_batch_size + 1) * 1024 / 16), 16)
-    t0 = time.perf_counter()
-
-    def clock() -> float:
-        return time.perf_counter() - t0
-
-    scheduler = make_scheduler(max_batch_size, blocks, clock)
-    return Engine(fake, scheduler, FakeRunner(fake, blocks), fake.max_seq_len)
+def fake_engine(scheduler: type, max_batch_size: int, fake: FakeModel | None = None) -> Engine:
+    """An engine on the fake model around the scheduler class ``scheduler``."""
+    return make_engine(scheduler, fake or FakeModel(), runner=FakeRunner, max_batch_size=max_batch_size)
 
 
 @dataclass(frozen=True)
@@ -100,7 +89,7 @@ def run_requests(engine: Engine, reqs: list[Req]) -> Run:
         record = engine.trace.requests[rid]
         run.outputs[rid] = list(record.output_ids)
         run.reasons[rid] = record.finish_reason
-    run.free_blocks_left = engine.blocks.num_free == engine.blocks.num_blocks
+    run.free_blocks_left = engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
     return run
 
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 import random
 from typing import Any, Callable
 
-from ..engine import Engine
+from ..batch import Batch, Chunk
+from ..engine import Engine, make_engine
 from ..fake import FakeModel, FakeRunner, TickClock
 from ..kv import BlockManager
 from ..request import Request, State
-from ..runner import Chunk
 from ..sampling import SamplingParams
-from ..scheduler import Batch, StallFreeScheduler
+from ..scheduler import StallFreeScheduler
 from ..trace import StepRecord, Trace
 from ._core import Case, Verdict, as_pairs, is_whole_number, run_cases, show
 
@@ -32,7 +32,7 @@ def _plan_reference(decoding, prefilling, queue, budget, free_slots):
     """The stall-free rule on plain data: the library's ``StallFreeScheduler.plan`` run on
     requests made to match."""
     slots = len(decoding) + len(prefilling) + free_slots
-    scheduler = StallFreeScheduler(slots, BlockManager(4096, 16), TickClock(), max(budget, slots))
+    scheduler = StallFreeScheduler(BlockManager(4096, 16), TickClock(), slots, max(budget, slots))
     scheduler.token_budget = budget  # a case may give fewer tokens than there are slots
 
     def request(rid, prompt_len):
@@ -134,10 +134,9 @@ class _Recording(StallFreeScheduler):
 
 
 def _engine_with(scheduler_cls, batch: int, budget: int, vocab: int = 64) -> Engine:
-    fm = FakeModel(vocab_size=vocab)
-    blocks = BlockManager(4096, 16)
-    scheduler = scheduler_cls(batch, blocks, TickClock(), budget)
-    return Engine(fm, scheduler, FakeRunner(fm, blocks), fm.max_seq_len)
+    return make_engine(scheduler_cls, FakeModel(vocab_size=vocab), runner=FakeRunner,
+                       max_batch_size=batch, token_budget=budget, num_kv_blocks=4096,
+                       clock=TickClock())
 
 
 def _small_workload(seed: int, n: int = 10, vocab: int = 64):

@@ -14,10 +14,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Callable
 
-from ..engine import Engine
+from ..batch import Chunk
+from ..engine import make_engine
 from ..fake import FakeModel, FakeRunner, TickClock
 from ..kv import BlockManager
-from ..scheduler import PriorityPolicy, StallFreeScheduler
+from ..policies import PriorityPolicy
 from ._core import Case, Verdict, answer_compare, run_cases, show
 
 __all__ = ["kv_slots", "cached_prefix", "choose_victim"]
@@ -37,9 +38,7 @@ def _ints(why_not: str):
 # Exercise 1: block table -> slots.
 
 def _slots_reference(table, start, stop, block_size):
-    blocks = BlockManager(max(table, default=0) + 1, block_size)
-    blocks.tables["r"] = list(table)
-    return blocks.slots("r", start, stop).tolist()
+    return Chunk("r", [], 0, list(table)).slot_mapping(start, stop, block_size).tolist()
 
 
 def kv_slots(fn: Callable) -> Verdict:
@@ -168,10 +167,9 @@ class _LearnerPolicy(PriorityPolicy):
 def _preempting_run(policy: PriorityPolicy):
     """Six requests of mixed priority on a pool too small for them (fake model): the
     preemptions of each step and the tokens of each request."""
-    fm = FakeModel()
-    blocks = BlockManager(14, 4)
-    engine = Engine(fm, StallFreeScheduler(4, blocks, TickClock(), 24, policy), FakeRunner(fm, blocks),
-                    fm.max_seq_len)
+    engine = make_engine("stallfree", FakeModel(), runner=FakeRunner, max_batch_size=4,
+                         token_budget=24, policy=policy, num_kv_blocks=14, kv_block_size=4,
+                         clock=TickClock())
     for i, prio in enumerate([1, 0, 2, 1, 0, 2]):
         engine.submit([(7 * i + j) % 60 + 1 for j in range(6 + i)], max_new_tokens=20,
                       ignore_eos=True, request_id=f"r{i}", priority=prio)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from ..scheduler import PriorityPolicy
+from ..policies import PriorityPolicy
 from ._core import Case, Verdict, close, number_compare, run_cases
 
 __all__ = ["mean_in_system", "to_shed", "pick_next"]

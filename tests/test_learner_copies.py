@@ -1,0 +1,42 @@
+"""Every learner copy runs top to bottom without an error cell.
+
+A learner who opens a lesson and runs it before writing anything must see the lesson work:
+each unwritten piece of their engine is reported by its checker and replaced by the
+reference (``batchlab.course.choose``), never a traceback. The copies run in order in one
+fresh folder, as a learner's working copy would, so what one lesson writes to
+``my_engine/`` is what the next one finds.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+ROOT = Path(__file__).resolve().parents[1]
+COPIES = sorted((ROOT / "notebooks" / "learner").glob("*.ipynb"))
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def course_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("my-course")
+    for path in COPIES:
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
+@pytest.mark.parametrize("name", [p.name for p in COPIES], ids=[p.stem for p in COPIES])
+def test_learner_copy_runs_without_an_error_cell(course_folder, name):
+    path = course_folder / name
+    nb = nbformat.read(path, as_version=4)
+    NotebookClient(nb, timeout=900, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(course_folder)}}).execute()
+    errors = [(i, o.get("ename"), o.get("evalue")) for i, cell in enumerate(nb.cells)
+              if cell.cell_type == "code" for o in cell.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors, f"{name}: error cells {errors}"

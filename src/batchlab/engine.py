@@ -242,7 +242,7 @@ def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
                 kv_block_size: int = 16, num_kv_blocks: int | None = None,
                 max_seq_len: int | None = None, trace_limit: int | None = None,
                 enable_prefix_cache: bool = False, admission: Admission | None = None,
-                clock=None, **options) -> Engine:
+                clock=None, engine_class: type[Engine] = Engine, **options) -> Engine:
     """Build an engine around a scheduler: a kind name (sequential | static | continuous |
     stallfree) or a scheduler class of your own (a subclass of ``Scheduler``).
 
@@ -254,8 +254,11 @@ def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
     shares the KV blocks of a prompt prefix that an earlier request already computed.
     ``admission`` bounds the queue and sheds stale requests (default: neither).
     ``clock()`` gives every timestamp in seconds (default: real time since the engine
-    was made; the simulator passes its virtual clock).
+    was made; the simulator passes its virtual clock). ``engine_class`` (an ``Engine``
+    subclass, e.g. a learner's own submit/poll/cancel front) is what gets built.
     """
+    if not (isinstance(engine_class, type) and issubclass(engine_class, Engine)):
+        raise ValueError(f"engine_class must be a subclass of Engine, got {engine_class!r}")
     cls = scheduler_class(kind)
     name = cls.kind
     defaults = cls.option_defaults()
@@ -284,8 +287,8 @@ def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
     if runner is None:
         from .runner import ModelRunner
         runner = ModelRunner
-    return Engine(lm, scheduler, runner(lm, num_kv_blocks, kv_block_size), max_seq_len,
-                  trace_limit, admission)
+    return engine_class(lm, scheduler, runner(lm, num_kv_blocks, kv_block_size), max_seq_len,
+                        trace_limit, admission)
 
 
 def scheduler_class(kind: str | type[Scheduler]) -> type[Scheduler]:

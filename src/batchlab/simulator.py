@@ -228,7 +228,7 @@ def simulate(engine, workload: Workload, priorities: dict[str, int] | None = Non
     steps = [s for s in engine.trace.steps if s.start_s >= t0]
     records = {r.id: rejected.get(r.id) or engine.trace.requests[r.id] for r in reqs}
     return Trace(engine.trace.kind, engine.trace.max_batch_size, steps, records,
-                 engine.trace.num_kv_blocks)
+                 engine.trace.num_kv_blocks, engine.trace.prefill_lane)
 
 
 def service_rate(workload: Workload, kind: str = "stallfree", cost: CostModel | None = None,

@@ -64,6 +64,8 @@ class Trace:
     steps: list[StepRecord] = field(default_factory=list)
     requests: dict[str, RequestRecord] = field(default_factory=dict)
     num_kv_blocks: int | None = None  # the size of the KV pool, for pictures of blocks
+    # this kind's prefilling requests hold no decode slot, so pictures draw a separate prefill lane
+    prefill_lane: bool = False
 
     def to_json(self) -> str:
         # steps may be a bounded deque (a server's trace): store it as a list
@@ -76,4 +78,5 @@ class Trace:
                                 "slot_of": s.get("slot_of", {})}) for s in data["steps"]]
         requests = {k: RequestRecord(**{**r, "state_times": [tuple(t) for t in r["state_times"]]})
                     for k, r in data["requests"].items()}
-        return cls(data["kind"], data["max_batch_size"], steps, requests, data.get("num_kv_blocks"))
+        return cls(data["kind"], data["max_batch_size"], steps, requests, data.get("num_kv_blocks"),
+                   data.get("prefill_lane", False))

@@ -524,7 +524,7 @@ def run_workload(engine, workload: Workload, progress: bool = True,
             rec.arrival_s = due[rid]
     trace = engine.trace
     steps = [s for s in list(trace.steps) if s.start_s >= t0]  # this run's steps only
-    return Trace(trace.kind, trace.max_batch_size, steps, out, trace.num_kv_blocks)
+    return Trace(trace.kind, trace.max_batch_size, steps, out, trace.num_kv_blocks, trace.prefill_lane)
 
 
 def shared_prefix(tokenizer, seed: int = 0, num_requests: int = 8, system_chars: int = 1200,

@@ -39,7 +39,8 @@ class Engine:
         self.blocks = scheduler.blocks
         self.max_seq_len = max_seq_len
         self.trace = Trace(scheduler.kind, scheduler.max_batch_size,
-                           num_kv_blocks=scheduler.blocks.num_blocks, prefill_lane=(scheduler.kind == "continuous"))
+                           num_kv_blocks=scheduler.blocks.num_blocks,
+                           prefill_lane=(scheduler.kind == "continuous"))
         # A long-running server keeps only the last `trace_limit` steps, and forgets a
         # request's record once poll has reported it done, so memory stays bounded.
         self.trace_limit = trace_limit

@@ -57,16 +57,6 @@ _BLOCK_CSS = """
 .bl-root .bl-shared{background:var(--c);color:var(--t);border:3px double #111;line-height:14px}
 .bl-root .bl-cached{background:#eee;border:1px dashed #888;color:#777}
 .bl-root .bl-free{background:#fff;border:1px solid #ddd}
-"""
-
-_BLOCK_CSS = """
-.bl-root .bl-blocks{display:grid;gap:2px;margin:6px 0}
-.bl-root .bl-block{height:20px;border-radius:3px;font-size:10px;line-height:18px;
-  text-align:center;overflow:hidden;box-sizing:border-box;white-space:nowrap}
-.bl-root .bl-owned{background:var(--c);color:var(--t);border:1px solid var(--c)}
-.bl-root .bl-shared{background:var(--c);color:var(--t);border:3px double #111;line-height:14px}
-.bl-root .bl-cached{background:#eee;border:1px dashed #888;color:#777}
-.bl-root .bl-free{background:#fff;border:1px solid #ddd}
 .bl-root .bl-holders .bl-swatch{display:inline-block;width:12px;height:12px;border-radius:3px;
   vertical-align:middle;margin:0 3px 0 8px;background:var(--c)}
 """

@@ -163,6 +163,7 @@ class SlotView(widgets.VBox):
     never print, so the widget adds no stray output to a notebook. Saved notebooks also carry
     a PNG of the whole grid, which viewers without a kernel (GitHub) show instead; a live
     view gets its PNG when ``follow()`` ends, by updating the output ``display()`` made.
+    For an animation those viewers play, show ``animation(trace)`` beside the view.
     """
 
     def __init__(self, source, live: bool = False, window: int = 40, interval_ms: int = 250):

@@ -652,6 +652,10 @@ def test_animation_is_a_small_animated_png_of_the_growing_grid():
     assert len(frames_of(short.data)) == 3  # one frame a step when there are few
     with pytest.raises(ValueError, match="no steps"):
         viz.animation(Trace("continuous", 2))
+    long = Trace("static", 1, [step(k, ["r"], decoded=["r"]) for k in range(721)])
+    with pytest.raises(ValueError, match="busiest_window"):
+        viz.animation(long)
+    assert len(frames_of(viz.animation(viz.busiest_window(long, 200)).data)) == 200
 
 
 def test_animation_colours_each_request_as_the_still_grid_does():

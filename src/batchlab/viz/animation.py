@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Iterator
 
 import numpy as np
 from IPython.display import Image as DisplayImage
 from PIL import Image, ImageDraw, ImageFont
 
+from ..trace import Trace
 from .colors import PADDING_COLOR, PADDING_EDGE, Palette, fitting_label, lighten, text_color
 from .grid import (DECODE, HELD, IDLE, PADDING, PREFILL, PREFILL_DECODE, Cell, lane_names,
                    occupancy_so_far, request_colors, slot_grid, trace_of)
@@ -43,35 +45,51 @@ def animation(source, max_frames: int = 200, interval_ms: int = 120, hold_last_m
               palette: Palette | None = None) -> DisplayImage:
     """The slot grid filling in step by step, as an animated PNG in a display object (its
     ``.data`` holds the file's bytes). A run longer than ``max_frames`` steps advances
-    several steps a frame; for thousands of steps, animate a window (``busiest_window``).
-    The colours, lanes and cells are those of ``plot_slot_grid`` and ``SlotView``; each
-    request's run is labelled with its id (or its number) once it is wide enough."""
+    several steps a frame; a run longer than 720 steps is too long to read at one pixel a
+    step: animate a window of it (``busiest_window``). The colours, lanes and cells are
+    those of ``plot_slot_grid`` and ``SlotView``; each request's run is labelled with its
+    id (or its number) once it is wide enough."""
     trace = trace_of(source)
     steps = list(trace.steps)
     if not steps:
         raise ValueError("the trace has no steps yet: nothing to animate")
-    grid, lanes = slot_grid(trace), lane_names(trace)
+    if len(steps) > GRID_WIDTH:
+        raise ValueError(f"{len(steps)} steps are too many to animate readably (at most {GRID_WIDTH}); "
+                         f"animate a window, e.g. viz.animation(viz.busiest_window(trace, 200))")
+    shown = np.unique(np.linspace(0, len(steps) - 1, min(max_frames, len(steps))).round().astype(int))
     colors = request_colors(trace, palette)
+    *_, last = _frames(trace, shown, colors)
+    last_colors = _palette_image(last)
+    # indexed as they are drawn, so the frames held for the writer (a list: it reads them
+    # twice) take a byte a pixel, not three
+    indexed = [frame.quantize(palette=last_colors, dither=Image.Dither.NONE)
+               for frame in _frames(trace, shown, colors)]
+    buffer = io.BytesIO()
+    indexed[0].save(buffer, format="PNG", save_all=True, append_images=indexed[1:], loop=0, optimize=True,
+                    duration=[interval_ms] * (len(shown) - 1) + [hold_last_ms])
+    return DisplayImage(data=buffer.getvalue(), format="png")
+
+
+def _frames(trace: Trace, shown: np.ndarray, colors: dict[str, str]) -> Iterator[Image.Image]:
+    """The RGB frame after each step position in ``shown``."""
+    steps = list(trace.steps)
+    grid, lanes = slot_grid(trace), lane_names(trace)
     font = ImageFont.load_default(size=11)
-    cell_w = max(1, min(14, GRID_WIDTH // len(steps)))
-    left = int(max(font.getlength(name) for name in lanes)) + 10
-    top = 40
-    width = left + cell_w * len(steps) + 12
-    height = top + ROW * len(lanes) + 26
+    cell_w = min(14, GRID_WIDTH // len(steps))
+    left, top = int(max(font.getlength(name) for name in lanes)) + 10, 40
+    width, height = left + cell_w * len(steps) + 12, top + ROW * len(lanes) + 26
     canvas = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(canvas)
     draw.fontmode = "1"  # no anti-aliasing: the frames keep few colours, exactly
     occupancy = occupancy_so_far(trace, len(steps) - 1).fraction
     draw.text((4, 2), f"{trace.kind}: {trace.max_batch_size} slots, steps {steps[0].index}-{steps[-1].index}, "
-              f"occupancy {occupancy:.0%}", fill="#222", font=font)
+              f"occupancy {occupancy:.0%} · labels: request ids", fill="#222", font=font)
     for li, name in enumerate(lanes):
         draw.text((4, top + li * ROW), name, fill="#555", font=font)
     _draw_legend(draw, font, 4, top + ROW * len(lanes) + 6)
 
     run_start = [0] * len(lanes)  # the step where each lane's current run began
     labelled = [False] * len(lanes)
-    frames = []
-    shown = np.unique(np.linspace(0, len(steps) - 1, min(max_frames, len(steps))).round().astype(int))
     drawn = 0
     for k in shown:
         for c in range(drawn, k + 1):
@@ -84,8 +102,7 @@ def animation(source, max_frames: int = 200, interval_ms: int = 120, hold_last_m
                 color = colors.get(cell.request, "#000000")
                 _draw_cell(draw, (x0, y0, x0 + cell_w - 1, y0 + LANE - 1), cell, color)
                 if not labelled[li] and cell.request and cell.kind not in (PADDING, IDLE):
-                    label = fitting_label(cell.request, (c + 1 - run_start[li]) * cell_w - 2,
-                                          lambda text: font.getlength(text))
+                    label = fitting_label(cell.request, (c + 1 - run_start[li]) * cell_w - 2, font.getlength)
                     if label:
                         draw.text((left + run_start[li] * cell_w + 2, y0), label, font=font,
                                   fill=text_color(color) if cell.kind == DECODE else "#111")
@@ -101,25 +118,18 @@ def animation(source, max_frames: int = 200, interval_ms: int = 120, hold_last_m
         number = str(steps[k].index)
         frame_draw.text((min(x - font.getlength(number) / 2, width - font.getlength(number)), 22), number,
                         fill="#111", font=font)
-        frames.append(frame)
-    frames = _indexed(frames)
-    buffer = io.BytesIO()
-    durations = [interval_ms] * (len(frames) - 1) + [hold_last_ms]
-    frames[0].save(buffer, format="PNG", save_all=True, append_images=frames[1:], duration=durations,
-                   loop=0, optimize=True)
-    return DisplayImage(data=buffer.getvalue(), format="png")
+        yield frame
 
 
-def _indexed(frames: list[Image.Image]) -> list[Image.Image]:
-    """The frames in one 256-colour palette: exact when the run has few enough colours
-    (the last frame holds them all), else the nearest of 256 picked from it."""
-    colors = frames[-1].getcolors(maxcolors=256)
+def _palette_image(last: Image.Image) -> Image.Image:
+    """A palette for every frame, from the last one, which holds every colour of the run:
+    exact when there are at most 256, else 256 picked from them."""
+    colors = last.getcolors(maxcolors=256)
     if colors is None:
-        palette = frames[-1].quantize(colors=256, dither=Image.Dither.NONE)
-    else:
-        palette = Image.new("P", (1, 1))
-        palette.putpalette([channel for _, color in colors for channel in color])
-    return [frame.quantize(palette=palette, dither=Image.Dither.NONE) for frame in frames]
+        return last.quantize(colors=256, dither=Image.Dither.NONE)
+    palette = Image.new("P", (1, 1))
+    palette.putpalette([channel for _, color in colors for channel in color])
+    return palette
 
 
 def _draw_legend(draw: ImageDraw.ImageDraw, font, x: int, y: int) -> None:

@@ -7,19 +7,25 @@ invariants on real engine output.
 
 from __future__ import annotations
 
+import ast
 import base64
+import colorsys
+import io
+import itertools
+import json
 import threading
 import time
 from collections import deque
 from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
 import pytest
 from matplotlib import cbook
 
 import batchlab
 from batchlab import viz
-from batchlab.fake import FakeModel, FakeRunner
+from batchlab.fake import FakeModel, FakeRunner, TickClock
 from batchlab.trace import RequestRecord, StepRecord, Trace
 from batchlab.viz import Cell
 
@@ -64,7 +70,7 @@ def continuous_trace() -> Trace:
                            first_token_s=4.0, token_times_s=[4.0, 5.0], finished_s=5.0,
                            finish_reason="stop"),
     }
-    return Trace("continuous", 2, steps, requests)
+    return Trace("continuous", 2, steps, requests, prefill_lane=True)
 
 
 def static_trace() -> Trace:
@@ -92,7 +98,10 @@ def stallfree_trace() -> Trace:
 
 
 def recorded(kind: str) -> Trace:
-    return Trace.from_json((DATA / f"{kind}_trace.json").read_text())
+    trace = Trace.from_json((DATA / f"{kind}_trace.json").read_text())
+    if kind == "continuous":  # recorded before traces said whether their kind has a prefill lane
+        trace.prefill_lane = True
+    return trace
 
 
 class Elements(HTMLParser):
@@ -174,20 +183,51 @@ def test_recorded_runs_every_token_and_prompt_token_lands_in_the_grid(kind):
     assert viz.occupancy_so_far(trace, len(trace.steps) - 1).decode_rows == decode_rows
 
 
-def test_colors_are_distinct_and_stable_as_requests_come_and_go():
+def lab(hex_color: str) -> np.ndarray:
+    """CIE L*a*b* (D65) of an sRGB colour, to measure how different two colours look."""
+    srgb = np.array([int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    linear = np.where(srgb <= 0.04045, srgb / 12.92, ((srgb + 0.055) / 1.055) ** 2.4)
+    xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ linear
+    f = np.cbrt(xyz / [0.95047, 1.0, 1.08883])
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+def contrast(a: str, b: str) -> float:
+    """WCAG contrast ratio of two sRGB colours."""
+    def luminance(c):
+        channels = [int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        r, g, b_ = [x / 12.92 if x <= 0.04045 else ((x + 0.055) / 1.055) ** 2.4 for x in channels]
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b_
+    hi, lo = sorted([luminance(a), luminance(b)], reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_colors_within_a_figure_are_distinct_and_text_on_them_readable():
+    ids = [f"req-{i}" for i in range(32)]
+    colors = viz.request_colors(Trace("static", 1, [], {r: RequestRecord(r, 1, 1, 0.0) for r in ids}))
+    assert list(colors) == ids
+    assert len(set(colors.values())) == 32
+    # no two of 32 look alike (CIE76 distance; about 2 is just noticeable, 10 clearly different)
+    worst = min(np.linalg.norm(lab(a) - lab(b)) for a, b in itertools.combinations(colors.values(), 2))
+    assert worst > 10
+    # the first 16 hues are evenly spaced around the wheel
+    hues = sorted(colorsys.rgb_to_hls(*(int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)))[0]
+                  for c in list(colors.values())[:16])
+    assert np.diff(hues + [hues[0] + 1]) == pytest.approx([1 / 16] * 16, abs=0.01)
+    assert all(contrast(c, viz.text_color(c)) >= 4.5 for c in colors.values())
+    assert viz.request_color("req-3") == colors["req-3"]  # the same as in a run of req-0, req-1, ...
+    assert list(viz.request_colors(static_trace())) == ["x", "y"]  # named only in steps: still coloured
+
+
+def test_a_palette_keeps_colors_as_requests_come_and_go():
     trace = continuous_trace()
-    colors = viz.request_colors(trace)
-    assert list(colors) == ["a", "b", "c"]
+    palette = viz.Palette()
+    colors = viz.request_colors(trace, palette)
     trace.requests["d"] = RequestRecord("d", 3, 2, 6.0)
     del trace.requests["a"]  # a bounded trace forgets finished requests
-    changed = viz.request_colors(trace)
-    assert (changed["b"], changed["c"]) == (colors["b"], colors["c"])
-    engine_ids = [f"req-{i}" for i in range(12)]
-    many = viz.request_colors(Trace("static", 1, [], {r: RequestRecord(r, 1, 1, 0.0) for r in engine_ids}))
-    assert list(many) == engine_ids and len(set(many.values())) == 12
-    assert viz.request_color("req-3") == many["req-3"]  # the same in every trace
-    # requests named only in steps (a hand-made trace) still get colours
-    assert list(viz.request_colors(static_trace())) == ["x", "y"]
+    changed = viz.request_colors(trace, palette)
+    assert {r: changed[r] for r in "abc"} == colors
+    assert changed["d"] not in colors.values()
 
 
 def test_short_labels_and_request_state_queries():
@@ -254,7 +294,7 @@ def test_frame_html_shows_padding_and_a_window_of_recent_steps():
 def test_a_bounded_trace_keeps_its_recent_steps_and_shows_their_numbers():
     """An engine with ``trace_limit`` keeps its steps in a deque that drops the oldest."""
     full = continuous_trace()
-    bounded = Trace("continuous", 2, deque(full.steps, maxlen=3), full.requests)
+    bounded = Trace("continuous", 2, deque(full.steps, maxlen=3), full.requests, prefill_lane=True)
     assert viz.slot_grid(bounded) == viz.slot_grid(full)[2:]
     assert viz.occupancy_so_far(bounded, 2) == viz.Occupancy(6, 6)
     page = Elements(viz.frame_html(bounded, 2))
@@ -290,7 +330,7 @@ def test_slot_view_replays_a_trace_step_by_step():
 
 def test_slot_view_live_follows_a_growing_trace():
     full = continuous_trace()
-    trace = Trace("continuous", 2, [], full.requests)
+    trace = Trace("continuous", 2, [], full.requests, prefill_lane=True)
     view = viz.SlotView(trace, live=True)
     assert shown_step(view) == "-1"
     replay = viz.SlotView(trace)
@@ -341,7 +381,7 @@ def test_follow_waits_for_clients_that_arrive_one_by_one(stop):
         if stop == "grace":  # idle gaps of 0.25 s are shorter than the grace period
             view.follow(seconds=30, interval=0.02, grace=1.0)
         else:  # idle gaps as long as the grace period: only `until` knows the run is over
-            view.follow(until=lambda: not clients.is_alive() and viz._run_is_over(view.trace),
+            view.follow(until=lambda: not clients.is_alive() and viz.widget._run_is_over(view.trace),
                         seconds=30, interval=0.02, grace=0.0)
         clients.join()
     trace = engine.trace
@@ -358,9 +398,9 @@ def test_follow_redraws_its_display_with_the_final_grid_as_a_png(monkeypatch):
         def update(self, obj):
             self.bundles.append(obj._repr_mimebundle_())
 
-    monkeypatch.setattr(viz, "display", lambda obj, display_id: Handle())
+    monkeypatch.setattr(viz.widget, "display", lambda obj, display_id: Handle())
     full = continuous_trace()
-    view = viz.SlotView(Trace("continuous", 2, [], full.requests), live=True)
+    view = viz.SlotView(Trace("continuous", 2, [], full.requests, prefill_lane=True), live=True)
     view.display()
     assert "image/png" not in view._repr_mimebundle_()  # nothing to draw yet
     view.trace.steps.extend(full.steps)
@@ -403,13 +443,33 @@ def test_plot_timeline_has_one_bar_per_state_interval():
     assert len(ax.collections[0].get_offsets()) == 10  # one tick per token
 
 
-def test_plot_tbt_has_a_line_per_request_and_shades_prefill_steps():
-    ax = viz.plot_tbt(continuous_trace()).axes[0]
-    assert len(ax.lines) == 3
-    assert list(ax.lines[2].get_ydata()) == pytest.approx([1000.0, 1000.0])  # c: one gap of 1 s
+def test_gap_band_spans_the_smallest_to_the_largest_gap_at_each_moment():
+    a, b, c = (continuous_trace().requests[r] for r in "abc")
+    # a: tokens 2.0 2.5 3.0 4.0 (gaps 0.5 0.5 1.0); b: 2.6 3.0 4.0 5.0 (gaps 0.4 1.0 1.0)
+    xs, lo, hi = viz.gap_band([a, b, c])
+    assert list(xs) == [2.0, 2.5, 2.6, 3.0, 4.0, 5.0]
+    assert np.isnan(lo[0]) and np.isnan(hi[0])  # no gap ends at the first token
+    assert list(lo[1:]) == pytest.approx([0.5, 0.5, 0.4, 1.0, 1.0])  # b has no gap until 3.0
+    assert list(hi[1:]) == pytest.approx([0.5, 0.5, 0.5, 1.0, 1.0])
+
+
+def test_plot_tbt_draws_one_request_and_a_band_for_the_others():
+    trace = continuous_trace()
+    trace.requests["b"].token_times_s = [2.6, 3.0, 4.5, 5.0]  # b's 1.5 s gap is the worst
+    ax = viz.plot_tbt(trace).axes[0]
+    assert len(ax.lines) == 1 and "b highlighted" in ax.get_title()
+    assert ax.lines[0].get_color() == viz.request_colors(trace)["b"]
+    assert max(ax.lines[0].get_ydata()) == pytest.approx(1500.0)
+    band = [c for c in ax.collections if c.get_label().startswith("the other 2 requests")]
+    assert len(band) == 1
+    top = band[0].get_paths()[0].vertices[:, 1].max()
+    assert top == pytest.approx(1000.0)  # the largest gap of a and c
     assert len(ax.patches) == 4  # steps 0-3 ran a prefill chunk
     assert ax.get_ylabel() == "time between tokens (ms)"
-    assert len(viz.plot_tbt(continuous_trace(), mark_prefill=False).axes[0].patches) == 0
+    chosen = viz.plot_tbt(trace, highlight="c", mark_prefill=False).axes[0]
+    assert "c highlighted" in chosen.get_title() and len(chosen.patches) == 0
+    with pytest.raises(ValueError, match="nobody"):
+        viz.plot_tbt(trace, highlight="nobody")
 
 
 def test_plot_tbt_draws_a_stall_as_a_flat_step_as_wide_as_the_stall():
@@ -479,3 +539,153 @@ def test_live_view_follows_a_real_engine_loop(lm):
         assert sum(1 for c in cells if c.request == rid and c.kind == "decode") \
             == len(record.token_times_s) - 1, rid
         assert sum(c.prefill_tokens for c in cells if c.request == rid) == record.prompt_len, rid
+
+
+# -- readable at a glance -------------------------------------------------------------------
+def lesson_sized_trace(kind: str = "continuous", slots: int = 16, steps_of_arrivals: int = 90,
+                       seed: int = 0) -> Trace:
+    """A fake-model run the size of a lesson's: a request every other step for
+    ``steps_of_arrivals`` steps, prompts of 4-80 tokens, answers of 4-60."""
+    rng = np.random.default_rng(seed)
+    engine = batchlab.make_engine(kind, FakeModel(), executor=FakeRunner, max_batch_size=slots,
+                                  clock=TickClock())
+    for k in range(steps_of_arrivals):
+        if k % 2 == 0:
+            engine.submit(rng.integers(1, 60, size=int(rng.integers(4, 80))).tolist(),
+                          max_new_tokens=int(rng.integers(4, 60)), ignore_eos=True)
+        engine.step()
+    engine.run_until_idle()
+    return engine.trace
+
+
+def test_still_grid_labels_runs_with_request_ids_in_distinct_colors():
+    fig = viz.plot_slot_grid(continuous_trace())
+    assert {t.get_text() for t in fig.axes[0].texts} == {"a", "b", "c"}  # room for whole ids
+    trace = lesson_sized_trace()
+    assert len(trace.requests) == 45
+    ax = viz.plot_slot_grid(trace).axes[0]
+    labels = {t.get_text() for t in ax.texts}
+    # every request ran at least one run wide enough for its id, or at least its number
+    assert all(rid in labels or viz.short_label(rid) in labels for rid in trace.requests)
+    decode_colors = {p.get_facecolor() for p in ax.patches if p.get_hatch() is None and p.get_linewidth() == 0.5}
+    decoded = {c.request for column in viz.slot_grid(trace) for c in column if c.kind == "decode"}
+    assert len(decode_colors) == len(decoded)  # one colour per request, none shared
+    assert "steps 0–" in ax.get_title()
+
+
+def test_busiest_window_cuts_a_long_run_where_the_queue_is_longest():
+    queue = [0] * 50 + list(range(1, 31)) + [30] * 10 + list(range(29, -1, -1)) + [0] * 60
+    trace = Trace("stallfree", 1, [StepRecord(1000 + k, float(k), float(k) + 1, slots=["r"], decoded=["r"],
+                                              queued=q) for k, q in enumerate(queue)])
+    window = viz.busiest_window(trace, width=20)
+    first = window.steps[0].index - 1000
+    assert len(window.steps) == 20 and window.steps[-1].index == window.steps[0].index + 19
+    sums = [sum(queue[k:k + 20]) for k in range(len(queue) - 19)]
+    assert sum(queue[first:first + 20]) == max(sums) and first == sums.index(max(sums))
+    assert window.requests is trace.requests or window.requests == trace.requests
+    title = viz.plot_slot_grid(window).axes[0].get_title()
+    assert f"steps {window.steps[0].index}–{window.steps[-1].index}" in title
+    assert viz.plot_slot_grid(window).axes[0].get_xlim() == (window.steps[0].index, window.steps[0].index + 20)
+    assert viz.busiest_window(trace, width=500).steps == trace.steps  # short runs stay whole
+    with pytest.raises(ValueError, match="window"):
+        viz.steps_window(trace, 200, 10)
+
+
+def test_widget_current_step_marker_is_not_the_held_slot_entry():
+    page = Elements(viz.frame_html(stallfree_trace(), 1))
+    legend = [a["class"] for a in page.having() if "bl-swatch" in a.get("class", "")]
+    assert "bl-swatch bl-held" in legend and "bl-swatch bl-playhead" in legend
+    assert "current step" in viz.frame_html(stallfree_trace(), 1)
+    held = page.having(data_step="1", data_lane="0")[0]
+    assert held["data-kind"] == "held" and "bl-current-cell" in held["class"]
+    assert page.having(class_="bl-col bl-current")  # the column header carries the marker too
+    css = viz.frame_html(stallfree_trace(), 1).split("<style>")[1].split("</style>")[0]
+    held_rule = next(line for line in css.splitlines() if line.startswith(".bl-root .bl-held"))
+    marker_rules = [line for line in css.splitlines() if "bl-current-cell" in line]
+    assert "border" in held_rule and not any("border" in rule or "outline" in rule for rule in marker_rules)
+
+
+def test_block_view_labels_blocks_with_request_ids():
+    engine = batchlab.make_engine("continuous", FakeModel(), executor=FakeRunner, max_batch_size=2,
+                                  kv_block_size=4, num_kv_blocks=16, clock=TickClock())
+    engine.submit(list(range(1, 11)), max_new_tokens=6, ignore_eos=True, request_id="alpha")
+    engine.submit(list(range(20, 26)), max_new_tokens=6, ignore_eos=True, request_id="req-7")
+    engine.run_until_idle()
+    trace = engine.trace
+    both = next(k for k, s in enumerate(trace.steps) if {"alpha", "req-7"} <= set(s.block_tables))
+    frame = viz.block_frame_html(trace, both)
+    page = Elements(frame)
+    held = {rid: len(trace.steps[both].block_tables[rid]) for rid in ("alpha", "req-7")}
+    assert {rid: len(page.having(data_request=rid)) for rid in held} == held
+    assert "alpha (3)" in frame and "req-7 (2)" in frame  # the key names every holder
+    assert ">alp<" in frame and ">7<" in frame  # short ids on the blocks
+    colors = viz.request_colors(trace)
+    assert colors["alpha"] != colors["req-7"] and colors["alpha"] in page.having(data_request="alpha")[0]["style"]
+    labels = {t.get_text() for t in viz.plot_block_map(trace).axes[0].texts}
+    assert {"alpha", "req-7"} <= labels
+    view = viz.BlockView(trace)
+    view.show_step(both)
+    assert view.to_html().count('data-request="alpha"') == held["alpha"] + sum(
+        1 for c in viz.slot_grid(trace)[max(0, both - 39):both + 1] for x in c if x.request == "alpha")
+
+
+# -- the animation that plays without a kernel ------------------------------------------------
+def frames_of(png: bytes) -> list[np.ndarray]:
+    from PIL import Image, ImageSequence
+    return [np.array(frame.convert("RGB")) for frame in ImageSequence.Iterator(Image.open(io.BytesIO(png)))]
+
+
+def test_animation_is_a_small_animated_png_of_the_growing_grid():
+    trace = lesson_sized_trace(slots=16, steps_of_arrivals=150)
+    assert 180 <= len(trace.steps) <= 260  # lesson-sized
+    image = viz.animation(trace)
+    assert image.format == "png" and image.data.startswith(b"\x89PNG")
+    assert b"acTL" in image.data  # the chunk that makes a PNG animated
+    assert len(image.data) <= 300_000
+    frames = frames_of(image.data)
+    assert len(frames) == 200  # at most max_frames, spread over the run
+    assert all(not np.array_equal(a, b) for a, b in itertools.pairwise(frames))
+    # the grid fills in: later frames hold more coloured (non-white) pixels
+    coloured = [int((f.sum(axis=2) < 3 * 250).sum()) for f in frames[::40]]
+    assert coloured == sorted(coloured) and coloured[0] < coloured[-1]
+    short = viz.animation(stallfree_trace(), max_frames=200)
+    assert len(frames_of(short.data)) == 3  # one frame a step when there are few
+    with pytest.raises(ValueError, match="no steps"):
+        viz.animation(Trace("continuous", 2))
+    long = Trace("static", 1, [step(k, ["r"], decoded=["r"]) for k in range(721)])
+    with pytest.raises(ValueError, match="busiest_window"):
+        viz.animation(long)
+    assert len(frames_of(viz.animation(viz.busiest_window(long, 200)).data)) == 200
+
+
+def test_animation_colours_each_request_as_the_still_grid_does():
+    trace = continuous_trace()
+    last = frames_of(viz.animation(trace).data)[-1]
+    present = {tuple(px) for px in last.reshape(-1, 3)}
+    for rid, color in viz.request_colors(trace).items():
+        assert tuple(int(color[i:i + 2], 16) for i in (1, 3, 5)) in present, rid
+
+
+# -- the trace says whether there is a prefill lane --------------------------------------------
+def test_the_prefill_lane_comes_from_the_trace_never_from_the_kind():
+    steps = continuous_trace().steps
+    assert viz.lane_names(Trace("my-own-kind", 2, steps, prefill_lane=True))[-1] == "prefill"
+    assert viz.lane_names(Trace("continuous", 2, steps, prefill_lane=False)) == ["slot 0", "slot 1"]
+    kinds_named = {"continuous", "stallfree", "static", "sequential"}
+    for path in Path(viz.__file__).parent.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        strings = {node.value for node in ast.walk(tree)
+                   if isinstance(node, ast.Constant) and id(node) not in docstrings}
+        assert not strings & kinds_named, path
+
+
+def test_prefill_lane_survives_json_and_defaults_to_false():
+    trace = continuous_trace()
+    assert Trace.from_json(trace.to_json()).prefill_lane is True
+    old = json.loads(static_trace().to_json())
+    del old["prefill_lane"]  # a trace saved before the field existed
+    assert Trace.from_json(json.dumps(old)).prefill_lane is False
+    for kind, lane in [("continuous", True), ("stallfree", False), ("static", False)]:
+        engine = batchlab.make_engine(kind, FakeModel(), executor=FakeRunner, max_batch_size=2)
+        assert engine.trace.prefill_lane is lane, kind

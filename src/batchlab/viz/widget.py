@@ -1,0 +1,272 @@
+"""The slot grid as an animation in the notebook: ``frame_html`` draws one step as HTML,
+``SlotView`` (ipywidgets) plays the frames, replayed or following a live run."""
+
+from __future__ import annotations
+
+import html
+import time
+from collections.abc import Callable, Mapping
+
+import ipywidgets as widgets
+from IPython.display import display
+
+from ..trace import StepRecord, Trace
+from .colors import Palette, short_label, text_color
+from .plots import plot_slot_grid, png_base64
+from .grid import (DECODE, HELD, IDLE, PADDING, PREFILL, PREFILL_DECODE, Cell, Occupancy,
+                   _lane_names, _prefill_lanes, _step_cells, request_colors, state_at, time_origin,
+                   trace_of)
+
+_HATCH = "repeating-linear-gradient(135deg,var(--c) 0 3px,#fff 3px 6px)"
+_CSS = """
+.bl-root{font:12px/1.4 system-ui,-apple-system,sans-serif;color:#222;max-width:100%}
+.bl-root .bl-grid{display:grid;gap:2px;align-items:center;margin:6px 0;overflow-x:auto;
+  padding-bottom:2px}
+.bl-root .bl-lane{padding-right:6px;text-align:right;white-space:nowrap;color:#555}
+.bl-root .bl-lane[data-prefill-lane]{font-style:italic}
+.bl-root .bl-col{font-size:10px;color:#999;text-align:left;white-space:nowrap;height:14px}
+.bl-root .bl-col.bl-current{color:#000;font-weight:700}
+.bl-root .bl-cell{height:20px;border-radius:3px;font-size:10px;line-height:20px;
+  text-align:center;overflow:hidden;box-sizing:border-box;white-space:nowrap}
+.bl-root .bl-decode{background:var(--c);color:var(--t)}
+.bl-root .bl-prefill{background:HATCH}
+.bl-root .bl-prefill_decode{background:linear-gradient(var(--c),var(--c)) bottom/100% 45% no-repeat,HATCH}
+.bl-root .bl-prefill span,.bl-root .bl-prefill_decode span{color:#111;background:#fffd;
+  border-radius:2px;padding:0 1px;line-height:12px}
+.bl-root .bl-padding{background:repeating-linear-gradient(45deg,#8f8f8f 0 2px,#d0d0d0 2px 5px)}
+.bl-root .bl-held{background:#fff;border:2px solid var(--c)}
+.bl-root .bl-idle{background:#fff;border:1px solid #ddd}
+.bl-root .bl-future{background:#fafafa;border:1px dashed #ececec}
+.bl-root .bl-current-cell,.bl-root .bl-col.bl-current{position:relative;overflow:visible}
+.bl-root .bl-current-cell::after,.bl-root .bl-col.bl-current::after,.bl-root .bl-swatch.bl-playhead::after{
+  content:"";position:absolute;top:-2px;bottom:-2px;right:-2px;width:2px;background:#111}
+.bl-root .bl-swatch.bl-playhead{position:relative;border:none;width:8px}
+.bl-root .bl-legend .bl-swatch{display:inline-block;width:14px;height:14px;
+  vertical-align:middle;margin:0 3px 0 10px;border-radius:3px;box-sizing:border-box;--c:#4e79a7}
+.bl-root .bl-readout b{font-variant-numeric:tabular-nums}
+""".replace("HATCH", _HATCH)
+
+
+def _cell_style(cell: Cell, color: str) -> str:
+    """The request's colour as CSS variables; the kind's class draws with them."""
+    return f"--c:{color};--t:{text_color(color)}" if cell.request and cell.kind != PADDING else ""
+
+
+def _cell_title(cell: Cell, step: int, lane: str) -> str:
+    what = {DECODE: "decode row", PREFILL: f"prefill, {cell.prefill_tokens} prompt tokens",
+            PREFILL_DECODE: f"prefill ({cell.prefill_tokens} prompt tokens) + decode row",
+            PADDING: "padding: finished, still computed", HELD: "holds the slot, ran nothing",
+            IDLE: "idle"}[cell.kind]
+    return f"step {step} · {lane}" + (f" · {cell.request}" if cell.request else "") + f" · {what}"
+
+
+def _legend_html() -> str:
+    swatches = [(DECODE, "decode"), (PREFILL, "prefill"), (PADDING, "padding (wasted)"),
+                (HELD, "holds slot, no work"), (IDLE, "idle"), ("playhead", "current step (the line)")]
+    return '<div class="bl-legend">' + "".join(
+        f'<span class="bl-swatch bl-{kind}"></span>{name}' for kind, name in swatches) + "</div>"
+
+
+def _readout_html(trace: Trace, k: int, steps: list[StepRecord]) -> str:
+    size = trace.max_batch_size
+    if k < 0:
+        return ('<div class="bl-readout"><span class="bl-counter" data-step="-1">no steps yet</span>'
+                f' · {size} slots · waiting for the engine</div>')
+    step = steps[k]
+    occ = Occupancy(sum(len(s.decoded) for s in steps[:k + 1]), size * (k + 1))
+    records = list(dict(trace.requests).values())
+    counts: dict[str, int] = {}
+    for rec in records:
+        state = state_at(rec, step.end_s)
+        if state is not None:
+            counts[state] = counts.get(state, 0) + 1
+    tokens = sum(len(t) for s in steps[:k + 1] for t in s.emitted.values())
+    work = []
+    if step.decoded:
+        work.append("decode " + ", ".join(map(html.escape, step.decoded)))
+    work += [f"prefill {html.escape(rid)} tokens {start}–{start + n - 1}" for rid, start, n in step.prefill]
+    if step.padding:
+        work.append("padding " + ", ".join(map(html.escape, step.padding)))
+    work += [f"<b>{html.escape(rid)}</b> finished ({reason})" for rid, reason in step.finished.items()]
+    states = " · ".join(f"{counts.get(s, 0)} {s.replace('_', ' ')}"
+                        for s in ("queued", "prefilling", "awaiting_slot", "decoding", "finished"))
+    return (
+        '<div class="bl-readout">'
+        f'<div><span class="bl-counter" data-step="{k}"><b>step {step.index}</b></span>'
+        f' (steps {steps[0].index}–{steps[-1].index})'
+        f' · t = {step.end_s - time_origin(trace):.2f} s · '
+        f'this step {step.duration_s * 1000:.0f} ms, {step.passes} forward pass(es)</div>'
+        f'<div class="bl-occupancy" data-decode-rows="{occ.decode_rows}" data-slot-steps="{occ.slot_steps}">'
+        f'occupancy so far: <b>{occ.decode_rows}</b> decode rows ÷ ({size} slots × {k + 1} steps)'
+        f' = <b>{occ.fraction:.0%}</b></div>'
+        f'<div>this step: {" · ".join(work) or "nothing"}</div>'
+        f'<div>requests: {states} · {tokens} tokens out so far</div></div>')
+
+
+def frame_html(trace: Trace, step: int, window: int = 40, colors: Mapping[str, str] | None = None) -> str:
+    """One animation frame as self-contained HTML: the grid up to ``step`` (the last
+    ``window`` steps of it), a line after the current column, and a readout below.
+    ``colors`` (request -> colour) defaults to ``request_colors(trace)``.
+
+    Elements carry data attributes (``data-slot`` on slot labels, ``data-step``,
+    ``data-kind`` and ``data-request`` on cells) so tests can read the picture.
+    """
+    steps = list(trace.steps)
+    k = min(max(step, 0), len(steps) - 1)  # -1: no steps yet
+    prefill_lanes = _prefill_lanes(trace, steps)
+    lanes = _lane_names(trace.max_batch_size, prefill_lanes)
+    first = max(0, k - window + 1)
+    columns = list(range(first, min(len(steps), first + window)))
+    colors = request_colors(trace) if colors is None else colors
+    parts = [(f'<div class="batchlab-slots bl-root" data-num-slots="{trace.max_batch_size}" '
+              f'data-step="{k}" data-num-steps="{len(steps)}" data-kind="{html.escape(trace.kind)}">'),
+             f"<style>{_CSS}</style>", _readout_html(trace, k, steps),
+             f'<div class="bl-grid" style="grid-template-columns:5.5em{" 18px" * len(columns)}">',
+             '<div class="bl-lane"></div>']
+    for c in columns:
+        index = steps[c].index
+        label = str(index) if c == k or (index % 5 == 0 and abs(c - k) > 2) else ""
+        parts.append(f'<div class="bl-col{" bl-current" if c == k else ""}">{label}</div>')
+    cells = {c: _step_cells(steps, trace.max_batch_size, c, prefill_lanes) for c in columns if c <= k}
+    for li, lane in enumerate(lanes):
+        slot = f'data-slot="{li}"' if li < trace.max_batch_size else \
+            f'data-prefill-lane="{li - trace.max_batch_size}"'
+        parts.append(f'<div class="bl-lane" {slot}>{lane}</div>')
+        previous = None
+        for c in columns:
+            if c > k:
+                parts.append('<div class="bl-cell bl-future"></div>')
+                continue
+            cell = cells[c][li]
+            show_label = cell.request is not None and cell.kind != PADDING \
+                and (previous is None or previous.request != cell.request)
+            label = f"<span>{html.escape(short_label(cell.request))}</span>" if show_label else ""
+            current = " bl-current-cell" if c == k else ""
+            request = f' data-request="{html.escape(cell.request)}"' if cell.request else ""
+            parts.append(
+                f'<div class="bl-cell bl-{cell.kind}{current}" data-lane="{li}" data-step="{c}" '
+                f'data-kind="{cell.kind}"{request} style="{_cell_style(cell, colors.get(cell.request, ""))}" '
+                f'title="{html.escape(_cell_title(cell, steps[c].index, lane))}">{label}</div>')
+            previous = cell
+    parts += ["</div>", _legend_html(), "</div>"]
+    return "".join(parts)
+
+
+# -- the widget -------------------------------------------------------------------------------
+class SlotView(widgets.VBox):
+    """The slot grid as an animation: play / pause, step back and forward, a step slider,
+    and the frame (``frame_html``) below.
+
+    Replay: ``SlotView(trace)``. Live: ``SlotView(engine_or_loop, live=True)``, show it with
+    ``view.display()``, and call ``refresh()`` in a loop, or ``follow()``, while the engine
+    runs; each refresh jumps to the newest step. Rendering happens in Python and callbacks
+    never print, so the widget adds no stray output to a notebook. Saved notebooks also carry
+    a PNG of the whole grid, which viewers without a kernel (GitHub) show instead; a live
+    view gets its PNG when ``follow()`` ends, by updating the output ``display()`` made.
+    For an animation those viewers play, show ``animation(trace)`` beside the view.
+    """
+
+    def __init__(self, source, live: bool = False, window: int = 40, interval_ms: int = 250):
+        self.trace = trace_of(source)
+        self.palette = Palette()  # a request keeps its colour while a live trace grows or forgets
+        self.live = live
+        self.window = window
+        self._play = widgets.Play(min=0, max=0, interval=interval_ms, show_repeat=False,
+                                  tooltip="play / pause")
+        self._play.add_class("batchlab-play")
+        self._slider = widgets.IntSlider(min=0, max=0, description="step",
+                                         layout=widgets.Layout(width="420px"))
+        widgets.jslink((self._play, "value"), (self._slider, "value"))
+        back = widgets.Button(icon="step-backward", tooltip="one step back",
+                              layout=widgets.Layout(width="36px"))
+        forward = widgets.Button(icon="step-forward", tooltip="one step forward",
+                                 layout=widgets.Layout(width="36px"))
+        back.on_click(lambda _: self.show_step(self._slider.value - 1))
+        forward.on_click(lambda _: self.show_step(self._slider.value + 1))
+        self._frame = widgets.HTML()
+        self._display = None  # the output that display() made, updated when follow() ends
+        self._slider.observe(self._render, names="value")
+        super().__init__([widgets.HBox([self._play, back, forward, self._slider]), self._frame])
+        self.add_class("batchlab-slotview")
+        self.refresh()
+
+    @property
+    def step(self) -> int:
+        """The step the frame shows (a position in ``trace.steps``)."""
+        return self._slider.value
+
+    def show_step(self, k: int) -> None:
+        self._slider.value = max(0, min(k, self._slider.max))
+
+    def to_html(self, step: int | None = None) -> str:
+        """The frame for ``step`` (default: the one shown) as standalone HTML."""
+        return frame_html(self.trace, self.step if step is None else step, self.window,
+                          request_colors(self.trace, self.palette))
+
+    def _render(self, _change=None) -> None:
+        self._frame.value = self.to_html()
+
+    def refresh(self) -> None:
+        """Take in the steps the engine has added; a live view jumps to the newest."""
+        last = max(len(self.trace.steps) - 1, 0)
+        self._play.max = self._slider.max = last
+        if self.live and self._slider.value != last:
+            self._slider.value = last  # the observer renders
+        else:
+            self._render()
+
+    def display(self) -> None:
+        """Show the view as a cell output that ``follow()`` can update when it ends."""
+        self._display = display(self, display_id=True)
+
+    def follow(self, until: Callable[[], bool] | None = None, seconds: float = 60.0,
+               interval: float = 0.2, grace: float = 1.0) -> None:
+        """Refresh every ``interval`` seconds while the engine runs in another thread.
+
+        Returns when ``until()`` is true (e.g. ``lambda: not any(t.is_alive() for t in
+        clients)``), or, without ``until``, when every request so far has finished and nothing
+        new (request or step) has come for ``grace`` seconds: clients that arrive one by one
+        leave moments where the engine is idle but the run is not over. Returns after
+        ``seconds`` in any case. Then the output of ``display()`` is redrawn, so a saved
+        notebook keeps the final grid as a picture.
+        """
+        self.live = True
+        deadline = time.monotonic() + seconds
+        seen, quiet_since = None, time.monotonic()
+        while True:
+            self.refresh()
+            now = time.monotonic()
+            size = (len(self.trace.requests), len(self.trace.steps))
+            if size != seen:
+                seen, quiet_since = size, now
+            if until is not None:
+                done = until()
+            else:
+                done = _run_is_over(self.trace) and now - quiet_since >= grace
+            if done or now >= deadline:
+                break
+            time.sleep(interval)
+        self.refresh()
+        if self._display is not None:
+            self._display.update(self)
+
+    def _repr_mimebundle_(self, **kwargs):
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if self.trace.steps:  # what a viewer without the widget (GitHub) shows
+            bundle["image/png"] = png_base64(plot_slot_grid(self.trace))
+        return bundle
+
+    def __repr__(self) -> str:
+        return (f"SlotView({self.trace.kind} trace, {self.trace.max_batch_size} slots, "
+                f"{len(self.trace.steps)} steps)")
+
+
+def _run_is_over(trace: Trace) -> bool:
+    """Every request finished, and the step that finished the last one is in the trace."""
+    records = list(dict(trace.requests).values())
+    steps = list(trace.steps)
+    if not records or not steps or any(r.finished_s is None for r in records):
+        return False
+    served = [r.finished_s for r in records if r.finish_reason != "cancelled"]
+    return steps[-1].end_s >= max(served, default=0.0)
+

@@ -216,6 +216,7 @@ def test_colors_within_a_figure_are_distinct_and_text_on_them_readable():
     assert np.diff(hues + [hues[0] + 1]) == pytest.approx([1 / 16] * 16, abs=0.01)
     assert all(contrast(c, viz.text_color(c)) >= 4.5 for c in colors.values())
     assert viz.request_color("req-3") == colors["req-3"]  # the same as in a run of req-0, req-1, ...
+    assert viz.request_color("mix-003") == colors["req-3"]
     assert list(viz.request_colors(static_trace())) == ["x", "y"]  # named only in steps: still coloured
 
 

@@ -69,11 +69,11 @@ class Palette:
 
 
 def request_color(request_id: str) -> str:
-    """A request's colour from its id alone (for pictures drawn outside a trace): the
-    engine's ids "req-N" take the N-th palette colour, the colour they get in a figure of a
-    run whose requests are req-0, req-1, ..."""
-    number = re.fullmatch(r"req-(\d+)", request_id)
-    return palette_color(int(number.group(1)) if number else zlib.crc32(request_id.encode()))
+    """A request's colour from its id alone (for pictures drawn outside a trace): an id
+    ending in a number N ("req-7", "mix-007") takes the N-th palette colour, the colour it
+    gets in a figure of a run whose requests arrived in the order of their numbers from 0."""
+    number = re.search(r"\d+$", request_id)
+    return palette_color(int(number.group()) if number else zlib.crc32(request_id.encode()))
 
 
 def short_label(request_id: str) -> str:

@@ -548,7 +548,7 @@ def lesson_sized_trace(kind: str = "continuous", slots: int = 16, steps_of_arriv
     """A fake-model run the size of a lesson's: a request every other step for
     ``steps_of_arrivals`` steps, prompts of 4-80 tokens, answers of 4-60."""
     rng = np.random.default_rng(seed)
-    engine = batchlab.make_engine(kind, FakeModel(), executor=FakeRunner, max_batch_size=slots,
+    engine = batchlab.make_engine(kind, FakeModel(), runner=FakeRunner, max_batch_size=slots,
                                   clock=TickClock())
     for k in range(steps_of_arrivals):
         if k % 2 == 0:
@@ -607,7 +607,7 @@ def test_widget_current_step_marker_is_not_the_held_slot_entry():
 
 
 def test_block_view_labels_blocks_with_request_ids():
-    engine = batchlab.make_engine("continuous", FakeModel(), executor=FakeRunner, max_batch_size=2,
+    engine = batchlab.make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=2,
                                   kv_block_size=4, num_kv_blocks=16, clock=TickClock())
     engine.submit(list(range(1, 11)), max_new_tokens=6, ignore_eos=True, request_id="alpha")
     engine.submit(list(range(20, 26)), max_new_tokens=6, ignore_eos=True, request_id="req-7")
@@ -688,5 +688,5 @@ def test_prefill_lane_survives_json_and_defaults_to_false():
     del old["prefill_lane"]  # a trace saved before the field existed
     assert Trace.from_json(json.dumps(old)).prefill_lane is False
     for kind, lane in [("continuous", True), ("stallfree", False), ("static", False)]:
-        engine = batchlab.make_engine(kind, FakeModel(), executor=FakeRunner, max_batch_size=2)
+        engine = batchlab.make_engine(kind, FakeModel(), runner=FakeRunner, max_batch_size=2)
         assert engine.trace.prefill_lane is lane, kind

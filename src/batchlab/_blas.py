@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import hashlib
 import json
 import os
 import platform
-import subprocess
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,6 +150,8 @@ _PROBE_MAIN = "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__
 def probe(path: str, core: str | None, timeout: float = 120) -> dict:
     """Load ``path`` in a fresh process (with ``OPENBLAS_CORETYPE=core`` if given): the core
     OpenBLAS runs and its sgemm error, or ``{"failed": why}`` (a crash, e.g. SIGILL, included)."""
+    import subprocess
+
     env = {k: v for k, v in os.environ.items() if k != CORE_ENV}
     if core:
         env[CORE_ENV] = core
@@ -195,8 +196,8 @@ def _cached_choice(path: str) -> CoreChoice:
     """``verified_choice`` once per library file and CPU; later imports read the cached verdict."""
     model, flags = _cpu()
     stat = os.stat(path)
-    key = hashlib.sha256(json.dumps([os.path.realpath(path), stat.st_size, stat.st_mtime_ns,
-                                     model, sorted(flags)]).encode()).hexdigest()[:16]
+    key = (f"{os.path.realpath(path)} {stat.st_size} {stat.st_mtime_ns} {model} "
+           f"flags:{zlib.crc32(' '.join(sorted(flags)).encode()):08x}")
     file = _cache_file()
     try:
         cache = json.loads(file.read_text())

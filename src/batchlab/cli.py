@@ -29,10 +29,13 @@ def _cmd_info(args) -> int:
           f"({platform.system()} {platform.machine()})")
     print(f"mlx        {mx.__version__}   mlx-lm {version('mlx-lm')}   tokenizers {version('tokenizers')}")
     print(f"backend    {backend()}  (default device: {mx.default_device()})")
-    print(f"BLAS       {_blas.STATUS.name}")
-    print(f"           {_blas.STATUS.path or '-'}: {_blas.STATUS.note}")
-    print(f"sgemm      {_sgemm_gflops():.1f} GFLOP/s (float32 576x1536 by 64 rows; "
-          f"reference BLAS gives ~5 here)")
+    blas = _blas.STATUS
+    print(f"BLAS       {blas.name}")
+    print(f"           {blas.path or '-'}: {blas.note}")
+    if blas.core:
+        print(f"kernel     {blas.core}: {blas.core_reason}")
+    print(f"sgemm      {_sgemm_gflops():.1f} GFLOP/s (float32 576x1536 by 64 rows"
+          f"{f', {blas.core} kernel' if blas.core else ''}; reference BLAS gives ~5 here)")
     lm = load_model(args.model)
     i = lm.info
     print(f"model      {i.name}: {i.parameters / 1e6:.1f}M parameters, {i.dtype}, "

@@ -1,8 +1,8 @@
 """Checkers for lesson 4, chunked prefill.
 
-* ``chunk_plan(fn)``: ``fn(prompt_len, prefill_step) -> [(start, length), ...]``, the chunks
-  the continuous engine cuts a prompt into, compared with what the real scheduler does
-  (driven by the fake model, so it is instant);
+* ``chunked_scheduler(cls)``: the learner's ``MyChunkedScheduler``, whose ``prefill_chunk()``
+  cuts a prompt into chunks of ``prefill_step`` tokens, run in a fake-model engine on small
+  cases and whole workloads (instant);
 * ``predict_long_ttft(fn)``: ``fn(prompt_len, prefill_step, prefill_tokens_per_s,
   decode_step_s)``, the time to first token of a long prompt that is prefilled chunk by
   chunk while others decode;
@@ -13,12 +13,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Callable
 
-from ._core import (Case, Verdict, answer_compare, as_pairs, close, is_whole_number, number_compare,
-                    optional_compare, run_cases, whole_number_compare)
+from ..scheduler import ContinuousScheduler
+from ._core import Case, Verdict, close, number_compare, optional_compare, run_cases, whole_number_compare
+from ._pieces import early_decode_problem, fake_workload, gap_problem, output_problem, piece_case, prefill_chunks, random_rows, \
+    run_piece, slot_problem
 
-__all__ = ["chunk_plan", "predict_long_ttft", "largest_chunk"]
+__all__ = ["chunked_scheduler", "predict_long_ttft", "largest_chunk"]
 
 
 def _n_chunks(prompt_len: int, prefill_step: int | None) -> int:
@@ -26,76 +28,98 @@ def _n_chunks(prompt_len: int, prefill_step: int | None) -> int:
 
 
 # ---------------------------------------------------------------------------------------
-# Exercise 1: the chunking rule.
+# Exercise 1: your chunked scheduler.
 
-def engine_chunks(prompt_len: int, prefill_step: int | None) -> list[tuple[int, int]]:
-    """The (start, length) chunks the continuous engine really runs for a prompt of
-    ``prompt_len`` tokens, read from the trace of a run on the fake model (two other
-    requests decode meanwhile)."""
-    from ..engine import make_engine
-    from ..fake import FakeModel, FakeRunner
+def _judge(rows, prefill_step, batch=3, max_seq_len=None, chunks_of=None, seed=0):
+    """A judge for ``piece_case``: run ``rows`` (prompt length, new tokens) on the learner's
+    class and on the reference, and name the first thing that is not as it should be.
+    ``chunks_of=(request id, [(start, length), ...])`` also checks that request's chunks."""
+    workload = fake_workload("chunked", rows, seed)
+    limit = prefill_step or math.inf
 
-    eng = make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=3,
-                      prefill_step=prefill_step)
-    for i in range(2):
-        eng.submit([5 + i] * 4, max_new_tokens=4, ignore_eos=True)
-    rid = eng.submit([1 + i % 60 for i in range(prompt_len)], max_new_tokens=2, ignore_eos=True)
-    eng.run_until_idle()
-    return [(start, n) for step in eng.trace.steps for r, start, n in step.prefill if r == rid]
-
-
-def _chunk_problem(start: Any, length: Any) -> str | None:
-    if is_whole_number(start) and is_whole_number(length):
+    def judge(cls):
+        run = run_piece(cls, workload, max_seq_len, max_batch_size=batch, prefill_step=prefill_step)
+        if run.problem:
+            return (run.trace and early_decode_problem(run.trace, workload)) or run.problem
+        trace = run.trace
+        chunks = prefill_chunks(trace)
+        for rid, mine in chunks.items():
+            for index, start, n in mine:
+                if n > limit:
+                    return (f"step {index}: {rid}'s chunk has {n} tokens, more than prefill_step="
+                            f"{prefill_step}: a chunk takes min(prefill_step, tokens left)")
+        if chunks_of is not None:
+            rid, want = chunks_of
+            got = [(start, n) for _, start, n in chunks.get(rid, [])]
+            if got != want:
+                return f"{rid}'s chunks (start, length) were {got}, expected {want}"
+        problem = early_decode_problem(trace, workload) or gap_problem(trace, workload)
+        if problem:
+            return problem
+        for step in trace.steps:
+            if len(step.prefill) > 1:
+                return f"step {step.index} prefilled {len(step.prefill)} chunks: one chunk a step"
+            if step.passes != bool(step.prefill) + bool(step.decoded):
+                return (f"step {step.index} ran {step.passes} forward pass(es) for "
+                        f"{'a chunk and decode rows' if step.prefill and step.decoded else 'its work'}: "
+                        f"the chunk is a pass of its own (yield a Batch with only the chunk), then "
+                        f"the decode pass")
+        for rid, mine in chunks.items():
+            last = mine[-1][0]
+            first = next((s.index for s in trace.steps if rid in s.emitted), None)
+            if first != last:
+                return (f"{rid}'s last chunk ran in step {last} but its first token came "
+                        f"{'never' if first is None else f'in step {first}'}: the chunk that ends "
+                        f"the prompt samples the first token")
+        problem = slot_problem(trace) or output_problem(trace, workload, max_seq_len or 4096)
+        if problem:
+            return problem
+        ref = run_piece(ContinuousScheduler, workload, max_seq_len, max_batch_size=batch,
+                        prefill_step=prefill_step).trace
+        order = [rid for s in trace.steps for rid in s.finished]
+        want = [rid for s in ref.steps for rid in s.finished]
+        if order != want:
+            return (f"the requests finished in the order {order}, the reference's order is {want}: "
+                    f"a request that has its first token waits in self.awaiting for a free slot")
         return None
-    return "starts and lengths are whole numbers of tokens"
+    return judge
 
 
-def _chunks(got: Any) -> tuple[list[tuple[int, int]] | None, str | None]:
-    if isinstance(got, (list, tuple)) and any(is_whole_number(item) for item in got):
-        return None, ("your list holds plain numbers; return (start, length) pairs, e.g. "
-                      "[(0, 128), (128, 128), (256, 44)]")
-    pairs, problem = as_pairs(got, "(start, length)", _chunk_problem)
-    if problem:
-        return None, problem
-    return [(int(a), int(b)) for a, b in pairs], None
-
-
-def chunk_plan(fn: Callable) -> Verdict:
-    """Check ``fn(prompt_len, prefill_step) -> list of (start, length)``: the chunks of a
-    prompt, in order, when each engine step prefills at most ``prefill_step`` tokens
-    (``None``: the whole prompt in one step). The right answer is what the engine's
-    ``ContinuousScheduler`` does, read from a trace."""
-
-    def compare_for(prompt_len, step):
-        def diagnose(pairs, expected):
-            covered = sum(n for _, n in pairs)
-            if covered < prompt_len and pairs == expected[:len(pairs)]:
-                return (f"your chunks cover only {covered} of the {prompt_len} prompt tokens: "
-                        f"the last, shorter chunk is missing")
-            if covered > prompt_len:
-                return (f"your chunks add up to {covered} tokens, more than the prompt's "
-                        f"{prompt_len}: the last chunk takes only what is left")
-            starts = [s for s, _ in pairs]
-            if len(pairs) == len(expected) and [n for _, n in pairs] == [n for _, n in expected] \
-                    and starts != [s for s, _ in expected]:
-                return "the lengths are right but the starts are not: each chunk starts where the last one ended"
-            return ""
-        return answer_compare(_chunks, diagnose)
-
-    rows = [
-        ("a 300-token prompt, chunks of 128: two full chunks and a short last one", 300, 128),
-        ("a 256-token prompt, chunks of 128: exactly two chunks", 256, 128),
-        ("a 100-token prompt, chunks of 128: shorter than one chunk", 100, 128),
-        ("a 520-token prompt, prefill_step=None: the whole prompt at once", 520, None),
-        ("a 5-token prompt, chunks of 1 token", 5, 1),
-        ("a 1-token prompt, chunks of 64", 1, 64),
-        ("a 520-token prompt, chunks of 64", 520, 64),
+def chunked_scheduler(cls) -> Verdict:
+    """Check a ``ContinuousScheduler`` subclass whose ``prefill_chunk()`` runs one chunk of
+    at most ``prefill_step`` tokens of the prefilling request as a pass of its own, the
+    chunk that ends the prompt sampling the first token; then the request waits for a slot.
+    Every case runs the class in a fake-model engine and reads the trace."""
+    two = [(5, 12), (5, 12)]  # two short requests that decode while the long prompt prefills
+    hint = "n = min(self.prefill_step, req.prefill_left); yield Batch(prefill=[(req, n)])"
+    cases = [
+        piece_case("a 300-token prompt in chunks of 128 while two requests decode: "
+                   "(0, 128), (128, 128), (256, 44)",
+                   _judge(two + [(300, 3)], 128, chunks_of=("r2", [(0, 128), (128, 128), (256, 44)])),
+                   hint),
+        piece_case("a 256-token prompt in chunks of 128: exactly two chunks",
+                   _judge(two + [(256, 3)], 128, chunks_of=("r2", [(0, 128), (128, 128)])), hint),
+        piece_case("a 100-token prompt, shorter than one chunk of 128",
+                   _judge(two + [(100, 3)], 128, chunks_of=("r2", [(0, 100)])), hint),
+        piece_case("prefill_step=None: a 520-token prompt in one chunk (whole-prompt prefill)",
+                   _judge(two + [(520, 3)], None, chunks_of=("r2", [(0, 520)])),
+                   "with prefill_step=None the scheduler's self.prefill_step is infinity"),
+        piece_case("chunks of 1 token: a 5-token prompt in 5 steps",
+                   _judge(two + [(5, 3)], 1, chunks_of=("r2", [(i, 1) for i in range(5)])), hint),
+        piece_case("a request whose first token is also its last (as with an immediate EOS): "
+                   "it finishes at its last chunk and never takes a slot",
+                   _judge([(5, 12), (40, 1), (30, 4)], 16),
+                   "after the last chunk, only a request that is not finished waits for a slot"),
+        piece_case("the max_seq_len edge: a 60-token prompt in chunks of 16 on an engine with "
+                   "max_seq_len=64 generates 4 tokens and stops",
+                   _judge([(5, 12), (60, 10)], 16, max_seq_len=64)),
+        piece_case("a whole workload: 12 requests (prompts 1-90 tokens, 1-12 new tokens) at "
+                   "once, 4 slots, chunks of 16",
+                   _judge(random_rows(1, 12, (1, 90), (1, 12)), 16, batch=4, seed=1)),
+        piece_case("a whole workload: 10 requests, 3 slots, chunks of 7 tokens",
+                   _judge(random_rows(2, 10, (1, 60), (1, 9)), 7, batch=3, seed=2)),
     ]
-    cases = [Case(label, lambda f, p=p, s=s: f(p, s), engine_chunks(p, s), compare_for(p, s),
-                  hint="each step takes min(prefill_step, tokens still to prefill) tokens, "
-                       "starting where the previous chunk ended; None means no limit")
-             for label, p, s in rows]
-    return run_cases("chunk_plan", fn, cases)
+    return run_cases("chunked_scheduler", cls, cases)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Checkers for lesson 5 (token budget and hybrid batches).
 
-``plan_step``       the token-budget planner (Sarathi-Serve's stall-free rule);
+``stallfree_planner`` the learner's ``MyStallFreeScheduler`` class, whose ``plan()`` is the
+                    token-budget rule (Sarathi-Serve's stall-free batching), run in a
+                    fake-model engine;
 ``pack_chunks``     how a hybrid batch is packed into one ``[1, T]`` sequence;
 ``skipped_decodes`` the invariant "no decoding request skips a step", read from a trace.
 
@@ -9,231 +11,106 @@ Every case runs on plain Python data or on the fake model, so each checker is in
 
 from __future__ import annotations
 
-import random
-from typing import Any, Callable
+from typing import Callable
 
 from ..batch import Batch, Chunk
-from ..engine import Engine, make_engine
-from ..fake import FakeModel, FakeRunner, TickClock
-from ..kv import BlockManager
-from ..request import Request, State
-from ..sampling import SamplingParams
 from ..scheduler import StallFreeScheduler
 from ..trace import StepRecord, Trace
-from ._core import Case, Verdict, as_pairs, is_whole_number, run_cases, show
+from ._core import Case, Verdict, run_cases, show
+from ._pieces import early_decode_problem, fake_workload, gap_problem, output_problem, piece_case, \
+    random_rows, run_piece, slot_problem
 
-__all__ = ["plan_step", "pack_chunks", "skipped_decodes"]
+__all__ = ["stallfree_planner", "pack_chunks", "skipped_decodes"]
 
 
 # ---------------------------------------------------------------------------------------
-# Exercise 1: the token-budget planner.
+# Exercise 1: your stall-free planner.
 
-def _plan_reference(decoding, prefilling, queue, budget, free_slots):
-    """The stall-free rule on plain data: the library's ``StallFreeScheduler.plan`` run on
-    requests made to match."""
-    slots = len(decoding) + len(prefilling) + free_slots
-    scheduler = StallFreeScheduler(BlockManager(4096, 16), TickClock(), slots, max(budget, slots))
-    scheduler.token_budget = budget  # a case may give fewer tokens than there are slots
-
-    def request(rid, prompt_len):
-        return Request(rid, [1] * prompt_len, 1, SamplingParams(), frozenset(), 0.0)
-
-    for rid in decoding:  # a one-token prompt, already prefilled
-        req = request(rid, 1)
-        scheduler.start(req, 1)
-        req.num_computed = 1
-        scheduler.take_slot(req)
-        req.set_state(State.DECODING, 0.0)
-    for rid, left in prefilling:  # a prompt of `left` tokens, none computed yet
-        req = request(rid, left)
-        scheduler.start(req, 0)
-        scheduler.take_slot(req)
-        scheduler.prefilling.append(req)
-    for rid, prompt_len in queue:
-        scheduler.add(request(rid, prompt_len))
-    batch = scheduler.plan()
-    return [r.id for r in batch.decode], [(r.id, n) for r, n in batch.prefill]
+def _skipped(trace: Trace) -> list[tuple[int, str]]:
+    """(step index, request) for every step a decoding request had no decode row in."""
+    steps = list(trace.steps)
+    emitted_at: dict[str, list[int]] = {}
+    for k, s in enumerate(steps):
+        for rid in s.emitted:
+            emitted_at.setdefault(rid, []).append(k)
+    return sorted((steps[k].index, rid) for rid, ks in emitted_at.items()
+                  for k in range(ks[0] + 1, ks[-1] + 1) if rid not in steps[k].decoded)
 
 
-def _normalise_plan(got: Any):
-    """(decode ids, [(id, n), ...]) from what the learner returned, or a sentence saying why not."""
-    if not isinstance(got, (tuple, list)) or len(got) != 2:
-        return None, ("return two things, (decode, chunks): the list of decoding ids and the "
-                      "list of (request id, number of tokens) prefill chunks")
-    decode, chunks = got
-    if not isinstance(decode, (list, tuple)) or not isinstance(chunks, (list, tuple)):
-        return None, "both parts of (decode, chunks) should be lists"
-    pairs, problem = as_pairs(chunks, "(request id, number of tokens)", _chunk_problem)
-    if problem:
-        return None, problem
-    return (list(decode), pairs), None
+def _plan(step) -> tuple[list[str], list[tuple[str, int]]]:
+    return list(step.decoded), [(rid, n) for rid, _, n in step.prefill]
 
 
-def _chunk_problem(rid: Any, n: Any) -> str | None:
-    return None if is_whole_number(n) else "the number of tokens should be an int"
+def _planner_judge(rows, batch, budget, seed=0):
+    """A judge for ``piece_case``: ``rows`` on the learner's class and on the reference;
+    the first broken rule, or the first step planned differently."""
+    workload = fake_workload("stall-free", rows, seed)
 
-
-def _plan_case(label, decoding, prefilling, queue, budget, free_slots, hint=""):
-    expected = _plan_reference(decoding, prefilling, queue, budget, free_slots)
-
-    def compare(got, expected):
-        plan, problem = _normalise_plan(got)
+    def judge(cls):
+        run = run_piece(cls, workload, max_batch_size=batch, token_budget=budget)
+        if run.problem:
+            return (run.trace and early_decode_problem(run.trace, workload)) or run.problem
+        trace = run.trace
+        for step in trace.steps:
+            if step.passes > 1:
+                return (f"step {step.index} ran {step.passes} forward passes: plan() returns ONE "
+                        f"Batch, run as one fused pass")
+            if step.num_tokens > budget:
+                return (f"step {step.index} ran {step.num_tokens} tokens, over the token budget of "
+                        f"{budget} ({len(step.decoded)} decode rows + prefill chunks "
+                        f"{[(rid, n) for rid, _, n in step.prefill]})")
+        skipped = _skipped(trace)
+        if skipped:
+            index, rid = skipped[0]
+            return (f"step {index}: {rid} was decoding but got no decode row: every decoding request "
+                    f"takes one token of the budget first, before any prefill")
+        problem = (early_decode_problem(trace, workload) or gap_problem(trace, workload)
+                   or slot_problem(trace) or output_problem(trace, workload))
         if problem:
             return problem
-        decode, chunks = plan
-        if (decode, chunks) == expected:
-            return None
-        if sorted(map(str, decode)) != sorted(map(str, expected[0])):
-            return ("every running decode goes first, one token each: the decode list is "
-                    "exactly the decoding requests")
-        if any(n <= 0 for _, n in chunks):
-            return "a chunk of 0 tokens (or fewer) is no chunk: leave it out"
-        used = len(decode) + sum(n for _, n in chunks)
-        if used > budget:
-            return f"that plan runs {used} tokens, over the budget of {budget}"
-        left = dict(prefilling)
-        for rid, n in chunks:
-            if rid in left and n > left[rid]:
-                return f"{rid} has only {left[rid]} prompt tokens left, but its chunk has {n}"
-        admitted = [rid for rid, _ in chunks if rid not in left]
-        if len(admitted) > free_slots:
-            return (f"it admits {len(admitted)} new request(s) but only {free_slots} slot(s) "
-                    f"are free: an admitted request takes a slot")
-        if used < _expected_used(expected) and used < budget:
-            return (f"it leaves {budget - used} tokens of the budget unused although work was "
-                    f"waiting: fill the budget")
-        if [r for r, _ in chunks] != [r for r, _ in expected[1]]:
-            return ("the chunks are not in the right order: first the partial prefills (in "
-                    "admission order), then new admissions in queue order")
-        return ""
-
-    return Case(label, lambda f: f(list(decoding), list(prefilling), list(queue), budget, free_slots),
-                expected, compare, hint)
+        ref = run_piece(StallFreeScheduler, workload, max_batch_size=batch, token_budget=budget).trace
+        for mine, want in zip(trace.steps, ref.steps):
+            if _plan(mine) != _plan(want):
+                (d1, p1), (d2, p2) = _plan(mine), _plan(want)
+                return (f"step {mine.index} ran decode {d1} and prefill chunks {p1}; the stall-free "
+                        f"rule gives decode {d2} and prefill chunks {p2} (decodes, then partial "
+                        f"prefills in admission order, then admissions while budget and slots remain)")
+        if len(trace.steps) != len(ref.steps):
+            return f"your run took {len(trace.steps)} steps, the stall-free rule {len(ref.steps)}"
+        return None
+    return judge
 
 
-def _expected_used(plan) -> int:
-    return len(plan[0]) + sum(n for _, n in plan[1])
-
-
-class _Recording(StallFreeScheduler):
-    """The library's stall-free scheduler, noting the state it saw and the batch it chose."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.seen: list[tuple[tuple, tuple]] = []
-
-    def batches(self):
-        state = ([r.id for r in self.slots if r is not None and r.state is State.DECODING],
-                 [(r.id, r.prefill_left) for r in self.prefilling],
-                 [(r.id, r.prompt_len) for r in self.queue],
-                 self.token_budget, self.slots.count(None))
-        for batch in super().batches():
-            self.seen.append((state, ([r.id for r in batch.decode],
-                                      [(r.id, n) for r, n in batch.prefill])))
-            yield batch
-
-
-def _engine_with(scheduler_cls, batch: int, budget: int, vocab: int = 64) -> Engine:
-    return make_engine(scheduler_cls, FakeModel(vocab_size=vocab), runner=FakeRunner,
-                       max_batch_size=batch, token_budget=budget, num_kv_blocks=4096,
-                       clock=TickClock())
-
-
-def _small_workload(seed: int, n: int = 10, vocab: int = 64):
-    rng = random.Random(seed)
-    return [(f"r{i}", [rng.randrange(1, vocab) for _ in range(rng.randint(3, 40))], rng.randint(1, 9))
-            for i in range(n)]
-
-
-def _run_engine(engine: Engine, requests) -> dict[str, list[int]]:
-    for rid, prompt, out in requests:
-        engine.submit(prompt, max_new_tokens=out, ignore_eos=True, request_id=rid)
-    engine.run_until_idle()
-    return {rid: list(engine.trace.requests[rid].output_ids) for rid, _, _ in requests}
-
-
-def _drive_case() -> Case:
-    """The learner's plan, asked at every step of a real (fake-model) stall-free run."""
-    batch, budget = 4, 24
-    requests = _small_workload(5)
-    engine = _engine_with(_Recording, batch, budget)
-    _run_engine(engine, requests)
-    seen = engine.scheduler.seen
-
-    def call(f):
-        for number, (state, chosen) in enumerate(seen):
-            decoding, prefilling, queue, b, free = state
-            plan, problem = _normalise_plan(f(list(decoding), list(prefilling), list(queue), b, free))
-            if problem:
-                return ("bad", number, state, problem)
-            if plan != (chosen[0], chosen[1]):
-                return ("differs", number, state, plan)
-        return ("ok", len(seen))
-
-    def compare(got, expected):
-        if got[0] == "ok":
-            return None
-        _, number, state, what = got
-        decoding, prefilling, queue, b, free = state
-        where = (f"at step {number}: decoding={decoding}, prefilling={prefilling}, "
-                 f"queue={queue[:4]}{' ...' if len(queue) > 4 else ''}, budget={b}, free_slots={free}")
-        if got[0] == "bad":
-            return f"{where}: {what}"
-        chosen = seen[number][1]
-        return f"{where}: the scheduler planned {chosen}, yours {what}"
-
-    def show(got):
-        return "the same plan at every step" if got[0] == "ok" else "a different plan (see below)"
-
-    return Case(f"a whole run of the stall-free engine on the fake model (10 requests, B={batch}, "
-                f"budget {budget}, {len(seen)} steps): at every step, your plan equals the "
-                f"scheduler's", call, ("ok", len(seen)), compare, show=show)
-
-
-def plan_step(fn: Callable) -> Verdict:
-    """Check ``fn(decoding, prefilling, queue, budget, free_slots) -> (decode, chunks)``.
-
-    ``decoding``: ids of the requests decoding (slot order); ``prefilling``: ``(id,
-    prompt tokens left)`` of requests part-way through their prefill, in admission order;
-    ``queue``: ``(id, prompt length)`` of waiting requests in arrival order; ``budget``:
-    tokens this step may run (never less than the number decoding); ``free_slots``:
-    empty decode slots. Returns the ids that decode (one token each) and the prefill
-    chunks ``(id, tokens)``: partial prefills first, then admissions from the queue."""
+def stallfree_planner(cls) -> Verdict:
+    """Check a ``StallFreeScheduler`` subclass whose ``plan()`` returns the step's one
+    ``Batch`` by the token-budget rule: every decoding request first (one token each), then
+    the partial prefills in admission order, then admissions from the queue while budget and
+    free slots remain. Every case runs the class in a fake-model engine and reads the trace:
+    the budget is never exceeded, no decode row waits, one pass a step, no slot held twice,
+    the right outputs, and the rule's schedule step by step."""
+    hint = "budget = self.token_budget - len(decode); partial prefills take min(budget, left)"
     cases = [
-        _plan_case("only decodes: 3 requests decoding, nothing else waiting, budget 16",
-                   ["a", "b", "c"], [], [], 16, 1),
-        _plan_case("2 decoding and one partial prefill with 40 tokens left, budget 16: the "
-                   "decodes go first, the prefill takes the 14 tokens left",
-                   ["a", "b"], [("p", 40)], [], 16, 0,
-                   "budget left for prefill = budget - number of decodes"),
-        _plan_case("a partial prefill with 5 tokens left, then a queued request (30 tokens) "
-                   "is admitted with what remains: 16 - 2 - 5 = 9 tokens",
-                   ["a", "b"], [("p", 5)], [("q1", 30)], 16, 1,
-                   "after the partial prefills, admit from the queue while budget and free slots remain"),
-        _plan_case("budget left but no free slot: the queue waits",
-                   ["a", "b"], [], [("q1", 30)], 16, 0,
-                   "an admitted request needs a slot; with free_slots == 0 nobody is admitted"),
-        _plan_case("no decodes, 2 free slots, queue of 3, 4 and 50 tokens, budget 16: the "
-                   "first two are admitted whole, then the slots are full",
-                   [], [], [("q1", 3), ("q2", 4), ("q3", 50)], 16, 2,
-                   "each admission uses one free slot"),
-        _plan_case("the decodes use the whole budget (8 decoding, budget 8): no prefill this step",
-                   [f"d{i}" for i in range(8)], [("p", 20)], [("q1", 10)], 8, 3),
-        _plan_case("two partial prefills in admission order, budget 16: the first gets all "
-                   "the 10 it needs, the second the 6 that remain",
-                   [], [("p1", 10), ("p2", 10)], [], 16, 0,
-                   "serve partial prefills in order, each min(what it needs, what is left)"),
-        _plan_case("the budget runs out inside an admission: 1 decode, queued request of 100 "
-                   "tokens, budget 16, so its first chunk is 15 tokens",
-                   ["a"], [], [("q1", 100)], 16, 1,
-                   "the last chunk may be short: min(prompt length, budget left)"),
-        _plan_case("the queue keeps its order: a long request first, a short one behind it, "
-                   "budget 20: only the long one starts",
-                   [], [], [("q1", 100), ("q2", 2)], 20, 2,
-                   "admission is first come, first served; stop when the budget is spent"),
-        _drive_case(),
+        piece_case("3 slots, prompts of 20, 6, 30 and 5 tokens, budget 16 (the lesson's example)",
+                   _planner_judge([(20, 4), (6, 3), (30, 2), (5, 3)], 3, 16), hint),
+        piece_case("only short prompts: 3 requests of 4 tokens, budget 16: all admitted in one step",
+                   _planner_judge([(4, 5), (4, 5), (4, 5)], 3, 16),
+                   "admit from the queue while budget and a free slot remain"),
+        piece_case("the decodes fill the budget: 4 slots, budget 4, so prefill waits while all decode",
+                   _planner_judge([(3, 6), (3, 6), (3, 6), (3, 6), (10, 2)], 4, 4), hint),
+        piece_case("two partial prefills continue in admission order, budget 8",
+                   _planner_judge([(10, 3), (10, 3), (3, 3)], 3, 8),
+                   "the partial prefills continue before anyone new is admitted"),
+        piece_case("more requests than slots (5 requests, 2 slots): the queue waits for a free slot",
+                   _planner_judge([(6, 4), (6, 2), (6, 3), (6, 1), (6, 2)], 2, 16),
+                   "an admitted request takes a slot; with no free slot nobody is admitted"),
+        piece_case("a request that finishes with its first token (as with an immediate EOS)",
+                   _planner_judge([(5, 6), (12, 1), (7, 3)], 2, 8)),
+        piece_case("a whole workload: 12 requests (prompts 1-90 tokens, 1-12 new tokens), 4 slots, "
+                   "budget 24", _planner_judge(random_rows(3, 12, (1, 90), (1, 12)), 4, 24, seed=3)),
+        piece_case("a whole workload: 10 requests, 3 slots, budget 5 (decodes leave little for prefill)",
+                   _planner_judge(random_rows(4, 10, (1, 40), (1, 9)), 3, 5, seed=4)),
     ]
-    return run_cases("plan_step", fn, cases)
+    return run_cases("stallfree_planner", cls, cases)
 
 
 # ---------------------------------------------------------------------------------------
@@ -301,20 +178,6 @@ def pack_chunks(fn: Callable) -> Verdict:
 # ---------------------------------------------------------------------------------------
 # Exercise 3: no decode is skipped.
 
-def _skipped_reference(trace: Trace) -> list[tuple[int, str]]:
-    steps = list(trace.steps)
-    emitted_at: dict[str, list[int]] = {}
-    for k, s in enumerate(steps):
-        for rid in s.emitted:
-            emitted_at.setdefault(rid, []).append(k)
-    out = []
-    for rid, ks in emitted_at.items():
-        for k in range(ks[0] + 1, ks[-1] + 1):
-            if rid not in steps[k].decoded:
-                out.append((steps[k].index, rid))
-    return sorted(out)
-
-
 class _PrefillFirst(StallFreeScheduler):
     """A wrong policy for the checker: prefill takes the budget first, decodes get what is left."""
 
@@ -326,9 +189,8 @@ class _PrefillFirst(StallFreeScheduler):
 
 
 def _fake_trace(scheduler_cls, batch: int, budget: int, seed: int) -> Trace:
-    engine = _engine_with(scheduler_cls, batch, budget)
-    _run_engine(engine, _small_workload(seed, n=8))
-    return engine.trace
+    workload = fake_workload("skips", random_rows(seed, 8, (3, 40), (1, 9)), seed)
+    return run_piece(scheduler_cls, workload, max_batch_size=batch, token_budget=budget).trace
 
 
 def _hand_trace() -> Trace:
@@ -379,18 +241,18 @@ def skipped_decodes(fn: Callable) -> Verdict:
 
     def case(label, make, hint=""):
         trace = make()
-        return Case(label, lambda f: f(trace), _skipped_reference(trace), compare, hint, show_sorted)
+        return Case(label, lambda f: f(trace), _skipped(trace), compare, hint, show_sorted)
 
     wrong = _fake_trace(_PrefillFirst, 4, 12, 3)
     return run_cases("skipped_decodes", fn, [
         case("a stall-free run on the fake model (B=4, budget 12): nobody is skipped",
-             lambda: _fake_trace(_Recording, 4, 12, 3)),
+             lambda: _fake_trace(StallFreeScheduler, 4, 12, 3)),
         case("a hand-made trace: b gets its first token in step 1, no decode row in step 2, "
              "then decodes in steps 3 and 4", _hand_trace,
              "b is decoding from step 2 (the step after its first token) to step 4"),
         case("a request that got only one token (it never decoded) is never skipped",
              _one_token_trace, "a request with a single token has no decoding steps"),
         case(f"a wrong policy that gives the budget to prefill first and decodes what is left "
-             f"(B=4, budget 12): {len(_skipped_reference(wrong))} skipped decodes",
+             f"(B=4, budget 12): {len(_skipped(wrong))} skipped decodes",
              lambda: wrong),
     ])

@@ -122,3 +122,11 @@ def test_skips_from_the_first_token_are_rejected():
                     "are not skips")
 
 
+
+
+def saving_against_the_chunk_alone(chunk_s, decode_s, fused_s):
+    return 1 - fused_s / chunk_s
+
+
+def test_a_saving_against_the_chunk_alone_is_rejected():
+    assert_rejected(check.fused_saving(saving_against_the_chunk_alone), "1 of 4", "BOTH separate passes")

@@ -32,7 +32,7 @@ from .lesson01 import static_batches, static_steps, wasted_slot_steps
 from .lesson02 import admit_next, continuous_steps, place_awaiting
 from .lesson03 import percentile_linear, predict_stall, time_between_tokens
 from .lesson04 import chunked_scheduler, largest_chunk, predict_long_ttft
-from .lesson05 import pack_chunks, skipped_decodes, stallfree_planner
+from .lesson05 import fused_saving, pack_chunks, skipped_decodes, stallfree_planner
 from .lesson06 import atomic_poll, cancel, stream_text
 from .lesson07 import goodput, parse_sse, stream_metrics
 from .lesson08 import cached_prefix, choose_victim, kv_slots
@@ -45,7 +45,7 @@ __all__ = [
     "place_awaiting", "admit_next", "continuous_steps",
     "time_between_tokens", "percentile_linear", "predict_stall",
     "chunked_scheduler", "predict_long_ttft", "largest_chunk",
-    "stallfree_planner", "pack_chunks", "skipped_decodes",
+    "stallfree_planner", "pack_chunks", "skipped_decodes", "fused_saving",
     "atomic_poll", "stream_text", "cancel",
     "stream_metrics", "parse_sse", "goodput",
     "kv_slots", "cached_prefix", "choose_victim",

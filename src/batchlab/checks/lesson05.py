@@ -16,7 +16,7 @@ from typing import Callable
 from ..batch import Batch, Chunk
 from ..scheduler import StallFreeScheduler
 from ..trace import StepRecord, Trace
-from ._core import Case, Verdict, run_cases, show
+from ._core import Case, Verdict, close, number_compare, run_cases, show
 from ._pieces import early_decode_problem, fake_workload, gap_problem, output_problem, piece_case, \
     random_rows, run_piece, slot_problem
 
@@ -256,3 +256,33 @@ def skipped_decodes(fn: Callable) -> Verdict:
              f"(B=4, budget 12): {len(_skipped(wrong))} skipped decodes",
              lambda: wrong),
     ])
+
+
+# ---------------------------------------------------------------------------------------
+# Exercise (lesson 5b): what one fused pass saves.
+
+def fused_saving(fn: Callable) -> Verdict:
+    """Check ``fn(chunk_alone_s, decode_alone_s, fused_s) -> fraction``: the share of the
+    two separate passes' time (chunk pass + decode pass) that one fused pass saves,
+    ``1 - fused / (chunk + decode)``; negative when fusing is slower."""
+
+    def diagnose(value, expected, c, d, f):
+        if close(value, 1 - f / c):
+            return "that compares with the chunk pass alone; the saving is against BOTH separate passes"
+        if close(value, f / (c + d)):
+            return "that is the fused time as a share of the separate time; the saving is 1 minus that"
+        if close(value, 100 * expected):
+            return "that looks like a percentage: return a fraction (0.25, not 25)"
+        return ""
+
+    rows = [
+        ("a small chunk: chunk 0.10 s, decodes 0.10 s, fused 0.12 s", 0.10, 0.10, 0.12),
+        ("a big chunk: chunk 0.46 s, decodes 0.11 s, fused 0.54 s", 0.46, 0.11, 0.54),
+        ("fusing slower than the two passes: 0.2 s + 0.1 s against 0.33 s", 0.2, 0.1, 0.33),
+        ("the decode rows free: chunk 0.3 s, decodes 0.1 s, fused 0.3 s", 0.3, 0.1, 0.3),
+    ]
+    cases = [Case(label, lambda fn, a=(c, d, f): fn(*a), 1 - f / (c + d),
+                  number_compare(lambda v, e, a=(c, d, f): diagnose(v, e, *a)),
+                  hint="separate = chunk_alone_s + decode_alone_s; saving = 1 - fused_s / separate")
+             for label, c, d, f in rows]
+    return run_cases("fused_saving", fn, cases)

@@ -82,9 +82,21 @@ def test_lesson_follows_the_exercise_convention(path):
             f"{path.name} cell {chk}: the committed output should be the checker's ✓ verdict"
 
 
+def write_earlier_pieces(path: Path, root: Path) -> None:
+    """Write the engine pieces of every lesson before ``path`` (their ``%%writefile`` cells,
+    with solutions) into ``root``: a lesson starts from the engine the earlier ones built
+    (lesson 4's MyChunkedScheduler extends lesson 2's MyContinuousScheduler)."""
+    ns = {"__course_root__": str(root)}
+    for earlier in LESSON_FILES[:LESSON_FILES.index(path)]:
+        for cell in nbformat.read(earlier, as_version=4).cells:
+            if cell.cell_type == "code" and cell.source.startswith("%%writefile "):
+                run_cell(cell.source, ns)
+
+
 @pytest.mark.parametrize("path", LESSON_FILES, ids=[p.stem for p in LESSON_FILES])
 def test_reference_solutions_pass_every_checker(path, lm, tmp_path):
     nb = nbformat.read(path, as_version=4)
+    write_earlier_pieces(path, tmp_path)
     for source, verdict, printed in run_exercises(nb, lm, tmp_path):
         assert isinstance(verdict, Verdict), f"{source!r} should end with the checker call"
         assert verdict, printed

@@ -116,13 +116,14 @@ def _expected_used(plan) -> int:
 
 
 class _Recording(StallFreeScheduler):
-    """The library's stall-free scheduler, noting the state it saw and the batch it chose."""
+    """The library's stall-free scheduler, noting the state it saw and the batch it chose.
+    No constructor of its own: ``make_engine`` reads a scheduler's options from it."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.seen: list[tuple[tuple, tuple]] = []
+    seen: list[tuple[tuple, tuple]] | None = None
 
     def batches(self):
+        if self.seen is None:
+            self.seen = []
         state = ([r.id for r in self.slots if r is not None and r.state is State.DECODING],
                  [(r.id, r.prefill_left) for r in self.prefilling],
                  [(r.id, r.prompt_len) for r in self.queue],

@@ -30,7 +30,7 @@ def make(cls, num_blocks=64, block_size=4, **options):
 def step(sched, token: int = 7) -> list[tuple[list[str], list[tuple[str, int]], list[str]]]:
     """One engine step; returns each pass as (decode ids, prefill (id, tokens), padding ids)."""
     passes = []
-    for batch in sched.batches():
+    for batch in sched.step():
         chunks = sched.prepare(batch)
         assert [c.req_id for c in chunks] == [r.id for r in batch.requests]
         sched.postprocess(batch, [token if c.sampler else None for c in chunks], now=0.0)

@@ -141,13 +141,13 @@ class Engine:
             record = StepRecord(self._step_index, self.clock(), queued=len(self.scheduler.queue))
         self._step_index += 1
         # 2-5. The scheduler hands out one forward pass at a time and sees each result.
-        for batch in self.scheduler.batches():
+        for batch in self.scheduler.step():
             self._run(batch, record)
         record.slots = [r.id if r is not None else None for r in self.scheduler.slots]
         kv = self.scheduler.kv_usage()
         record.kv_blocks_used, record.block_tables = kv["kv_blocks_used"], kv["block_tables"]
         record.cached_blocks = kv["cached_blocks"]
-        record.preempted, self.scheduler.preempted = self.scheduler.preempted, []
+        record.preempted = list(self.scheduler.preempted)
         record.end_s = self.clock()
         self.trace.steps.append(record)
         return True

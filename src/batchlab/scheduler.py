@@ -53,7 +53,7 @@ class Scheduler:
         self.queue: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_batch_size
         self.running: list[Request] = []  # on demand: requests holding KV blocks, by admission
-        self.preempted: list[str] = []  # preempted since the engine last read this
+        self.preempted: list[str] = []  # preempted during the current step
         self.num_preemptions = 0
 
     @classmethod
@@ -105,6 +105,12 @@ class Scheduler:
                 f"prompt + max_new_tokens = {num_tokens} tokens needs {need} KV blocks, but the "
                 f"engine has {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens; "
                 f"raise num_kv_blocks")
+
+    def step(self) -> Iterator[Batch]:
+        """This step's passes: what the engine iterates. Starts the step's bookkeeping,
+        then runs the kind's own ``batches()``."""
+        self.preempted = []
+        yield from self.batches()
 
     # -- one pass: before and after the runner --------------------------------------------
     def prepare(self, batch: Batch) -> list[Chunk]:

@@ -188,11 +188,9 @@ class Engine:
             log.exception("a forward pass of %d chunks failed; its requests finish with "
                           "reason 'error'", len(chunks))
             with self._lock:
-                for req in batch.requests:
-                    if not req.finished:
-                        self._finish(req, "error", cause=e)
-                        record.finished[req.id] = "error"
-                    self.scheduler.remove(req)
+                for req in self.scheduler.fail(batch, e, self.clock()):
+                    self._count("error")
+                    record.finished[req.id] = "error"
             return
         finally:
             record.forward_s += self.clock() - start
@@ -204,9 +202,8 @@ class Engine:
                     self._count(reason)
                     record.finished[req.id] = reason
 
-    def _finish(self, req: Request, reason: str, cause: BaseException | None = None) -> None:
+    def _finish(self, req: Request, reason: str) -> None:
         req.finish(reason, self.clock())
-        req.error = cause
         self._count(reason)
 
     def _count(self, reason: str) -> None:

@@ -156,6 +156,18 @@ class Scheduler:
             events.append((req, token, reason))
         return events
 
+    def fail(self, batch: Batch, cause: BaseException, now: float) -> list[Request]:
+        """The pass of ``batch`` raised ``cause``: its requests finish with reason "error"
+        and give back everything they hold. Returns the requests it finished."""
+        ended = []
+        for req in batch.requests:
+            if not req.finished:
+                req.finish("error", now)
+                req.error = cause
+                ended.append(req)
+            self.remove(req)
+        return ended
+
     def kv_usage(self) -> dict:
         """What KV memory looks like now (for the trace and ``stats``)."""
         b = self.blocks

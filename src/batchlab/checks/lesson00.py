@@ -105,7 +105,7 @@ _GENERATED: dict = {}
 
 
 def _reference_tokens(lm, ids: list[int], n: int) -> list[int]:
-    from ..generate import generate
+    from ..baseline import generate
 
     key = (id(lm.model), tuple(ids))
     longest = _GENERATED.get(key, (None, []))[1]

@@ -45,7 +45,10 @@ def _widget_style_and_legend(kind: str, size: int) -> tuple[str, str]:
     legend = re.search(r'<div class="bl-legend">.*?</div>', frame, re.S)
     if style is None or legend is None:
         raise RuntimeError("viz.frame_html no longer has a <style> and a legend to share")
-    return style.group(1), legend.group(0)
+    # each swatch with its words in one piece, so a narrow legend wraps between entries
+    items = re.sub(r'(<span class="bl-swatch[^"]*"></span>[^<]*)', r'<span class="bl-item">\1</span>',
+                   legend.group(0))
+    return style.group(1), items
 
 
 def _request_row(rid: str, client, prompt: str | None) -> dict:
@@ -129,13 +132,13 @@ class Dashboard:
                 if last else 0, **self.summary()}
 
     def summary(self) -> dict:
-        """The class's recent finished requests: TTFT, time between tokens, tokens/s each."""
-        done = [c.record for c in self.clients.values()
-                if c.record.finished_s is not None and c.record.first_token_s is not None]
-        ttft = [(r.first_token_s - r.arrival_s) * 1000 for r in done]
-        speeds = [(len(r.token_times_s) - 1) / (r.token_times_s[-1] - r.token_times_s[0])
-                  for r in done if len(r.token_times_s) > 1 and r.token_times_s[-1] > r.token_times_s[0]]
-        return {"finished": len(done),
+        """The class's recent requests: how many finished, and the TTFT, time between tokens
+        and tokens/s of each that has them (running ones too)."""
+        records = [c.record for c in self.clients.values()]
+        ttft = [(r.first_token_s - r.arrival_s) * 1000 for r in records if r.first_token_s is not None]
+        times = [list(r.token_times_s) for r in records]
+        speeds = [(len(t) - 1) / (t[-1] - t[0]) for t in times if len(t) > 1 and t[-1] > t[0]]
+        return {"finished": sum(r.finished_s is not None for r in records),
                 "finished_users": len({c.user for c in self.clients.values()
                                        if c.record.finished_s is not None}),
                 "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
@@ -247,6 +250,7 @@ td .dot{display:inline-block;width:10px;height:10px;border-radius:2px;margin-rig
   vertical-align:middle}
 td.prompt{color:#666;max-width:0;width:100%}
 .bl-legend{line-height:22px}
+.bl-legend .bl-item{white-space:nowrap}
 </style></head>
 <body class="bl-root batchlab-dashboard">
 <header><h1>batchlab · MODEL</h1><span class="hint" id="hint"></span><span id="status">connecting…</span></header>

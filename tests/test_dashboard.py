@@ -206,7 +206,7 @@ def test_the_dashboard_in_a_browser_while_a_class_streams(lm):
             assert rows.count() == 32
             for i, user in enumerate(CLASS):
                 question = f"In two sentences, why do {SECRET} have stripes? ({i})"
-                students.append(threading.Thread(target=ask, args=(srv.base_url, user, question, 24)))
+                students.append(threading.Thread(target=ask, args=(srv.base_url, user, question, 40)))
                 students[-1].start()
                 time.sleep(0.1)
             page.wait_for_function(
@@ -223,7 +223,8 @@ def test_the_dashboard_in_a_browser_while_a_class_streams(lm):
             assert page.locator(".who i, #recent i").count() == 0  # a name is text, never markup
             page.wait_for_function("+document.getElementById('slots').textContent.split('/')[0] >= 10",
                                    timeout=60_000)
-            page.screenshot(path=str(SCREENSHOT))
+            page.wait_for_function("s => +document.body.dataset.step >= s + 24", arg=first, timeout=120_000)
+            page.screenshot(path=str(SCREENSHOT))  # for the README: a few dozen steps of a busy room
             for box in (rows.nth(0).bounding_box(), rows.nth(31).bounding_box()):
                 assert box["height"] >= 12 and box["y"] + box["height"] <= 720  # all 32 in view
             legend = page.locator(".bl-legend").inner_text()

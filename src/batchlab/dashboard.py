@@ -78,6 +78,7 @@ class Dashboard:
         self.prompts: dict[str, str] = {}  # their prompts' last words, with show_prompts only
         self.columns: collections.deque = collections.deque(maxlen=WINDOW)
         self.last_step = -1
+        self._shared: tuple = (None, None)  # (when, the part of an update every page gets)
         self.style, self.legend = _widget_style_and_legend(self.trace.kind, self.trace.max_batch_size)
         server.on_submit.append(self.track)
 
@@ -95,7 +96,7 @@ class Dashboard:
         return {"kind": self.trace.kind, "slots": self.trace.max_batch_size,
                 "lanes": viz.lane_names(Trace(self.trace.kind, self.trace.max_batch_size)),
                 "kv_blocks": self.trace.num_kv_blocks, "window": WINDOW,
-                "model": self.server.model_id, "show_prompts": self.show_prompts}
+                "show_prompts": self.show_prompts}
 
     def refresh(self) -> None:
         """Turn the steps the engine added since the last refresh into columns."""
@@ -104,8 +105,7 @@ class Dashboard:
         for step in new:
             cells = viz.step_cells(Trace(self.trace.kind, self.trace.max_batch_size, [step]), 0)
             self.columns.append({
-                "step": step.index, "t": step.end_s, "queued": step.queued,
-                "kv": step.kv_blocks_used, "tokens": sum(len(t) for t in step.emitted.values()),
+                "step": step.index, "queued": step.queued, "kv": step.kv_blocks_used,
                 "prefill": sum(n for _, _, n in step.prefill),
                 "cells": [[c.kind, c.request, c.prefill_tokens] for c in cells]})
         if new:
@@ -147,14 +147,19 @@ class Dashboard:
 
     def update(self, after_step: int) -> dict:
         """One event: the columns after ``after_step``, the requests they name, the numbers
-        and the table of recent requests."""
+        and the table of recent requests. The numbers and the table are made once per step
+        (or per idle second) for all pages."""
+        when = (self.last_step, int(time.monotonic() / IDLE_EVENT_S))
+        if self._shared[0] != when:
+            recent = list(self.clients.items())[-TABLE_ROWS:][::-1]
+            self._shared = (when, {
+                "stats": self.stats(),
+                "table": [_request_row(rid, c, self.prompts.get(rid)) for rid, c in recent]})
+        shared = self._shared[1]
         columns = [c for c in self.columns if c["step"] > after_step]
         named = {rid for c in columns for _, rid, _ in c["cells"] if rid is not None}
-        recent = list(self.clients.items())[-TABLE_ROWS:][::-1]
-        named.update(rid for rid, _ in recent)
-        return {"columns": columns, "requests": {rid: self._label(rid) for rid in named},
-                "stats": self.stats(),
-                "table": [_request_row(rid, c, self.prompts.get(rid)) for rid, c in recent]}
+        named.update(row["id"] for row in shared["table"])
+        return {"columns": columns, "requests": {rid: self._label(rid) for rid in named}, **shared}
 
     async def events(self):
         """The event stream of one page: a hello, then an update per step (or coalesced steps),
@@ -176,7 +181,7 @@ class Dashboard:
 
     def page(self) -> str:
         return (_PAGE.replace("/*WIDGET_CSS*/", self.style).replace("<!--LEGEND-->", self.legend)
-                .replace("MODEL", html.escape(self.server.model_id)))
+                .replace("{{MODEL}}", html.escape(self.server.model_id)))
 
 
 def add_dashboard(app: FastAPI, server, show_prompts: bool = False) -> Dashboard:
@@ -204,7 +209,7 @@ def add_dashboard(app: FastAPI, server, show_prompts: bool = False) -> Dashboard
 
 
 _PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>batchlab · MODEL</title>
+<html lang="en"><head><meta charset="utf-8"><title>batchlab · {{MODEL}}</title>
 <link rel="icon" href="data:,">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <style>
@@ -253,7 +258,7 @@ td.prompt{color:#666;max-width:0;width:100%}
 .bl-legend .bl-item{white-space:nowrap}
 </style></head>
 <body class="bl-root batchlab-dashboard">
-<header><h1>batchlab · MODEL</h1><span class="hint" id="hint"></span><span id="status">connecting…</span></header>
+<header><h1>batchlab · {{MODEL}}</h1><span class="hint" id="hint"></span><span id="status">connecting…</span></header>
 <main>
   <div id="left"><div id="rows"></div><div id="steps"></div></div>
   <aside>
@@ -326,7 +331,8 @@ function start(hello) {
   addMeter("kv", "KV blocks");
   $("hint").replaceChildren("students: base_url ", el("code", null, location.origin + "/v1"),
     " · api_key from the teacher · send user=\\"your name\\"");
-  $("thead").querySelector("th:last-child").after(...(hello.show_prompts ? [el("th", null, "prompt")] : []));
+  $("thead").querySelectorAll(".prompt").forEach(th => th.remove());
+  if (hello.show_prompts) $("thead").append(el("th", "prompt", "prompt"));
   layout();
 }
 

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .dashboard import add_dashboard
 from .engine import EngineLoop
 from .model import LoadedModel
 from .policies import Admission, QueueFull
@@ -220,8 +221,6 @@ class Server:
 def create_app(server: Server, api_key: str | None = None, show_prompts: bool = False) -> FastAPI:
     """The HTTP app. With ``api_key``, every /v1 route needs it; /health, /metrics and the
     dashboard stay open (the dashboard shows prompt text only with ``show_prompts``)."""
-    from .dashboard import add_dashboard
-
     app = FastAPI(title="batchlab", version="0.1")
     auth = api_key_dependency(api_key)
 

@@ -152,6 +152,7 @@ def test_the_summary_gives_the_class_latencies(lm):
         summary = httpx.get(handle.base_url + "/dashboard/summary", timeout=30).json()
         table = [d for name, d in read_events(handle.base_url, 2) if name == "update"][-1]["table"]
     assert summary["finished"] == 3 and summary["finished_users"] == 3
+    assert summary["running"] == summary["slots_busy"] == summary["queued"] == 0
     assert {row["user"] for row in table} == set(client_ttft)
     for row in table:
         assert 0 < row["ttft_ms"] <= client_ttft[row["user"]]

@@ -128,8 +128,7 @@ class Dashboard:
                 "queued": self.engine.queue_depth(), "running": len(running),
                 "users": len({c.user for c in running}),
                 "kv_used": last["kv"] if last else 0,
-                "slots_busy": sum(c[1] is not None for c in last["cells"][:self.trace.max_batch_size])
-                if last else 0, **self.summary()}
+                "slots_busy": sum(r is not None for r in self.engine.scheduler.slots), **self.summary()}
 
     def summary(self) -> dict:
         """The class's recent requests: how many finished, and the TTFT, time between tokens

@@ -291,3 +291,41 @@ def test_engine_loop_sleeps_when_idle_and_stops_cleanly():
     loop.stop()
     assert not loop._thread
     assert loop.error is None
+
+
+class FailingRunner(FakeRunner):
+    """A fake runner whose ``fail_on``-th pass (1-based) raises, like a broken kernel."""
+
+    fail_on = 3
+
+    def run(self, chunks):
+        if len(self.passes) + 1 == self.fail_on:
+            self.passes.append(chunks)
+            raise RuntimeError("injected fault")
+        return super().run(chunks)
+
+
+def test_a_failed_pass_ends_its_requests_with_error_and_everyone_else_goes_on(caplog):
+    engine = make_engine("continuous", LM, runner=FailingRunner, max_batch_size=2)
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9]}
+    for rid, prompt in prompts.items():
+        engine.submit(prompt, max_new_tokens=6, ignore_eos=True, request_id=rid)
+    with caplog.at_level("ERROR", logger="batchlab"):
+        engine.run_until_idle()
+    failed = engine.runner.passes[FailingRunner.fail_on - 1]
+    victims = {c.req_id for c in failed}
+    assert victims and victims < set(prompts), "the fault hit some requests, not all"
+    for rid, prompt in prompts.items():
+        tokens, status, reason = engine.poll(rid)
+        if rid in victims:
+            assert (status, reason) == ("done", "error")
+        else:
+            assert (tokens, status, reason) == (reference_output(prompt, 6, LM.vocab_size, frozenset()),
+                                                "done", "length")
+    assert len([r for r in caplog.records if "forward pass" in r.getMessage()]) == 1
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+    assert engine.stats()["finished"]["error"] == len(victims)
+    # the engine still serves, with the same answers as before
+    again = engine.submit(prompts["a"], max_new_tokens=6, ignore_eos=True)
+    engine.run_until_idle()
+    assert engine.poll(again)[0] == reference_output(prompts["a"], 6, LM.vocab_size, frozenset())

@@ -178,50 +178,6 @@ def test_prefix_cache_is_refused_where_it_does_not_apply():
         fake_engine("static", enable_prefix_cache=True)
 
 
-# -- engine: priorities -----------------------------------------------------------------
-
-def test_queue_is_served_by_priority_then_arrival():
-    engine = fake_engine("continuous", max_batch_size=1)
-    for rid, prio in [("low", 5), ("mid-1", 1), ("high", 0), ("mid-2", 1)]:
-        engine.submit([1, 2, 3], max_new_tokens=2, ignore_eos=True, request_id=rid, priority=prio)
-    engine.run_until_idle()
-    starts = [p[0] for s in engine.trace.steps for p in s.prefill]
-    assert starts == ["high", "mid-1", "mid-2", "low"]
-
-
-def test_default_priority_keeps_first_come_first_served():
-    engine = fake_engine("stallfree", max_batch_size=1, token_budget=4)
-    for rid in "abcd":
-        engine.submit([1, 2, 3], max_new_tokens=2, ignore_eos=True, request_id=rid)
-    engine.run_until_idle()
-    assert [p[0] for s in engine.trace.steps for p in s.prefill] == list("abcd")
-
-
-def test_the_victim_is_the_least_important_then_the_newest():
-    engine = fake_engine("stallfree", max_batch_size=3, token_budget=32, kv_block_size=4,
-                         num_kv_blocks=12)
-    engine.submit([1] * 4, max_new_tokens=30, ignore_eos=True, request_id="old-low", priority=2)
-    engine.submit([2] * 4, max_new_tokens=30, ignore_eos=True, request_id="vip", priority=0)
-    engine.submit([3] * 4, max_new_tokens=30, ignore_eos=True, request_id="new-low", priority=2)
-    first = None
-    while engine.step():
-        preempted = engine.trace.steps[-1].preempted
-        if preempted and first is None:
-            first = preempted[0]
-    assert first == "new-low"
-    assert engine.trace.requests["vip"].preemptions == 0, "the most important is never preempted"
-    for rid, tok in [("old-low", 1), ("vip", 2), ("new-low", 3)]:
-        assert engine.poll(rid)[0] == reference_output([tok] * 4, 30, LM.vocab_size, frozenset())
-
-
-@pytest.mark.parametrize("bad", [1.5, "high", True, None])
-def test_priority_must_be_an_integer(bad):
-    engine = fake_engine("continuous")
-    with pytest.raises(ValueError, match="priority must be an integer"):
-        engine.submit([1, 2], priority=bad)
-    assert not engine.scheduler.has_work() and engine.stats()["queued"] == 0
-
-
 # -- everything at once ------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind,options", [("continuous", {"max_batch_size": 8, "prefill_step": 16}),

@@ -99,3 +99,16 @@ def test_engine_never_calls_the_block_manager():
     names = {n.attr for n in ast.walk(engine) if isinstance(n, ast.Attribute)} | \
         {n.id for n in ast.walk(engine) if isinstance(n, ast.Name)}
     assert not names & {"blocks", "BlockManager", "ensure", "release", "cache_full_blocks"}
+
+
+def test_public_names_stay_what_they_name_after_every_submodule_is_imported():
+    """``batchlab.generate`` is the function even once ``batchlab``'s submodules are loaded
+    (a submodule of the same name would replace it on the package)."""
+    import importlib
+    import types
+
+    for path in PACKAGE.glob("*.py"):
+        if path.stem != "__init__":
+            importlib.import_module(f"batchlab.{path.stem}")
+    for name in batchlab.__all__:
+        assert not isinstance(getattr(batchlab, name), types.ModuleType), name

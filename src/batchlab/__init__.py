@@ -11,7 +11,7 @@ from . import _blas  # noqa: F401  (first: before anything imports mlx)
 
 _EXPORTS = {
     "Engine": "engine", "EngineLoop": "engine", "make_engine": "engine",
-    "Generation": "generate", "generate": "generate",
+    "Generation": "baseline", "generate": "baseline",
     "LoadedModel": "model", "ModelInfo": "model", "load_model": "model",
     "SamplingParams": "sampling",
     "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
@@ -23,7 +23,9 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     """``batchlab.X``: a public name (loaded from its module) or a submodule."""
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value  # found directly next time
+        return value
     try:
         return importlib.import_module(f".{name}", __name__)
     except ModuleNotFoundError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -128,10 +129,13 @@ def _cmd_demo(args) -> int:
 
 def _cmd_serve(args) -> int:
     from .model import load_model
-    from .server import serve
+    from .server import check_exposure, serve
 
+    check_exposure(args.host, args.api_key, args.insecure)  # before the model takes its seconds to load
     serve(load_model(args.model), args.engine, host=args.host, port=args.port,
-          max_queue=args.max_queue, **engine_options(args))
+          max_queue=args.max_queue, api_key=args.api_key, insecure=args.insecure,
+          max_running_per_user=args.max_running_per_user, show_prompts=args.show_prompts,
+          **engine_options(args))
     return 0
 
 
@@ -160,7 +164,7 @@ def _cmd_loadgen(args) -> int:
     result = run_loadgen(args.base_url, workload, model=args.served_model,
                          concurrency=args.concurrency, rate=args.rate, seed=args.seed,
                          slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                         usage=not args.no_usage)
+                         usage=not args.no_usage, api_key=args.api_key, user=args.user)
     print(result.table())
     if args.json:
         result.write_json(args.json)
@@ -248,6 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    srv.add_argument("--api-key", default=os.environ.get("BATCHLAB_API_KEY"), metavar="KEY",
+                     help="every /v1 request must send 'Authorization: Bearer KEY' "
+                          "(default: $BATCHLAB_API_KEY); needed to listen beyond 127.0.0.1")
+    srv.add_argument("--insecure", action="store_true",
+                     help="listen beyond 127.0.0.1 without an API key (a network that is yours alone)")
+    srv.add_argument("--max-running-per-user", type=int, default=None, metavar="N",
+                     help="at most N unfinished requests per OpenAI 'user' (429 beyond; "
+                          "requests without a user count as one user)")
+    srv.add_argument("--show-prompts", action="store_true",
+                     help="show the end of each prompt on /dashboard (default: no prompt text)")
 
     load = sub.add_parser("loadgen", help="measure any OpenAI-compatible server with a workload")
     load.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
@@ -266,6 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--no-usage", action="store_true",
                       help="do not ask for usage (for servers that refuse stream_options)")
     load.add_argument("--json", metavar="OUT", help="write the summary and every request here")
+    load.add_argument("--user", default=None, metavar="NAME",
+                      help="send this OpenAI 'user' with every request (the dashboard's label)")
+    load.add_argument("--api-key", default=os.environ.get("BATCHLAB_API_KEY", "unused"), metavar="KEY",
+                      help="the server's API key (default: $BATCHLAB_API_KEY)")
 
     bench = sub.add_parser("bench", help="every engine and mlx-lm's BatchGenerator, side by side")
     bench.add_argument("--quick", action="store_true", help="small workloads (a few minutes)")

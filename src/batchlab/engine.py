@@ -141,13 +141,13 @@ class Engine:
             record = StepRecord(self._step_index, self.clock(), queued=len(self.scheduler.queue))
         self._step_index += 1
         # 2-5. The scheduler hands out one forward pass at a time and sees each result.
-        for batch in self.scheduler.batches():
+        for batch in self.scheduler.step():
             self._run(batch, record)
         record.slots = [r.id if r is not None else None for r in self.scheduler.slots]
         kv = self.scheduler.kv_usage()
         record.kv_blocks_used, record.block_tables = kv["kv_blocks_used"], kv["block_tables"]
         record.cached_blocks = kv["cached_blocks"]
-        record.preempted, self.scheduler.preempted = self.scheduler.preempted, []
+        record.preempted = list(self.scheduler.preempted)
         record.end_s = self.clock()
         self.trace.steps.append(record)
         return True
@@ -188,11 +188,9 @@ class Engine:
             log.exception("a forward pass of %d chunks failed; its requests finish with "
                           "reason 'error'", len(chunks))
             with self._lock:
-                for req in batch.requests:
-                    if not req.finished:
-                        self._finish(req, "error", cause=e)
-                        record.finished[req.id] = "error"
-                    self.scheduler.remove(req)
+                for req in self.scheduler.fail(batch, e, self.clock()):
+                    self._count("error")
+                    record.finished[req.id] = "error"
             return
         finally:
             record.forward_s += self.clock() - start
@@ -204,9 +202,8 @@ class Engine:
                     self._count(reason)
                     record.finished[req.id] = reason
 
-    def _finish(self, req: Request, reason: str, cause: BaseException | None = None) -> None:
+    def _finish(self, req: Request, reason: str) -> None:
         req.finish(reason, self.clock())
-        req.error = cause
         self._count(reason)
 
     def _count(self, reason: str) -> None:

@@ -174,10 +174,12 @@ def _failure(e: BaseException) -> tuple[str, str]:
     return type(e).__name__, str(e)
 
 
-async def _one(client, model: str, req, t0: float, usage: bool) -> RequestResult:
+async def _one(client, model: str, req, t0: float, usage: bool, user: str | None) -> RequestResult:
     start = time.perf_counter()
     out = RequestResult(req.id, req.prompt_len, req.max_new_tokens, start - t0)
     extra = {"stream_options": {"include_usage": True}} if usage else {}
+    if user is not None:
+        extra["user"] = user
     last = None
     try:
         stream = await client.chat.completions.create(
@@ -223,7 +225,7 @@ def first_model(base_url: str, api_key: str = "unused") -> str:
 
 
 async def _run(base_url, workload: Workload, model, concurrency, usage, timeout_s, progress,
-               api_key) -> tuple[float, list[RequestResult]]:
+               api_key, user) -> tuple[float, list[RequestResult]]:
     from openai import AsyncOpenAI
     from tqdm.auto import tqdm
 
@@ -237,10 +239,10 @@ async def _run(base_url, workload: Workload, model, concurrency, usage, timeout_
     async def send(req):
         await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
         if gate is None:
-            result = await _one(client, model, req, t0, usage)
+            result = await _one(client, model, req, t0, usage, user)
         else:
             async with gate:
-                result = await _one(client, model, req, t0, usage)
+                result = await _one(client, model, req, t0, usage, user)
         bar.update(1)
         return result
 
@@ -268,13 +270,15 @@ def run_loadgen(base_url: str, workload: Workload, model: str | None = None,
                 concurrency: int | None = None, rate: float | None = None, seed: int = 0,
                 slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
                 usage: bool = True, timeout_s: float = 600.0, progress: bool = True,
-                api_key: str = "unused") -> LoadgenResult:
+                api_key: str = "unused", user: str | None = None) -> LoadgenResult:
     """Send every request of ``workload`` to the server at ``base_url`` and measure.
 
     ``rate``: Poisson arrivals at that many requests per second (seeded by ``seed``);
     None sends them all at once. ``concurrency``: at most that many in flight (None: no
     limit). ``model``: default the first one the server lists. ``usage=False`` for a server
-    that refuses ``stream_options``. Works in a notebook too (whose asyncio loop is busy:
+    that refuses ``stream_options``. ``api_key``: the server's key (``batchlab serve --api-key``);
+    ``user``: the OpenAI ``user`` field sent with every request, which a shared server's
+    dashboard shows and its per-user limit counts. Works in a notebook too (whose asyncio loop is busy:
     the run then gets a thread of its own)."""
     if concurrency is not None and concurrency < 1:
         raise ValueError("concurrency must be at least 1")
@@ -285,8 +289,9 @@ def run_loadgen(base_url: str, workload: Workload, model: str | None = None,
     workload = workload.with_arrivals("poisson" if rate else "all", rate=rate, seed=seed)
     model = model or first_model(base_url, api_key)
     duration, results = _run_to_end(_run(base_url, workload, model, concurrency, usage,
-                                         timeout_s, progress, api_key))
+                                         timeout_s, progress, api_key, user))
     settings = {"requests": len(results), "concurrency": concurrency, "rate": rate, "seed": seed,
+                "user": user,
                 "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s, "usage": usage,
                 "max_tokens_total": sum(r.max_new_tokens for r in workload.requests)}
     return LoadgenResult(base_url, model, workload.name, settings, duration, results)

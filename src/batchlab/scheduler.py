@@ -53,7 +53,7 @@ class Scheduler:
         self.queue: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_batch_size
         self.running: list[Request] = []  # on demand: requests holding KV blocks, by admission
-        self.preempted: list[str] = []  # preempted since the engine last read this
+        self.preempted: list[str] = []  # preempted during the current step
         self.num_preemptions = 0
 
     @classmethod
@@ -106,6 +106,12 @@ class Scheduler:
                 f"engine has {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens; "
                 f"raise num_kv_blocks")
 
+    def step(self) -> Iterator[Batch]:
+        """This step's passes: what the engine iterates. Starts the step's bookkeeping,
+        then runs the kind's own ``batches()``."""
+        self.preempted = []
+        yield from self.batches()
+
     # -- one pass: before and after the runner --------------------------------------------
     def prepare(self, batch: Batch) -> list[Chunk]:
         """Take the KV blocks ``batch`` writes and describe it to the runner: one chunk per
@@ -149,6 +155,18 @@ class Scheduler:
                 self.remove(req)
             events.append((req, token, reason))
         return events
+
+    def fail(self, batch: Batch, cause: BaseException, now: float) -> list[Request]:
+        """The pass of ``batch`` raised ``cause``: its requests finish with reason "error"
+        and give back everything they hold. Returns the requests it finished."""
+        ended = []
+        for req in batch.requests:
+            if not req.finished:
+                req.finish("error", now)
+                req.error = cause
+                ended.append(req)
+            self.remove(req)
+        return ended
 
     def kv_usage(self) -> dict:
         """What KV memory looks like now (for the trace and ``stats``)."""

@@ -9,19 +9,24 @@ cancels its request, which frees its slot at the next engine step.
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import json
 import time
 import uuid
-from typing import AsyncIterator, Literal
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from .dashboard import add_dashboard
 from .engine import EngineLoop
 from .model import LoadedModel
 from .policies import Admission, QueueFull
+from .trace import RequestRecord
 
 POLL_INTERVAL_S = 0.005
 DEFAULT_MAX_TOKENS = 512
@@ -52,6 +57,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=1)  # one choice per request
     priority: int = 0  # vLLM's extension: lower is served first and preempted last
+    user: str | None = Field(None, max_length=256)  # who sent it: the dashboard's label, per-user limits
 
     @field_validator("stop")
     @classmethod
@@ -70,9 +76,60 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int]
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None):
     return JSONResponse(status_code=status, content={
-        "error": {"message": message, "type": kind, "param": param, "code": None}})
+        "error": {"message": message, "type": kind, "param": param, "code": code}})
+
+
+class Unauthorized(Exception):
+    """A /v1 request without the server's API key."""
+
+
+class TooManyRunning(Exception):
+    """A user already has as many unfinished requests as ``--max-running-per-user`` allows."""
+
+
+def api_key_dependency(api_key: str | None):
+    """A FastAPI dependency that lets a request through only with ``Authorization: Bearer
+    <api_key>`` (compared in constant time, so response times leak nothing about the key).
+    Without a key it lets everything through."""
+
+    async def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise Unauthorized
+
+    return Depends(require_key)
+
+
+def check_exposure(host: str, api_key: str | None, insecure: bool = False) -> None:
+    """Refuse to listen beyond this machine without an API key (unless ``insecure``)."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("the API key is empty; give a real key, e.g. --api-key $(openssl rand -hex 8)")
+    if api_key or insecure:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        loopback = False
+    if not loopback:
+        raise ValueError(
+            f"refusing to listen on {host} without an API key: anyone who can reach this machine "
+            "could use the model and read what others send. Give --api-key KEY (clients then send "
+            "'Authorization: Bearer KEY'), or --insecure if the network is yours alone.")
+
+
+@dataclass
+class Client:
+    """Who sent a request (the OpenAI ``user`` field) and what: per-user limits and the
+    dashboard read it. ``record`` is the engine's record, kept after the engine forgets it."""
+
+    user: str | None
+    prompt_ids: list[int]
+    record: RequestRecord
 
 
 class StopMatcher:
@@ -101,16 +158,34 @@ class StopMatcher:
 
 
 class Server:
-    def __init__(self, lm: LoadedModel, loop: EngineLoop, model_id: str):
+    def __init__(self, lm: LoadedModel, loop: EngineLoop, model_id: str,
+                 max_running_per_user: int | None = None):
         self.lm, self.loop, self.model_id = lm, loop, model_id
         self.started = int(time.time())
+        if max_running_per_user is not None and max_running_per_user < 1:
+            raise ValueError("max_running_per_user must be at least 1")
+        self.max_running_per_user = max_running_per_user
+        self.clients: dict[str, Client] = {}  # unfinished requests: who sent them
+        self.on_submit: list[Callable[[str, Client], None]] = []  # e.g. the dashboard's
 
     def submit(self, prompt_ids: list[int], req: SamplingFields) -> str:
-        """Raises ValueError for a request the engine refuses (too long, bad ids...) and
-        QueueFull when the engine's admission policy has no room."""
+        """Raises ValueError for a request the engine refuses (too long, bad ids...),
+        QueueFull when the engine's admission policy has no room, and TooManyRunning when
+        the user already has ``max_running_per_user`` unfinished requests (requests without
+        a ``user`` count as one user)."""
+        self.clients = {rid: c for rid, c in self.clients.items() if c.record.finished_s is None}
+        limit = self.max_running_per_user
+        if limit is not None and sum(c.user == req.user for c in self.clients.values()) >= limit:
+            who = f"user {req.user!r}" if req.user is not None else "requests without a user"
+            raise TooManyRunning(f"{who} already has {limit} unfinished request(s), the most this "
+                                 "server allows per user; wait for one to finish")
         max_new = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
-        return self.loop.submit(prompt_ids, max_new_tokens=max_new, temperature=req.temperature,
-                                top_p=req.top_p, seed=req.seed, priority=req.priority)
+        rid = self.loop.submit(prompt_ids, max_new_tokens=max_new, temperature=req.temperature,
+                               top_p=req.top_p, seed=req.seed, priority=req.priority)
+        client = self.clients[rid] = Client(req.user, prompt_ids, self.loop.engine.trace.requests[rid])
+        for listener in self.on_submit:
+            listener(rid, client)
+        return rid
 
     async def events(self, rid: str, stops: list[str]) -> AsyncIterator[tuple[str, str | None, int]]:
         """Yield (new text, finish reason or None, tokens so far) until the request ends:
@@ -143,8 +218,18 @@ class Server:
                 self.loop.cancel(rid)
 
 
-def create_app(server: Server) -> FastAPI:
+def create_app(server: Server, api_key: str | None = None, show_prompts: bool = False) -> FastAPI:
+    """The HTTP app. With ``api_key``, every /v1 route needs it; /health, /metrics and the
+    dashboard stay open (the dashboard shows prompt text only with ``show_prompts``)."""
     app = FastAPI(title="batchlab", version="0.1")
+    auth = api_key_dependency(api_key)
+
+    @app.exception_handler(Unauthorized)
+    async def _unauthorized(_, exc: Unauthorized):
+        response = error(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                         code="invalid_api_key")
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_, exc: RequestValidationError):
@@ -160,7 +245,7 @@ def create_app(server: Server) -> FastAPI:
             return error(503, f"engine stopped: {server.loop.error!r}", "server_error")
         return {"status": "ok"}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[auth])
     async def models():
         return {"object": "list", "data": [{"id": server.model_id, "object": "model",
                                             "created": server.started, "owned_by": "batchlab"}]}
@@ -193,7 +278,7 @@ def create_app(server: Server) -> FastAPI:
             rid = server.submit(prompt_ids, req)
         except ValueError as e:
             return error(400, str(e))
-        except QueueFull as e:
+        except (QueueFull, TooManyRunning) as e:
             return error(429, str(e), "rate_limit_error")
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         kind = "chat.completion" if chat else "text_completion"
@@ -242,7 +327,7 @@ def create_app(server: Server) -> FastAPI:
 
         return StreamingResponse(sse(), media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[auth])
     async def chat_completions(req: ChatRequest, http: Request):
         try:
             prompt_ids = server.lm.tokenizer.encode_chat([m.model_dump() for m in req.messages])
@@ -250,26 +335,30 @@ def create_app(server: Server) -> FastAPI:
             return error(400, str(e), param="messages")
         return await respond(http, req, prompt_ids, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[auth])
     async def completions(req: CompletionRequest, http: Request):
         prompt = req.prompt
         prompt_ids = server.lm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         return await respond(http, req, prompt_ids, chat=False)
 
+    add_dashboard(app, server, show_prompts=show_prompts)
     return app
 
 
 def serve(lm: LoadedModel, kind: str, host: str = "127.0.0.1", port: int = 8000,
-          max_queue: int = 64, **engine_options) -> None:
+          max_queue: int = 64, api_key: str | None = None, insecure: bool = False,
+          max_running_per_user: int | None = None, show_prompts: bool = False,
+          **engine_options) -> None:
     """Run the server until interrupted (``batchlab serve``)."""
     import uvicorn
 
     from .engine import make_engine
 
+    check_exposure(host, api_key, insecure)
     engine = make_engine(kind, lm, trace_limit=2000, admission=Admission(max_queue=max_queue),
                          **engine_options)
     with EngineLoop(engine) as loop:
-        app = create_app(Server(lm, loop, lm.info.name))
+        app = create_app(Server(lm, loop, lm.info.name, max_running_per_user), api_key, show_prompts)
         uvicorn.run(app, host=host, port=port, log_level="info")
 
 
@@ -299,10 +388,14 @@ class ServerThread:
 
 def serve_in_thread(lm: LoadedModel, kind: str = "stallfree", host: str = "127.0.0.1",
                     port: int = 0, max_queue: int = 64, model_id: str | None = None,
-                    trace_limit: int | None = 5000, **engine_options) -> ServerThread:
+                    trace_limit: int | None = 5000, api_key: str | None = None,
+                    insecure: bool = False, max_running_per_user: int | None = None,
+                    show_prompts: bool = False, **engine_options) -> ServerThread:
     """Start the server in a background thread of this process (a notebook or a test) and
     return once it accepts connections. ``port=0`` takes a free port; the socket is bound
-    here, before the thread starts, so no other process can take it in between."""
+    here, before the thread starts, so no other process can take it in between.
+    ``api_key``, ``insecure``, ``max_running_per_user`` and ``show_prompts`` are as for
+    ``batchlab serve``."""
     import socket
     import threading
 
@@ -310,6 +403,7 @@ def serve_in_thread(lm: LoadedModel, kind: str = "stallfree", host: str = "127.0
 
     from .engine import make_engine
 
+    check_exposure(host, api_key, insecure)
     engine = make_engine(kind, lm, trace_limit=trace_limit, admission=Admission(max_queue=max_queue),
                          **engine_options)
     loop = EngineLoop(engine).start()
@@ -317,7 +411,8 @@ def serve_in_thread(lm: LoadedModel, kind: str = "stallfree", host: str = "127.0
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        app = create_app(Server(lm, loop, model_id or lm.info.name))
+        app = create_app(Server(lm, loop, model_id or lm.info.name, max_running_per_user), api_key,
+                         show_prompts)
         uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]},
                                   name="batchlab-http", daemon=True)

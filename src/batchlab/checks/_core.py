@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import sysconfig
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -85,11 +86,14 @@ class CheckFailed(AssertionError):
     """Raised by ``Verdict.raise_if_failed`` for code that wants a hard failure."""
 
 
+_NOT_THE_LEARNERS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # batchlab
+                     sysconfig.get_paths()["stdlib"])  # e.g. json.loads raising on a bad line
+
+
 def _where(exc: BaseException) -> str:
-    """The learner's line that raised, as ' (at line: `code`)', if we can find it."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # all of batchlab
+    """The learner's line that raised, as ' at `code`', if we can find it."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith(here) and "site-packages" not in f.filename
+              if not f.filename.startswith(_NOT_THE_LEARNERS) and "site-packages" not in f.filename
               and "dist-packages" not in f.filename]
     if frames and frames[-1].line:
         return f" at `{frames[-1].line.strip()}`"

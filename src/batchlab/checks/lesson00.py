@@ -105,7 +105,7 @@ _GENERATED: dict = {}
 
 
 def _reference_tokens(lm, ids: list[int], n: int) -> list[int]:
-    from ..generate import generate
+    from ..baseline import generate
 
     key = (id(lm.model), tuple(ids))
     longest = _GENERATED.get(key, (None, []))[1]
@@ -150,6 +150,12 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         if got[:len(expected)] == expected and expected and expected[-1] in tok.eos_token_ids:
             return (f"the first {len(expected)} tokens are right, but you kept going after the "
                     f"EOS token {expected[-1]} ({tok.decode([expected[-1]])!r})")
+        if got == expected[:-1] and expected[-1] in tok.eos_token_ids:
+            return (f"you stopped at the EOS token {expected[-1]} ({tok.decode([expected[-1]])!r}) "
+                    f"but left it out: append it, then stop")
+        if len(got) > len(expected) and got[len(got) - len(expected):] == expected:
+            return (f"the new tokens are right, but {len(got) - len(expected)} tokens come before "
+                    f"them (the prompt?): return only the new tokens")
         first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
                      min(len(got), len(expected)))
         return f"they first differ at position {first} (counting from 0)"

@@ -174,6 +174,9 @@ def predict_stall(fn: Callable) -> Verdict:
                 return "that looks like milliseconds: return seconds"
             if close(value, n / rate - step) or close(value, step - n / rate):
                 return "the two passes run one after the other: add their times"
+            if n and close(value, step):
+                return ("that is the decode pass alone; in this step the prefill runs first, and "
+                        "the decoding request waits for it too")
             return ""
         return number_compare(diagnose)
 

@@ -4,7 +4,8 @@ Importing batchlab first makes MLX use an optimized BLAS on Linux (see ``_blas``
 """
 
 from . import _blas  # noqa: F401  (first: before anything imports mlx)
-from .engine import Engine, EngineLoop, make_engine
+from .engine import Engine, make_engine
+from .loop import EngineLoop
 from .generate import Generation, generate
 from .model import LoadedModel, ModelInfo, load_model
 from .sampling import SamplingParams

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .engine import EngineLoop
+from .loop import EngineLoop
 from .model import LoadedModel
 from .policies import Admission, QueueFull
 

@@ -24,20 +24,18 @@ from batchlab.runner import ModelRunner
 from batchlab.server import serve_in_thread
 
 
-class FaultyRunner:
+class FaultyRunner(ModelRunner):
     """The real runner, except that forward pass number ``fail_at`` (counted from 1; None:
     never) raises, as a broken kernel or an out-of-memory error would."""
 
-    def __init__(self, lm, blocks):
-        self.inner = ModelRunner(lm, blocks)
-        self.passes = 0
-        self.fail_at: int | None = None
+    passes = 0
+    fail_at: int | None = None
 
     def forward(self, chunks):
         self.passes += 1
         if self.passes == self.fail_at:
             raise RuntimeError(f"injected fault in forward pass {self.passes}")
-        return self.inner.forward(chunks)
+        return super().forward(chunks)
 
 
 def read_stream(url: str, body: dict, out: dict, first_token: threading.Event | None = None):
@@ -137,7 +135,8 @@ def test_a_failed_forward_pass_ends_its_requests_with_an_error_event_and_others_
         assert bystander[1]["text"] == expected and bystander[1]["error"] is None
         assert srv.engine.finished_by_reason.get("error") == 1
         assert httpx.get(srv.base_url + "/health").status_code == 200
-        assert srv.engine.blocks.num_free == srv.engine.blocks.num_blocks
+        stats = srv.engine.stats()
+        assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
         again = httpx.post(srv.base_url + "/v1/chat/completions", json=question, timeout=60)
         assert again.json()["choices"][0]["message"]["content"] == expected
 

@@ -19,7 +19,6 @@ from typing import TextIO
 from . import metrics
 from .engine import make_engine
 from .model import load_model
-from .runner import ModelRunner
 
 WIDTH, HEIGHT = 80, 24
 
@@ -75,7 +74,7 @@ def describe(kind: str, engine) -> str:
     if kind == "continuous":
         step = s.prefill_step
         parts.append("whole-prompt prefill" if step == float("inf") else f"prefill step {step}")
-    parts.append(f"{engine.blocks.num_blocks} KV blocks")
+    parts.append(f"{engine.stats()['num_kv_blocks']} KV blocks")
     return ", ".join(parts)
 
 
@@ -154,17 +153,16 @@ def summary(kind: str, engine, requests: int) -> str:
     return textwrap.fill(text, WIDTH)
 
 
-def play(lm, kind: str, requests: int = 10, out: TextIO = sys.stdout, executor=ModelRunner,
-         **options) -> str:
-    """Run the demo on ``lm`` and return the summary. On a terminal every step redraws the
-    screen; otherwise only the last screen is written."""
+def play(lm, kind: str, requests: int = 10, out: TextIO = sys.stdout, **options) -> str:
+    """Run the demo on ``lm`` and return the summary; ``options`` go to ``make_engine``.
+    On a terminal every step redraws the screen; otherwise only the last screen is written."""
     if not 1 <= requests <= len(string.ascii_uppercase):
         raise ValueError(f"--requests must be between 1 and {len(string.ascii_uppercase)}")
     if options.get("max_batch_size") is None:
         options["max_batch_size"] = 4
     if not 1 <= options["max_batch_size"] <= len(string.ascii_uppercase):
         raise ValueError("--batch-size must be between 1 and 26 for the demo")
-    engine = make_engine(kind, lm, executor=executor, **options)
+    engine = make_engine(kind, lm, **options)
     title = f"batchlab demo · {describe(kind, engine)}"
     slots = engine.scheduler.max_batch_size
     live = out.isatty()

@@ -260,9 +260,8 @@ class Server:
                 if self.unavailable():
                     raise StreamEnded(self.unavailable(), 503)
                 try:
-                    async with asyncio.timeout(HEARTBEAT_S):
-                        await progress.wait()
-                except TimeoutError:
+                    await asyncio.wait_for(progress.wait(), HEARTBEAT_S)
+                except asyncio.TimeoutError:  # (Python 3.10: not yet the builtin TimeoutError)
                     pass
         finally:
             if not done:

@@ -72,6 +72,7 @@ def test_jupyter_is_allowed_to_run_as_root_only_when_root(monkeypatch, tmp_path)
     assert "--allow-root" not in course.jupyter_command(tmp_path)
 
 
+@pytest.mark.slow  # a real JupyterLab process
 def test_the_course_jupyterlab_starts_here_and_has_its_pop_ups_off(tmp_path):
     """The course's own JupyterLab command, really started (as root on this machine, which
     plain ``jupyter lab`` refuses): the settings setup.sh installs are in effect."""

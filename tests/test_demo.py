@@ -1,5 +1,6 @@
-"""``batchlab demo`` on the fake model (with the real tokenizer): every screen fits an
-80×24 terminal, and an answer cut inside a UTF-8 character never shows "�"."""
+"""``batchlab demo`` on the fake model: every screen fits an 80×24 terminal (with wide
+characters in the answers), and an answer cut inside a UTF-8 character (the real
+tokenizer) never shows "�"."""
 
 from __future__ import annotations
 
@@ -12,11 +13,25 @@ from batchlab import Tokenizer, demo
 from batchlab.fake import FakeRunner
 
 
-@pytest.fixture(scope="module")
-def fake_lm(gguf_meta):
-    """The fake model's runner needs only the vocabulary size; the demo needs a tokenizer
-    that can split a character across tokens, so it gets the real one."""
-    tok = Tokenizer.from_gguf_metadata(gguf_meta)
+class CharTokenizer:
+    """Token t is one character: a letter, a space, or a wide one (two columns); 0 is EOS."""
+
+    vocab_size, eos_token_ids = 64, frozenset({0})
+
+    @staticmethod
+    def text(t: int) -> str:
+        return "件" if t % 9 == 0 else " " if t % 5 == 0 else chr(ord("a") + t % 26)
+
+    def encode_chat(self, messages):
+        return [1 + ord(ch) % 63 for m in messages for ch in m["content"]]
+
+    def detokenizer(self):
+        return SimpleNamespace(add=self.text)
+
+
+@pytest.fixture
+def fake_lm():
+    tok = CharTokenizer()
     return SimpleNamespace(tokenizer=tok, vocab_size=tok.vocab_size, max_seq_len=2048,
                            info=SimpleNamespace(name="fake-model"))
 
@@ -36,6 +51,7 @@ def test_every_screen_fits_80_by_24_and_names_the_engine(fake_lm, kind, requests
     summary = demo.play(fake_lm, kind, requests, out=term, executor=FakeRunner, **options)
     screens = term.getvalue().split("\x1b[H\x1b[J")[1:]
     assert len(screens) > 10, "redrawn after every step"
+    assert "件" in term.getvalue(), "wide characters were on screen"
     last = screens[-1].split("\n\n" + summary)[0]
     for screen in screens[:-1] + [last]:
         lines = screen.rstrip("\n").split("\n")
@@ -62,8 +78,8 @@ def test_idle_slots_and_the_queue_are_explained():
     assert "whole batch" in demo.explain("static", 1, 3, 4)
 
 
-def test_an_answer_cut_inside_a_character_drops_the_half_character(fake_lm):
-    tok = fake_lm.tokenizer
+def test_an_answer_cut_inside_a_character_drops_the_half_character(gguf_meta):
+    tok = Tokenizer.from_gguf_metadata(gguf_meta)
     ids = tok.encode("Hola! 😊")
     assert tok.decode(ids[:-1]).endswith("\ufffd"), "the emoji spans two tokens"
     r = demo.Request("A", "Say hello in Spanish.", tok.detokenizer(), tok.eos_token_ids)

@@ -11,8 +11,11 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 from packaging.requirements import Requirement
+
+pytestmark = pytest.mark.slow  # pip resolves against the package index
 
 ROOT = Path(__file__).resolve().parents[1]
 MAC = {"sys_platform": "darwin", "platform_machine": "arm64", "platform_system": "Darwin",

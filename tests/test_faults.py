@@ -176,6 +176,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a real server process on the real model
 def test_sigterm_under_load_ends_every_stream_and_exits_within_10_s(tmp_path):
     """``batchlab serve`` with 4 long streams open gets SIGTERM: it stops admitting, ends
     each stream with a final chunk or an error event, and exits within 10 s."""

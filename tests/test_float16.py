@@ -18,6 +18,8 @@ from test_model import PROMPTS, _ids
 import batchlab
 from batchlab import generate
 
+pytestmark = pytest.mark.slow  # the real model, twice
+
 NEW_TOKENS = 30
 NEAR_TIE = 0.1  # logits; float16 weights moved SmolLM2's logits by ~0.01-0.05 in our runs
 

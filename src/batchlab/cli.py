@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--input", required=True, help='JSONL: {"id", "prompt_ids"|"prompt"|"messages"}')
     gen.add_argument("--output", required=True, help="JSONL results, one line per request")
 
-    demo = sub.add_parser("demo", help="a short live continuous-batching demo in the terminal")
+    demo = sub.add_parser("demo", help="watch an engine (default: stall-free) batch requests live, in 80x24")
     _add_engine_options(demo, [k for k in KINDS if k != "sequential"], "stallfree")
     demo.add_argument("--requests", type=int, default=10)
 

@@ -342,7 +342,8 @@ def stream_text(fn: Callable, lm) -> Verdict:
     ]
 
     def real(f):
-        from ..engine import EngineLoop, make_engine
+        from ..engine import make_engine
+        from ..loop import EngineLoop
 
         ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
         loop = EngineLoop(make_engine("stallfree", lm, max_batch_size=2, token_budget=64,

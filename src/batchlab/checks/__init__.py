@@ -35,7 +35,7 @@ from .lesson04 import chunk_plan, largest_chunk, predict_long_ttft
 from .lesson05 import pack_chunks, plan_step, skipped_decodes
 from .lesson06 import engine_front, stream_text
 from .lesson07 import goodput, parse_sse, stream_metrics
-from .lesson08 import cached_prefix, choose_victim, kv_slots
+from .lesson08 import cached_prefix, kv_slots, memory_scheduler
 from .lesson09 import mean_in_system, pick_next, to_shed
 
 __all__ = [
@@ -48,6 +48,6 @@ __all__ = [
     "plan_step", "pack_chunks", "skipped_decodes",
     "engine_front", "stream_text",
     "stream_metrics", "parse_sse", "goodput",
-    "kv_slots", "cached_prefix", "choose_victim",
+    "kv_slots", "cached_prefix", "memory_scheduler",
     "mean_in_system", "to_shed", "pick_next",
 ]

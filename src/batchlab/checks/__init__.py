@@ -36,7 +36,7 @@ from .lesson05 import pack_chunks, plan_step, skipped_decodes
 from .lesson06 import engine_front, stream_text
 from .lesson07 import goodput, parse_sse, stream_metrics
 from .lesson08 import cached_prefix, kv_slots, memory_scheduler
-from .lesson09 import mean_in_system, pick_next, to_shed
+from .lesson09 import admission_policy, mean_in_system, to_shed
 
 __all__ = [
     "OK", "FAIL", "Case", "CheckFailed", "Verdict", "run_cases", "whole_number_compare",
@@ -49,5 +49,5 @@ __all__ = [
     "engine_front", "stream_text",
     "stream_metrics", "parse_sse", "goodput",
     "kv_slots", "cached_prefix", "memory_scheduler",
-    "mean_in_system", "to_shed", "pick_next",
+    "mean_in_system", "to_shed", "admission_policy",
 ]

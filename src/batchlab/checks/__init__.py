@@ -33,10 +33,10 @@ from .lesson02 import admit_next, continuous_steps, place_awaiting
 from .lesson03 import percentile_linear, predict_stall, time_between_tokens
 from .lesson04 import chunk_plan, largest_chunk, predict_long_ttft
 from .lesson05 import pack_chunks, plan_step, skipped_decodes
-from .lesson06 import atomic_poll, cancel, stream_text
+from .lesson06 import engine_front, stream_text
 from .lesson07 import goodput, parse_sse, stream_metrics
-from .lesson08 import cached_prefix, choose_victim, kv_slots
-from .lesson09 import mean_in_system, pick_next, to_shed
+from .lesson08 import cached_prefix, kv_slots, memory_scheduler
+from .lesson09 import admission_policy, mean_in_system, to_shed
 
 __all__ = [
     "OK", "FAIL", "Case", "CheckFailed", "Verdict", "run_cases", "whole_number_compare",
@@ -46,8 +46,8 @@ __all__ = [
     "time_between_tokens", "percentile_linear", "predict_stall",
     "chunk_plan", "predict_long_ttft", "largest_chunk",
     "plan_step", "pack_chunks", "skipped_decodes",
-    "atomic_poll", "stream_text", "cancel",
+    "engine_front", "stream_text",
     "stream_metrics", "parse_sse", "goodput",
-    "kv_slots", "cached_prefix", "choose_victim",
-    "mean_in_system", "to_shed", "pick_next",
+    "kv_slots", "cached_prefix", "memory_scheduler",
+    "mean_in_system", "to_shed", "admission_policy",
 ]

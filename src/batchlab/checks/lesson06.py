@@ -212,7 +212,7 @@ def engine_front(cls: Any) -> Verdict:
     def threaded(f):
         """An EngineLoop on the fake model; 6 client threads, 5 requests each, polling
         every millisecond until 'done'."""
-        from ..engine import EngineLoop
+        from ..loop import EngineLoop
         from ..fake import FakeModel, reference_output
 
         fake = FakeModel()

@@ -101,3 +101,14 @@ def test_continuous_steps_rejects_the_static_count():
     from batchlab.checks.lesson01 import static_step_count
     verdict = checker_quiet("continuous_steps", static_step_count)
     assert not verdict and "count for static batching" in verdict.message
+
+
+def test_an_unwritten_piece_is_not_written_yet_not_a_failure():
+    """The learner copy's placeholders raise NotImplementedError inside the engine: the
+    verdict says "not written yet" (the whole-workload driver must not swallow it)."""
+    class Unwritten(ContinuousScheduler):
+        def admit(self):
+            raise NotImplementedError("admit is not written yet")
+
+    verdict = checker_quiet("continuous_scheduler", Unwritten)
+    assert not verdict and verdict.not_written

@@ -28,8 +28,8 @@ is a small example).
 
 from ._core import FAIL, OK, Case, CheckFailed, Verdict, run_cases, whole_number_compare
 from .lesson00 import greedy_generate, greedy_pick, tokens_per_second
-from .lesson01 import static_batches, static_steps, wasted_slot_steps
-from .lesson02 import admit_next, continuous_steps, place_awaiting
+from .lesson01 import static_scheduler, static_steps, wasted_slot_steps
+from .lesson02 import continuous_scheduler, continuous_steps
 from .lesson03 import percentile_linear, predict_stall, time_between_tokens
 from .lesson04 import chunk_plan, largest_chunk, predict_long_ttft
 from .lesson05 import pack_chunks, plan_step, skipped_decodes
@@ -41,8 +41,8 @@ from .lesson09 import admission_policy, mean_in_system, to_shed
 __all__ = [
     "OK", "FAIL", "Case", "CheckFailed", "Verdict", "run_cases", "whole_number_compare",
     "greedy_pick", "greedy_generate", "tokens_per_second",
-    "static_batches", "wasted_slot_steps", "static_steps",
-    "place_awaiting", "admit_next", "continuous_steps",
+    "static_scheduler", "wasted_slot_steps", "static_steps",
+    "continuous_scheduler", "continuous_steps",
     "time_between_tokens", "percentile_linear", "predict_stall",
     "chunk_plan", "predict_long_ttft", "largest_chunk",
     "plan_step", "pack_chunks", "skipped_decodes",

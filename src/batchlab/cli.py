@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 from .engine import KINDS
@@ -17,6 +16,7 @@ def _cmd_info(args) -> int:
 
     from . import _blas
     import mlx.core as mx
+    from .microbench import sgemm_gflops
     from .model import backend, load_model
 
     def version(name):
@@ -34,7 +34,7 @@ def _cmd_info(args) -> int:
     print(f"           {blas.path or '-'}: {blas.note}")
     if blas.core:
         print(f"kernel     {blas.core}: {blas.core_reason}")
-    print(f"sgemm      {_sgemm_gflops():.1f} GFLOP/s (float32 576x1536 by 64 rows"
+    print(f"sgemm      {sgemm_gflops():.1f} GFLOP/s (float32 576x1536 by 64 rows"
           f"{f', {blas.core} kernel' if blas.core else ''}; reference BLAS gives ~5 here)")
     lm = load_model(args.model)
     i = lm.info
@@ -42,17 +42,6 @@ def _cmd_info(args) -> int:
           f"context {i.context_length}, on {i.backend}")
     print(f"           {i.source}")
     return 0
-
-
-def _sgemm_gflops() -> float:
-    import mlx.core as mx
-
-    a, b = mx.random.normal((576, 1536)), mx.random.normal((64, 576))
-    mx.eval(b @ a)
-    start, n = time.perf_counter(), 50
-    for _ in range(n):
-        mx.eval(b @ a)
-    return n * 2 * 576 * 1536 * 64 / (time.perf_counter() - start) / 1e9
 
 
 def read_requests(path: Path, lm) -> list[dict]:

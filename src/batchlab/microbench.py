@@ -10,6 +10,7 @@ import statistics
 import time
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .kv import BlockManager
@@ -110,3 +111,27 @@ def decode_scaling(lm: LoadedModel, batch_sizes: list[int], prompt_len: int = 64
         out[batch] = {"batch": batch, "step_s": step_s, "tokens_per_s": batch / step_s,
                       "step_min_s": min(times), "step_max_s": max(times)}
     return out
+
+
+def sgemm_gflops(repeats: int = 50) -> float:
+    """float32 GFLOP/s of the matmul shape MLX runs most here (64 rows by a 576x1536
+    weight): what the BLAS gives. ``batchlab info`` and ``batchlab bench`` both print it."""
+    a, b = mx.random.normal((576, 1536)), mx.random.normal((64, 576))
+    mx.eval(b @ a)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(b @ a)
+    return repeats * 2 * 576 * 1536 * 64 / (time.perf_counter() - start) / 1e9
+
+
+def copy_gbps(megabytes: int = 256, repeats: int = 5) -> float:
+    """Memory bandwidth as GB/s moved (read plus written) by a large numpy copy, best of
+    ``repeats``: the rate a memory-bound decode step reads its weights at, at best."""
+    src = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy also faults the pages in
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best / 1e9

@@ -50,10 +50,12 @@ def _exp_parts(x: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis with the fast exponential; -inf scores get weight 0."""
-    p, two_n_bits = _exp_parts(scores - scores.max(axis=-1, keepdims=True))
+    """Softmax over the last axis with the fast exponential, in float32 whatever the
+    scores' dtype (as ``mx.fast`` does); -inf scores get weight 0."""
+    x = scores.astype(mx.float32)
+    p, two_n_bits = _exp_parts(x - x.max(axis=-1, keepdims=True))
     e = p * two_n_bits.view(mx.float32)
-    return e / e.sum(axis=-1, keepdims=True)
+    return (e / e.sum(axis=-1, keepdims=True)).astype(scores.dtype)
 
 
 def additive_mask(allowed: np.ndarray) -> mx.array:

@@ -256,8 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="do not ask for usage (for servers that refuse stream_options)")
     load.add_argument("--json", metavar="OUT", help="write the summary and every request here")
 
-    bench = sub.add_parser("bench", help="every engine and mlx-lm's BatchGenerator, side by side")
-    bench.add_argument("--quick", action="store_true", help="small workloads (a few minutes)")
+    bench = sub.add_parser("bench", help="every engine and mlx-lm's BatchGenerator, side by "
+                           "side (interleaved repetitions, medians, the machine's limits)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run: small workloads, each engine once")
     bench.add_argument("--json", metavar="OUT", help="write results here, plots beside it")
 
     fit = sub.add_parser("fit-cost", help="time the real model on designed batches; fit the "

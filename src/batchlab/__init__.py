@@ -10,7 +10,7 @@ import importlib
 from . import _blas  # noqa: F401  (first: before anything imports mlx)
 
 _EXPORTS = {
-    "Engine": "engine", "EngineLoop": "engine", "make_engine": "engine",
+    "Engine": "engine", "EngineLoop": "loop", "make_engine": "engine",
     "Generation": "baseline", "generate": "baseline",
     "LoadedModel": "model", "ModelInfo": "model", "load_model": "model",
     "SamplingParams": "sampling",

@@ -1,16 +1,25 @@
 """``batchlab bench``: every engine of ours and mlx-lm's BatchGenerator on the same
 workloads, in one run, so the ratios between them are fair on a noisy machine.
 
+The standard mode (the default) runs every engine once per repetition, interleaved, three
+repetitions, and reports each figure as the median with its spread, the load average
+around every run, and the machine's limits (sgemm and memory copy rates) with how close
+prefill and decode come to them. ``--quick`` is a smoke run: small workloads, once.
+
 Prints a table, writes a JSON with every run's metrics plus the headline ``figures``,
-and saves plots next to the JSON.
+and saves plots (of the first repetition) next to the JSON.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
+import statistics
 import time
 from pathlib import Path
+
+from mlx.utils import tree_flatten
 
 from . import metrics, microbench, workloads
 from .engine import make_engine
@@ -38,8 +47,12 @@ def engines(batch_size: int) -> dict[str, dict]:
     }
 
 
+LOAD_THRESHOLD = 1.5  # a load average above this at the start or end of a run marks the bench
+
+
 def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, list[int]]]:
-    """(name, workload, batch sizes) of every experiment."""
+    """(name, workload, batch sizes) of every experiment. The standard workloads have >= 32
+    requests, so static batching at B=16 runs several batches, not one."""
     tok = lm.tokenizer
     if quick:
         return [
@@ -48,55 +61,168 @@ def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, li
             ("interference", workloads.interference(tok, batch_size=8, num_long=1,
                                                      long_range=(512, 640)), [8]),
         ]
+    # Sized for <= 20 minutes on a quiet 2-core CPU with three repetitions: 48 short-answer
+    # requests are three static batches at B=16; ShareGPT's arrivals span over a minute a
+    # run, so it is left to `batchlab run` and the serving benchmark.
     return [
-        ("high_variance", workloads.high_variance(tok, size="quick"), [8, 16]),
-        ("sharegpt", workloads.sharegpt(tok, size="quick"), [8, 16]),
-        ("interference", workloads.interference(tok, batch_size=8), [8]),
-        ("interference_b16", workloads.interference(tok, batch_size=16), [16]),
+        ("high_variance", workloads.high_variance(tok, num_requests=48, mean_output=16,
+                                                   max_output=64), [16]),
+        ("interference", workloads.interference(tok, batch_size=8, num_long=2,
+                                                 long_range=(512, 1024)), [8]),
     ]
 
 
+def schedule(experiments, repetitions: int) -> list[tuple[int, str, int, str]]:
+    """Every run as (repetition, workload, batch size, engine), engines interleaved: each
+    repetition runs every engine once (A B C A B C ...), so a slow minute of a shared machine
+    spreads over all engines instead of landing on one."""
+    order = []
+    for name, _, batch_sizes in experiments:
+        for rep in range(repetitions):
+            if name == "high_variance":  # the baseline: it has no batch size
+                order.append((rep, name, 1, "sequential"))
+            for b in batch_sizes:
+                order += [(rep, name, b, e) for e in list(engines(b)) + ["mlx-lm"]]
+    return order
+
+
+def median_spread(values: list[float]) -> tuple[float | None, float | None, float | None]:
+    """(median, min, max) of the values that exist; Nones if none does."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, None, None
+    return statistics.median(values), min(values), max(values)
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """One row per (workload, batch size, engine): each numeric metric's median over the
+    repetitions, with its spread under ``spread`` as [min, max]."""
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault((run["workload"], run["batch_size"], run["engine"]), []).append(run)
+    rows = []
+    for (name, b, engine), group in groups.items():
+        row = {"workload": name, "batch_size": b, "engine": engine, "repetitions": len(group),
+               "spread": {}}
+        for key, value in group[0].items():
+            if key in row or key in ("repetition", "load_before", "load_after") \
+                    or isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
+                continue
+            med, low, high = median_spread([r.get(key) for r in group])
+            row[key] = med
+            if low is not None:
+                row["spread"][key] = [low, high]
+        rows.append(row)
+    return rows
+
+
+def under_load(loads: list[float], threshold: float = LOAD_THRESHOLD) -> bool:
+    return any(load > threshold for load in loads)
+
+
+def run_engine(lm, wl: workloads.Workload, batch_size: int, engine_name: str, progress: bool,
+               runner=None) -> Trace:
+    """One run of one engine on one workload (a fresh engine: no state carries over)."""
+    if engine_name == "mlx-lm":
+        return run_mlxlm_workload(lm, wl, batch_size, progress=progress)
+    args = dict(kind="sequential") if engine_name == "sequential" else dict(engines(batch_size)[engine_name])
+    return workloads.run_workload(make_engine(args.pop("kind"), lm, runner=runner, **args), wl,
+                                  progress=progress)
+
+
+def measure_machine(lm: LoadedModel) -> dict:
+    """The micro-benchmarks and the machine's limits, each with the load around it."""
+    out = {}
+    for key, measure in [("limits", machine_limits), ("fused_step", microbench.fused_step_ratio),
+                         ("chunk_context", microbench.chunk_context_ratio),
+                         ("decode_scaling", lambda lm: microbench.decode_scaling(lm, [1, 16]))]:
+        before = os.getloadavg()[0]
+        out[key] = measure(lm)
+        out.setdefault("microbench_loads", {})[key] = [before, os.getloadavg()[0]]
+    return out
+
+
+def linear_flops_per_token(args) -> int:
+    """FLOPs of one token through every layer's linear maps (q, k, v, o projections; gate,
+    up, down), from the model's config: 2 per weight. The LM head is left out: a prefill
+    chunk runs it once, for its last token only."""
+    heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
+    per_layer = args.hidden_size * head_dim * (2 * heads + 2 * kv_heads) \
+        + 3 * args.hidden_size * args.intermediate_size
+    return 2 * args.num_hidden_layers * per_layer
+
+
+def machine_limits(lm: LoadedModel) -> dict:
+    """What this machine can do at best: sgemm GFLOP/s and memory copy GB/s, and from them
+    the model's bounds: prefill tokens/s if every linear layer ran at the sgemm rate, and
+    the B=1 decode step if reading every weight once ran at the copy rate."""
+    flops_per_token = linear_flops_per_token(lm.args)
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))
+    sgemm = microbench.sgemm_gflops()
+    copy = microbench.copy_gbps()
+    return {"sgemm_gflops": sgemm, "copy_gbps": copy, "linear_flops_per_token": flops_per_token,
+            "weight_bytes": weight_bytes,
+            "prefill_bound_tokens_per_s": sgemm * 1e9 / flops_per_token,
+            "decode_bound_step_s": weight_bytes / (copy * 1e9)}
+
+
 def run_bench(lm: LoadedModel, quick: bool = False, json_out: str | None = None,
-              progress: bool = True) -> dict:
+              progress: bool = True, repetitions: int | None = None, runner=None,
+              run=run_engine, measure=measure_machine) -> dict:
+    """Every engine on every workload, interleaved, ``repetitions`` times (1 with ``quick``,
+    else 3); ``run`` and ``measure`` are the run of one engine and the micro-benchmarks
+    (tests pass stand-ins)."""
     started = time.time()
-    runs: list[dict] = []
-    traces: dict[tuple[str, int, str], Trace] = {}
+    repetitions = repetitions or (1 if quick else 3)
     experiments = plan(lm, quick)
-    for name, wl, batch_sizes in experiments:
-        if name == "high_variance":  # the baseline, once: it has no batch size
-            trace = workloads.run_workload(make_engine("sequential", lm), wl, progress=progress)
-            traces[(name, 1, "sequential")] = trace
-        for b in batch_sizes:
-            for engine_name, args in engines(b).items():
-                args = dict(args)
-                trace = workloads.run_workload(make_engine(args.pop("kind"), lm, **args), wl,
-                                               progress=progress)
-                traces[(name, b, engine_name)] = trace
-            traces[(name, b, "mlx-lm")] = run_mlxlm_workload(lm, wl, b, progress=progress)
-    for (name, b, engine_name), trace in traces.items():
-        runs.append({"workload": name, "batch_size": b, "engine": engine_name,
-                     **metrics.summarize(trace)})
-    fused = microbench.fused_step_ratio(lm)
-    scaling = microbench.decode_scaling(lm, [1, 16])
-    figures = headline_figures(traces, experiments, fused, scaling)
+    by_name = {name: wl for name, wl, _ in experiments}
+    runs: list[dict] = []
+    traces: list[dict[tuple[str, int, str], Trace]] = [{} for _ in range(repetitions)]
+    for rep, name, b, engine_name in schedule(experiments, repetitions):
+        before = os.getloadavg()[0]
+        trace = run(lm, by_name[name], b, engine_name, progress, runner=runner)
+        after = os.getloadavg()[0]
+        traces[rep][(name, b, engine_name)] = trace
+        runs.append({"workload": name, "batch_size": b, "engine": engine_name, "repetition": rep,
+                     "load_before": before, "load_after": after, **metrics.summarize(trace)})
+    machine = measure(lm)
+    per_rep = [headline_figures(t, experiments, machine) for t in traces]
+    figures, spreads = {}, {}
+    for key, value in per_rep[0].items():
+        if isinstance(value, float) or value is None:
+            figures[key], *spread = median_spread([f[key] for f in per_rep])
+            if spread[0] is not None:
+                spreads[key] = spread
+        else:  # a name or a setting: the most common one
+            values = [json.dumps(f[key]) for f in per_rep]
+            figures[key] = json.loads(max(set(values), key=values.count))
+    loads = [r[k] for r in runs for k in ("load_before", "load_after")]
+    loads += [x for pair in machine.get("microbench_loads", {}).values() for x in pair]
     result = {
         "machine": f"{platform.system()} {platform.machine()}", "quick": quick,
-        "model": lm.info.name, "dtype": lm.info.dtype, "backend": lm.info.backend,
+        "repetitions": repetitions, "model": lm.info.name, "dtype": lm.info.dtype,
+        "backend": lm.info.backend,
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "seconds": time.time() - started,
+        "load_threshold": LOAD_THRESHOLD, "max_load": max(loads),
+        "under_load": under_load(loads),
         "workloads": {name: wl.summary() for name, wl, _ in experiments},
-        "runs": runs, "fused_step": fused, "decode_scaling": scaling, "figures": figures,
+        "runs": runs, "medians": aggregate(runs), **machine,
+        "figures": figures, "figure_spreads": spreads,
     }
     if json_out:
         out = Path(json_out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
-        save_plots(traces, out.with_suffix(""))
+        save_plots(traces[0], out.with_suffix(""))
     return result
 
 
-def headline_figures(traces, experiments, fused: dict, scaling: dict) -> dict:
-    """The ratios the README quotes, each computed from runs of this same invocation."""
+def headline_figures(traces, experiments, machine: dict) -> dict:
+    """The ratios the README quotes, from one repetition's runs and the micro-benchmarks
+    (``measure_machine``) of this same invocation."""
+    fused, scaling, limits = machine["fused_step"], machine["decode_scaling"], machine["limits"]
     def tokps(key):
         return metrics.output_tokens_per_s(traces[key]) if key in traces else None
 
@@ -125,6 +251,14 @@ def headline_figures(traces, experiments, fused: dict, scaling: dict) -> dict:
                                             tokps((name_if, b_if, "continuous"))),
         "fused_over_chunk_alone": fused["fused_over_chunk_alone"],
         "b16_over_b1_decode": ratio(scaling[16]["tokens_per_s"], scaling[1]["tokens_per_s"]),
+        "chunk_1k_over_chunk_0": machine["chunk_context"]["chunk_1k_over_chunk_0"],
+        "sgemm_gflops": limits["sgemm_gflops"],
+        "copy_gbps": limits["copy_gbps"],
+        # prefill tokens/s (the fused benchmark's chunk alone) over the sgemm-bound rate
+        "prefill_fraction_of_sgemm_bound": ratio(fused["chunk"] / fused["chunk_alone_s"],
+                                                 limits["prefill_bound_tokens_per_s"]),
+        "decode_fraction_of_bandwidth_bound": ratio(limits["decode_bound_step_s"],
+                                                    scaling[1]["step_s"]),
         "scheduler_overhead_share": metrics.scheduler_share(traces[("high_variance", hv_b, "stallfree")]),
         "decode_step_s": step,
         "batch_sizes": {"high_variance": hv_b, "interference": b_if},
@@ -132,20 +266,46 @@ def headline_figures(traces, experiments, fused: dict, scaling: dict) -> dict:
 
 
 def format_table(result: dict) -> str:
+    """The medians over the repetitions, each with its min-max spread, under a header that
+    says the repetitions and the load (and warns when the machine was loaded)."""
     cols = [("workload", "workload", "{}"), ("B", "batch_size", "{}"), ("engine", "engine", "{}"),
             ("tok/s", "output_tokens_per_s", "{:.1f}"), ("TTFT p50", "ttft_p50_s", "{:.2f}"),
             ("TTFT p99", "ttft_p99_s", "{:.2f}"), ("TBT p50", "tbt_p50_s", "{:.3f}"),
             ("TBT p99", "tbt_p99_s", "{:.3f}"), ("TBT max", "tbt_max_s", "{:.3f}"),
             ("occupancy", "slot_occupancy", "{:.0%}")]
-    rows = [[h for h, _, _ in cols]]
-    for run in result["runs"]:
-        rows.append([fmt.format(run[k]) if run.get(k) is not None else "-" for _, k, fmt in cols])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+
+    def cell(row, key, fmt):
+        if row.get(key) is None:
+            return "-"
+        low, high = row["spread"].get(key, (row[key], row[key]))
+        text = fmt.format(row[key])
+        return text if low == high or fmt == "{}" else f"{text} ({fmt.format(low)}-{fmt.format(high)})"
+
+    def loads(row):  # the load averages at the start and end of this row's runs
+        values = [r[k] for r in result["runs"] for k in ("load_before", "load_after")
+                  if (r["workload"], r["batch_size"], r["engine"])
+                  == (row["workload"], row["batch_size"], row["engine"])]
+        return f"{min(values):.1f}-{max(values):.1f}"
+
+    rows = [[h for h, _, _ in cols] + ["load"]]
+    rows += [[cell(row, k, fmt) for _, k, fmt in cols] + [loads(row)] for row in result["medians"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    figs = result["figures"]
+    header = (f"median of {result['repetitions']} interleaved repetition(s), (min-max); "
+              f"load average (1 min) at the start and end of the runs in the last column")
+    if result["under_load"]:
+        header = (f"UNDER LOAD (load average up to {result['max_load']:.2f} > "
+                  f"{result['load_threshold']}): absolute times are unreliable, ratios less so. "
+                  + header)
+    lines.insert(0, header)
     lines.append("")
-    lines += [f"{k:38s} {v:.3f}" if isinstance(v, float) else f"{k:38s} {v}" for k, v in figs.items()]
+    for k, v in result["figures"].items():
+        spread = result["figure_spreads"].get(k)
+        text = f"{v:.3f}" if isinstance(v, float) else f"{v}"
+        if spread and spread[0] != spread[1]:
+            text += f" ({spread[0]:.3f}-{spread[1]:.3f})"
+        lines.append(f"{k:38s} {text}")
     return "\n".join(lines) + "\n(times in seconds)"
 
 

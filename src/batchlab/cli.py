@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from .engine import KINDS
@@ -18,6 +17,7 @@ def _cmd_info(args) -> int:
 
     from . import _blas
     import mlx.core as mx
+    from .microbench import sgemm_gflops
     from .model import backend, load_model
 
     def version(name):
@@ -35,7 +35,7 @@ def _cmd_info(args) -> int:
     print(f"           {blas.path or '-'}: {blas.note}")
     if blas.core:
         print(f"kernel     {blas.core}: {blas.core_reason}")
-    print(f"sgemm      {_sgemm_gflops():.1f} GFLOP/s (float32 576x1536 by 64 rows"
+    print(f"sgemm      {sgemm_gflops():.1f} GFLOP/s (float32 576x1536 by 64 rows"
           f"{f', {blas.core} kernel' if blas.core else ''}; reference BLAS gives ~5 here)")
     lm = load_model(args.model)
     i = lm.info
@@ -43,17 +43,6 @@ def _cmd_info(args) -> int:
           f"context {i.context_length}, on {i.backend}")
     print(f"           {i.source}")
     return 0
-
-
-def _sgemm_gflops() -> float:
-    import mlx.core as mx
-
-    a, b = mx.random.normal((576, 1536)), mx.random.normal((64, 576))
-    mx.eval(b @ a)
-    start, n = time.perf_counter(), 50
-    for _ in range(n):
-        mx.eval(b @ a)
-    return n * 2 * 576 * 1536 * 64 / (time.perf_counter() - start) / 1e9
 
 
 def read_requests(path: Path, lm) -> list[dict]:
@@ -243,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--input", required=True, help='JSONL: {"id", "prompt_ids"|"prompt"|"messages"}')
     gen.add_argument("--output", required=True, help="JSONL results, one line per request")
 
-    demo = sub.add_parser("demo", help="a short live continuous-batching demo in the terminal")
+    demo = sub.add_parser("demo", help="watch an engine (default: stall-free) batch requests live, in 80x24")
     _add_engine_options(demo, [k for k in KINDS if k != "sequential"], "stallfree")
     demo.add_argument("--requests", type=int, default=10)
 
@@ -285,8 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--api-key", default=os.environ.get("BATCHLAB_API_KEY", "unused"), metavar="KEY",
                       help="the server's API key (default: $BATCHLAB_API_KEY)")
 
-    bench = sub.add_parser("bench", help="every engine and mlx-lm's BatchGenerator, side by side")
-    bench.add_argument("--quick", action="store_true", help="small workloads (a few minutes)")
+    bench = sub.add_parser("bench", help="every engine and mlx-lm's BatchGenerator, side by "
+                           "side (interleaved repetitions, medians, the machine's limits)")
+    bench.add_argument("--quick", action="store_true",
+                       help="a smoke run: small workloads, each engine once")
     bench.add_argument("--json", metavar="OUT", help="write results here, plots beside it")
 
     fit = sub.add_parser("fit-cost", help="time the real model on designed batches; fit the "

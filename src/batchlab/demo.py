@@ -1,17 +1,26 @@
-"""``batchlab demo``: watch continuous batching live in a terminal.
+"""``batchlab demo``: watch an engine batch requests, live, in an 80×24 terminal.
 
-Each line is one engine step. Every request gets a letter; a slot shows the letter of
-the request in it (capital: decoding, small: its prompt is being prefilled), or "."
-when idle. Requests arrive a few at a time, so you see slots empty and refill.
+The screen is redrawn in place after every engine step (no scrolling log): the engine
+and its options, the decode slots (a letter per request: capital = decoding, small =
+its prompt being prefilled, "." = idle), the queue, every request's answer so far, and
+one line saying why slots are idle or requests wait ("cut": an answer that reached its
+token limit). Requests arrive two every third
+step, so slots fill, empty and refill. The run ends with a one-paragraph summary.
 """
 
 from __future__ import annotations
 
 import string
 import sys
+import textwrap
+import unicodedata
+from typing import TextIO
 
+from . import metrics
 from .engine import make_engine
 from .model import load_model
+
+WIDTH, HEIGHT = 80, 24
 
 QUESTIONS = [
     ("What is the capital of France?", 24), ("Write a haiku about the sea.", 40),
@@ -22,50 +31,182 @@ QUESTIONS = [
     ("List two planets.", 16), ("How many legs does a spider have?", 12),
 ]
 
+WHAT_IT_DOES = {
+    "static": "a batch runs until its last request ends, then the next batch starts",
+    "continuous": "a finished request's slot is refilled at the next step",
+    "stallfree": "prompts are prefilled in chunks beside the decodes, within a token budget",
+}
 
-def run_demo(kind: str, model: str | None, requests: int = 10, **options) -> int:
+
+def columns(ch: str) -> int:
+    """Terminal columns a character takes: 2 for wide East Asian ones, 0 for combining."""
+    if unicodedata.combining(ch):
+        return 0
+    return 2 if unicodedata.east_asian_width(ch) in "WF" else 1
+
+
+def one_line(text: str) -> str:
+    """A model's text as one line: whitespace runs become one space, control characters "?"."""
+    return "".join(ch if ch.isprintable() else "?" for ch in " ".join(text.split()))
+
+
+def fit(text: str, width: int, pad: bool = False) -> str:
+    """``text`` in at most ``width`` columns (too long: it ends in "…"), padded to
+    exactly ``width`` if asked."""
+    used = sum(map(columns, text))
+    if used <= width:
+        return text + " " * (width - used) * pad
+    out, used = [], 0
+    for ch in text:
+        if used + columns(ch) > width - 1:
+            break
+        out.append(ch)
+        used += columns(ch)
+    return "".join(out) + "…" + " " * (width - 1 - used) * pad
+
+
+def describe(kind: str, engine) -> str:
+    """The engine and the options it runs with, in one line."""
+    s = engine.scheduler
+    parts = [f"{kind} engine", f"{s.max_batch_size} slots"]
+    if kind == "stallfree":
+        parts.append(f"token budget {s.token_budget}")
+    if kind == "continuous":
+        step = s.prefill_step
+        parts.append("whole-prompt prefill" if step == float("inf") else f"prefill step {step}")
+    parts.append(f"{engine.stats()['num_kv_blocks']} KV blocks")
+    return ", ".join(parts)
+
+
+def explain(kind: str, idle: int, waiting: int, slots: int) -> str:
+    """Why slots are idle or requests wait, right now."""
+    s = "s" if idle != 1 else ""
+    if idle and not waiting:
+        return f"{idle} slot{s} idle: no request is waiting for one."
+    if waiting and not idle:
+        return f"{waiting} waiting: all {slots} slots are busy; a request waits for a free one."
+    if idle and waiting:
+        if kind == "static":
+            return (f"{idle} slot{s} idle while {waiting} wait: static batching refills only "
+                    f"when the whole batch is done.")
+        return f"{idle} slot{s} idle, {waiting} waiting: they are admitted at the next step."
+    return f"All {slots} slots busy and nobody waiting: the engine is fully used."
+
+
+class Request:
+    """What the screen shows of one request: its question and its answer so far."""
+
+    def __init__(self, letter: str, question: str, detokenizer, eos: frozenset[int]):
+        self.letter, self.question, self.answer = letter, question, ""
+        self.detok, self.eos = detokenizer, eos
+        self.state, self.tokens = "queued", 0
+
+    def add(self, tokens: list[int]) -> None:
+        # No flush at the end: a cut can leave half a UTF-8 character held back, which
+        # would show as "�"; it is dropped instead.
+        for t in tokens:
+            self.tokens += 1
+            if t not in self.eos:
+                self.answer += self.detok.add(t)
+
+
+def frame(title: str, model: str, record, requests: dict[str, Request], kind: str, slots: int,
+          finished: int) -> list[str]:
+    """The whole screen after one step: at most ``HEIGHT`` lines of at most ``WIDTH`` columns."""
+    letters = {rid: r.letter for rid, r in requests.items()}
+    prefilling = {rid for rid, *_ in record.prefill} - set(record.decoded)
+    cells = ["." if rid is None else letters[rid].lower() if rid in prefilling else letters[rid]
+             for rid in record.slots]
+    queued = [r.letter for r in requests.values() if r.state == "queued"]
+    idle = cells.count(".")
+    header = [fit(title, WIDTH),
+              fit(f"{model} · step {record.index} · {record.end_s:.1f} s · "
+                  f"{len(queued)} in the queue · {finished} of {len(requests)} answered", WIDTH),
+              "",
+              fit(f"slots [{' '.join(cells)}]   capital = decoding, small = prefilling, . = idle",
+                  WIDTH),
+              fit(f"queue {' '.join(queued) or '(empty)'}", WIDTH),
+              fit(explain(kind, idle, len(queued), slots), WIDTH),
+              ""]
+    room = HEIGHT - len(header)
+    running = [r for r in requests.values() if r.state == "running"][:room]
+    done = [r for r in requests.values() if r.state in ("done", "cut")]
+    latest = done[max(0, len(done) - (room - len(running))):] if room > len(running) else []
+    shown = sorted(running + latest, key=lambda r: r.letter)  # running, then the latest answers
+    rows = []
+    for r in shown:
+        head = f"{r.letter} {r.state:<8}{r.tokens:>3}  {fit(r.question, 26, pad=True)} → "
+        rows.append(head + fit(one_line(r.answer), WIDTH - sum(map(columns, head))))
+    return header + rows
+
+
+def summary(kind: str, engine, requests: int) -> str:
+    """One paragraph on what the run showed."""
+    stats = metrics.summarize(engine.trace)
+    text = (f"The {kind} engine answered {requests} requests with "
+            f"{stats['output_tokens']} tokens in {stats['steps']} steps "
+            f"({stats['elapsed_s']:.1f} s, {stats['output_tokens_per_s']:.1f} tokens/s). "
+            f"Slots were busy in {100 * stats['slot_occupancy']:.0f}% of decode steps; "
+            f"the median request waited {stats['ttft_p50_s']:.1f} s for its first token. "
+            f"Here {WHAT_IT_DOES[kind]}. Compare: batchlab demo --engine "
+            f"{'static' if kind != 'static' else 'stallfree'}.")
+    return textwrap.fill(text, WIDTH)
+
+
+def play(lm, kind: str, requests: int = 10, out: TextIO = sys.stdout, **options) -> str:
+    """Run the demo on ``lm`` and return the summary; ``options`` go to ``make_engine``.
+    On a terminal every step redraws the screen; otherwise only the last screen is written."""
     if not 1 <= requests <= len(string.ascii_uppercase):
         raise ValueError(f"--requests must be between 1 and {len(string.ascii_uppercase)}")
-    print("loading the model ...", flush=True)
-    lm = load_model(model)
-    options.setdefault("max_batch_size", 4)
+    if options.get("max_batch_size") is None:
+        options["max_batch_size"] = 4
+    if not 1 <= options["max_batch_size"] <= len(string.ascii_uppercase):
+        raise ValueError("--batch-size must be between 1 and 26 for the demo")
     engine = make_engine(kind, lm, **options)
+    title = f"batchlab demo · {describe(kind, engine)}"
+    slots = engine.scheduler.max_batch_size
+    live = out.isatty()
     work = [QUESTIONS[i % len(QUESTIONS)] for i in range(requests)]
-    letters: dict[str, str] = {}
-    print(f"{kind} engine, {engine.scheduler.max_batch_size} slots; "
-          f"capital = decoding, small = prefilling, . = idle\n")
-    step = 0
+    shown: dict[str, Request] = {}
+    finished, screen, step = 0, [], 0
+    if live:
+        out.write("\x1b[2J")
     while True:
         if work and step % 3 == 0:  # two new requests every third step
             for question, max_new in work[:2]:
                 rid = engine.submit(lm.tokenizer.encode_chat([{"role": "user", "content": question}]),
                                     max_new_tokens=max_new)
-                letters[rid] = string.ascii_uppercase[len(letters)]
+                shown[rid] = Request(string.ascii_uppercase[len(shown)], question,
+                                     lm.tokenizer.detokenizer(), lm.tokenizer.eos_token_ids)
             del work[:2]
+        step += 1
         if not engine.step():
             if not work:
                 break
-            step += 1
             continue
         record = engine.trace.steps[-1]
-        cells = []
-        for rid in record.slots:
-            if rid is None:
-                cells.append(".")
-            else:
-                prefilling = any(p[0] == rid for p in record.prefill) and rid not in record.decoded
-                cells.append(letters[rid].lower() if prefilling else letters[rid])
-        print(f"step {record.index:3d}  [{' '.join(cells)}]  queue {record.queued:2d}  "
-              f"{1000 * record.duration_s:5.0f} ms", flush=True)
-        for rid in record.finished:
-            tokens, _, reason = engine.poll(rid)
-            text = " ".join(lm.tokenizer.decode(engine.trace.requests[rid].output_ids,
-                                                skip_special_tokens=True).split())
-            print(f"          {letters[rid]} done ({reason}, {len(engine.trace.requests[rid].output_ids)} "
-                  f"tokens): {text[:90]}", flush=True)
-        step += 1
-    stats = engine.stats()
-    print(f"\n{stats['output_tokens']} tokens in {stats['elapsed_s']:.1f} s = "
-          f"{stats['output_tokens_per_s']:.1f} tokens/s; slots busy "
-          f"{100 * stats['slot_occupancy']:.0f}% of decode steps", file=sys.stdout)
+        in_slots = set(record.slots)
+        for rid, r in shown.items():
+            if r.state in ("done", "cut"):
+                continue
+            tokens, status, reason = engine.poll(rid)
+            r.add(tokens)
+            if status != "running":  # "cut": it reached its token limit
+                r.state, finished = "cut" if reason == "length" else "done", finished + 1
+            elif rid in in_slots:
+                r.state = "running"
+        screen = frame(title, lm.info.name, record, shown, kind, slots, finished)
+        if live:
+            out.write("\x1b[H\x1b[J" + "\n".join(screen) + "\n")
+            out.flush()
+    text = summary(kind, engine, requests)
+    if not live:
+        out.write("\n".join(screen) + "\n")
+    out.write("\n" + text + "\n")
+    return text
+
+
+def run_demo(kind: str, model: str | None, requests: int = 10, **options) -> int:
+    print("loading the model ...", flush=True)
+    play(load_model(model), kind, requests, **options)
     return 0

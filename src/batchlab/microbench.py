@@ -10,6 +10,7 @@ import statistics
 import time
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .kv import BlockManager
@@ -41,21 +42,50 @@ def fused_step_ratio(lm: LoadedModel, decodes: int = 16, chunk: int = 128, conte
     prefill = Chunk(f"r{decodes}", filler[context:context + chunk], context,  # a continuing chunk
                     tables[decodes])
     variants = {"chunk_alone": [prefill], "decode_alone": rows, "fused": rows + [prefill]}
-    times = {name: [] for name in variants}
-    for name, chunks in variants.items():  # warm-up
-        runner.forward(chunks)
-    for _ in range(repeats):
-        for name, chunks in variants.items():
-            start = time.perf_counter()
-            runner.forward(chunks)
-            times[name].append(time.perf_counter() - start)
-    med = {name: statistics.median(t) for name, t in times.items()}
+    med = _interleaved_medians(runner, variants, repeats)
     return {
         "decodes": decodes, "chunk": chunk, "context": context, "repeats": repeats,
         **{f"{name}_s": v for name, v in med.items()},
         "fused_over_chunk_alone": med["fused"] / med["chunk_alone"],
         "fused_over_separate": med["fused"] / (med["chunk_alone"] + med["decode_alone"]),
     }
+
+
+def chunk_context_ratio(lm: LoadedModel, chunk: int = 64, context: int = 960,
+                        repeats: int = 5) -> dict:
+    """Time a ``chunk``-token prefill chunk at the start of a prompt against the same-size
+    chunk after ``context`` tokens, interleaved. Attention is the only part that grows with
+    the context (~25 % of the FLOPs at 1k here), so near-BLAS attention keeps
+    ``chunk_1k_over_chunk_0`` near 1.3 or below."""
+    blocks = BlockManager(BlockManager.blocks_needed(context + chunk, 16) * 2, 16)
+    runner = ModelRunner(lm, blocks.num_blocks, blocks.block_size)
+    filler = [(i * 7919) % 1000 + 100 for i in range(context + chunk)]
+    tables = []
+    for name in ("first", "late"):
+        blocks.reserve(name, context + chunk)
+        tables.append(list(blocks.ensure(name, context + chunk)))
+    runner.forward([Chunk("late", filler[:context], 0, tables[1])])
+    variants = {"chunk_at_0": [Chunk("first", filler[:chunk], 0, tables[0])],
+                "chunk_at_context": [Chunk("late", filler[context:], context, tables[1])]}
+    med = _interleaved_medians(runner, variants, repeats)
+    return {"chunk": chunk, "context": context, "repeats": repeats,
+            **{f"{name}_s": v for name, v in med.items()},
+            "chunk_1k_over_chunk_0": med["chunk_at_context"] / med["chunk_at_0"]}
+
+
+def _interleaved_medians(runner: ModelRunner, variants: dict[str, list[Chunk]],
+                         repeats: int) -> dict[str, float]:
+    """Median seconds of ``runner.forward`` on each variant, timed A, B, C, A, B, C, ...
+    after one untimed warm-up each."""
+    times = {name: [] for name in variants}
+    for chunks in variants.values():
+        runner.forward(chunks)
+    for _ in range(repeats):
+        for name, chunks in variants.items():
+            start = time.perf_counter()
+            runner.forward(chunks)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def decode_scaling(lm: LoadedModel, batch_sizes: list[int], prompt_len: int = 64, warmup: int = 3,
@@ -81,3 +111,27 @@ def decode_scaling(lm: LoadedModel, batch_sizes: list[int], prompt_len: int = 64
         out[batch] = {"batch": batch, "step_s": step_s, "tokens_per_s": batch / step_s,
                       "step_min_s": min(times), "step_max_s": max(times)}
     return out
+
+
+def sgemm_gflops(repeats: int = 50) -> float:
+    """float32 GFLOP/s of the matmul shape MLX runs most here (64 rows by a 576x1536
+    weight): what the BLAS gives. ``batchlab info`` and ``batchlab bench`` both print it."""
+    a, b = mx.random.normal((576, 1536)), mx.random.normal((64, 576))
+    mx.eval(b @ a)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(b @ a)
+    return repeats * 2 * 576 * 1536 * 64 / (time.perf_counter() - start) / 1e9
+
+
+def copy_gbps(megabytes: int = 256, repeats: int = 5) -> float:
+    """Memory bandwidth as GB/s moved (read plus written) by a large numpy copy, best of
+    ``repeats``: the rate a memory-bound decode step reads its weights at, at best."""
+    src = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first copy also faults the pages in
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.nbytes / best / 1e9

@@ -56,9 +56,21 @@ def backend() -> str:
     return "gpu" if mx.default_device() == mx.gpu else "cpu"
 
 
+DTYPES = {"float16": mx.float16, "float32": mx.float32}
+
+
 def default_dtype() -> mx.Dtype:
+    """float32 on the CPU, float16 on Metal, unless ``BATCHLAB_DTYPE`` (float16 or float32)
+    says otherwise: ``BATCHLAB_DTYPE=float16`` on Linux loads the weights exactly as on a
+    Mac, so the Metal path's numbers can be checked here (slowly: the CPU is not built for
+    float16)."""
     # CPU: float32 (exact; the MLX CPU backend only batches float matmuls well).
     # Metal: float16 halves memory traffic, the decode bottleneck, and Metal is built for it.
+    chosen = os.environ.get("BATCHLAB_DTYPE")
+    if chosen:
+        if chosen not in DTYPES:
+            raise ValueError(f"BATCHLAB_DTYPE must be one of {', '.join(DTYPES)}, got {chosen!r}")
+        return DTYPES[chosen]
     return mx.float16 if backend() == "gpu" else mx.float32
 
 

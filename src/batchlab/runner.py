@@ -10,6 +10,7 @@ rows: decode rows ride along on a prefill chunk's matrix multiplies. Only attent
 is per sequence, because each sequence attends to its own keys and values:
 - decode rows together: their contexts gathered from the KV pool, padded, masked;
 - each prefill chunk: causal attention over its own earlier tokens plus itself.
+Both go through ``batchlab.attention`` (fast CPU attention; ``mx.fast`` on Metal).
 
 The runner decides nothing: which chunks run is the scheduler's job.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from . import attention
 from .batch import Chunk, Runner
 from .model import LoadedModel
 from .sampling import Sampler, sample_rows
@@ -113,47 +115,39 @@ class ModelRunner(Runner):
         outputs = []
         if num_rows:  # decode rows: one query each, over its gathered, padded context
             gather, mask = row_context
-            qr = q[:num_rows].reshape(num_rows, H, 1, D)
-            # [rows, KH, context, D]; made contiguous, which the CPU attention needs to be fast
-            kr = mx.contiguous(keys[gather].transpose(0, 2, 1, 3))
-            vr = mx.contiguous(values[gather].transpose(0, 2, 1, 3))
-            out = mx.fast.scaled_dot_product_attention(qr, kr, vr, scale=self.scale, mask=mask)
-            outputs.append(out.reshape(num_rows, H * D))
+            outputs.append(attention.decode_rows(q[:num_rows], keys[gather], values[gather],
+                                                 mask, self.scale))
         offset = num_rows
         for chunk, (gather, mask) in zip(prefills, prefill_context):
             L = len(chunk.tokens)
-            qc = q[offset:offset + L].transpose(1, 0, 2)[None]  # [1, H, L, D]
             if gather is None:  # first chunk of a prompt: its own keys are the whole context
                 kc, vc = k[offset:offset + L], v[offset:offset + L]
             else:
                 kc, vc = keys[gather], values[gather]
-            kc = mx.contiguous(kc.transpose(1, 0, 2))[None]
-            vc = mx.contiguous(vc.transpose(1, 0, 2))[None]
-            out = mx.fast.scaled_dot_product_attention(qc, kc, vc, scale=self.scale, mask=mask)
-            outputs.append(out[0].transpose(1, 0, 2).reshape(L, H * D))
+            outputs.append(attention.prefill_chunk(q[offset:offset + L], kc, vc, mask, self.scale))
             offset += L
         return mx.concatenate(outputs)[None] if len(outputs) > 1 else outputs[0][None]
 
     def _row_context(self, rows: list[Chunk]):
-        """Gather indices [rows, longest context] and the mask hiding each row's padding."""
+        """Gather indices [rows, longest context] and the additive mask hiding each row's padding."""
         lengths = [c.start + 1 for c in rows]
         longest = max(lengths)
         gather = np.zeros((len(rows), longest), dtype=np.int32)
         for r, c in enumerate(rows):
             gather[r, :lengths[r]] = c.slot_mapping(0, lengths[r], self.block_size)
-        mask = np.arange(longest)[None, :] < np.array(lengths)[:, None]
-        return mx.array(gather), mx.array(mask)[:, None, None, :]
+        allowed = np.arange(longest)[None, :] < np.array(lengths)[:, None]
+        return mx.array(gather), attention.additive_mask(allowed)
 
     def _prefill_context(self, chunk: Chunk):
-        """Gather indices of the chunk's whole context (None if it starts the prompt) and
-        its causal mask: query i (at position start+i) sees keys 0..start+i."""
+        """Gather indices of the chunk's whole context and its additive causal mask (query i,
+        at position start+i, sees keys 0..start+i); both None if it starts the prompt."""
         L = len(chunk.tokens)
         if chunk.start == 0:
-            return None, "causal"
+            return None, None
         total = chunk.start + L
         gather = mx.array(chunk.slot_mapping(0, total, self.block_size))
-        mask = np.arange(total)[None, :] <= (chunk.start + np.arange(L))[:, None]
-        return gather, mx.array(mask)
+        allowed = np.arange(total)[None, :] <= (chunk.start + np.arange(L))[:, None]
+        return gather, attention.additive_mask(allowed)
 
     def _lm_head(self, h: mx.array) -> mx.array:
         model = self.lm.model

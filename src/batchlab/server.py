@@ -1,9 +1,11 @@
 """An OpenAI-compatible HTTP server on top of the poll interface.
 
 One ``EngineLoop`` runs the engine in its own thread. Each HTTP request submits to
-it and then polls for new tokens between short sleeps, so no client ever blocks the
-scheduler and the scheduler never waits for a client. A client that goes away
-cancels its request, which frees its slot at the next engine step.
+it and then polls for new tokens whenever an engine step ends (the loop wakes the
+waiting streams), so no client ever blocks the scheduler and the scheduler never waits
+for a client. A client that goes away cancels its request, which frees its slot at the
+next engine step. If the engine fails, or the server is shutting down, every open
+stream ends with an error event instead of hanging.
 """
 
 from __future__ import annotations
@@ -23,18 +25,32 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .dashboard import add_dashboard
-from .engine import EngineLoop
+from .loop import EngineLoop
 from .model import LoadedModel
 from .policies import Admission, QueueFull
 from .trace import RequestRecord
 
-POLL_INTERVAL_S = 0.005
 DEFAULT_MAX_TOKENS = 512
+# A waiting stream wakes when an engine step ends; it also looks at least this often, so
+# no stream can hang on a lost wake-up.
+HEARTBEAT_S = 1.0
+
+
+class ContentPart(BaseModel):
+    """One part of a message's content in OpenAI's array form; only text parts are read."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    # "developer" is what newer OpenAI clients send for "system"; tool and function
+    # messages parse only so that they get a clear refusal (see chat_turns)
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None
+    tool_calls: list | None = None
+    function_call: dict | None = None
 
 
 class StreamOptions(BaseModel):
@@ -58,6 +74,8 @@ class SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=1)  # one choice per request
     priority: int = 0  # vLLM's extension: lower is served first and preempted last
     user: str | None = Field(None, max_length=256)  # who sent it: the dashboard's label, per-user limits
+    logprobs: bool | int | None = None  # refused (see refusal), never silently ignored
+    top_logprobs: int | None = None
 
     @field_validator("stop")
     @classmethod
@@ -70,6 +88,67 @@ class SamplingFields(BaseModel):
 
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+
+
+class Unsupported(ValueError):
+    """A well-formed request asking for what this server does not do: a 400 naming ``param``."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+NO_TOOLS = "tool calls are not supported: this server only generates text"
+
+
+def refusal(req: SamplingFields) -> Unsupported | None:
+    """Why the server cannot serve this request as asked, if it cannot (rather than
+    ignoring a field that would change the answer's form)."""
+    if req.logprobs is not None and req.logprobs is not False:
+        return Unsupported("logprobs are not supported by this server", "logprobs")
+    if req.top_logprobs:
+        return Unsupported("top_logprobs are not supported by this server", "top_logprobs")
+    if isinstance(req, ChatRequest):
+        for field in ("tools", "functions"):
+            if getattr(req, field):
+                return Unsupported(NO_TOOLS, field)
+        for field in ("tool_choice", "function_call"):
+            if getattr(req, field) not in (None, "none"):
+                return Unsupported(NO_TOOLS, field)
+    return None
+
+
+def chat_turns(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template takes them: role "developer" read as "system",
+    content-part arrays joined into one text. Raises ``Unsupported`` for tool calls and
+    for parts that are not text (images, audio, files)."""
+    turns = []
+    for i, message in enumerate(messages):
+        if message.role in ("tool", "function") or message.tool_calls or message.function_call:
+            raise Unsupported(NO_TOOLS, f"messages.{i}")
+        content = message.content
+        if isinstance(content, list):
+            for k, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise Unsupported(f"content part type {part.type!r} is not supported: this model "
+                                      f"reads text only", f"messages.{i}.content.{k}")
+            content = "".join(part.text for part in content)
+        role = "system" if message.role == "developer" else message.role
+        turns.append({"role": role, "content": content or ""})
+    return turns
+
+
+class StreamEnded(Exception):
+    """A stream that cannot go on: its request failed in the engine, the engine stopped,
+    or the server is shutting down. ``status`` is the HTTP status a non-streamed answer gets."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class CompletionRequest(SamplingFields):
@@ -167,6 +246,42 @@ class Server:
         self.max_running_per_user = max_running_per_user
         self.clients: dict[str, Client] = {}  # unfinished requests: who sent them
         self.on_submit: list[Callable[[str, Client], None]] = []  # e.g. the dashboard's
+        self.closing: str | None = None  # why the server refuses new work and ends streams
+        self._progress = asyncio.Event()  # replaced by a fresh one each time it is set
+        self._aio: asyncio.AbstractEventLoop | None = None
+
+    def unavailable(self) -> str | None:
+        """Why the server cannot take a request now (503), or None."""
+        if self.loop.error is not None:
+            return f"the engine has stopped: {self.loop.error!r}"
+        return self.closing
+
+    def close(self, reason: str = "the server is shutting down") -> None:
+        """Refuse new requests and end every open stream with an error event (from any
+        thread, including a signal handler)."""
+        self.closing = reason
+        self._notify()
+
+    def _progress_event(self) -> asyncio.Event:
+        """The event that is set at the next engine progress. Take it before polling, so a
+        step that ends between the poll and the wait still wakes the stream."""
+        if self._aio is None:  # the first stream: from now on, every step wakes the streams
+            self._aio = asyncio.get_running_loop()
+            self.loop.add_listener(self._notify)
+        return self._progress
+
+    def _notify(self) -> None:
+        """Wake every waiting stream; called from the engine's thread (or a signal handler)."""
+        if self._aio is None:
+            return
+        try:
+            self._aio.call_soon_threadsafe(self._wake_streams)
+        except RuntimeError:  # the event loop has closed: no stream is left to wake
+            pass
+
+    def _wake_streams(self) -> None:
+        event, self._progress = self._progress, asyncio.Event()
+        event.set()
 
     def submit(self, prompt_ids: list[int], req: SamplingFields) -> str:
         """Raises ValueError for a request the engine refuses (too long, bad ids...),
@@ -190,11 +305,13 @@ class Server:
     async def events(self, rid: str, stops: list[str]) -> AsyncIterator[tuple[str, str | None, int]]:
         """Yield (new text, finish reason or None, tokens so far) until the request ends:
         one piece per token that adds text, so a client can time every token (ITL).
+        Raises ``StreamEnded`` if the request fails, the engine stops or the server closes.
         If the consumer goes away (a disconnect cancels this generator), cancel the request."""
         detok, stopper = self.lm.tokenizer.detokenizer(), StopMatcher(stops)
         eos, count, done = self.lm.tokenizer.eos_token_ids, 0, False
         try:
             while True:
+                progress = self._progress_event()
                 tokens, status, reason = self.loop.poll(rid)
                 for token in tokens:  # one piece per token, as OpenAI's servers stream
                     count += 1
@@ -206,13 +323,21 @@ class Server:
                         return
                     if sent:
                         yield sent, None, count
+                if reason == "error":
+                    done = True
+                    raise StreamEnded("the engine failed while running this request", 500)
                 if status != "running":
                     sent, hit = stopper.feed(detok.flush())
                     done = True
                     reason = "stop" if hit or reason == "cancelled" else reason
                     yield sent + ("" if hit else stopper.flush()), reason, count
                     return
-                await asyncio.sleep(POLL_INTERVAL_S)
+                if self.unavailable():
+                    raise StreamEnded(self.unavailable(), 503)
+                try:
+                    await asyncio.wait_for(progress.wait(), HEARTBEAT_S)
+                except asyncio.TimeoutError:  # (Python 3.10: not yet the builtin TimeoutError)
+                    pass
         finally:
             if not done:
                 self.loop.cancel(rid)
@@ -241,8 +366,8 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
 
     @app.get("/health")
     async def health():
-        if server.loop.error is not None:
-            return error(503, f"engine stopped: {server.loop.error!r}", "server_error")
+        if server.unavailable():
+            return error(503, server.unavailable(), "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models", dependencies=[auth])
@@ -272,8 +397,10 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def respond(http: Request, req: SamplingFields, prompt_ids: list[int], chat: bool):
-        if server.loop.error is not None:
-            return error(503, "the engine has stopped", "server_error")
+        if server.unavailable():
+            return error(503, server.unavailable(), "server_error")
+        if refused := refusal(req):
+            return error(400, str(refused), param=refused.param)
         try:
             rid = server.submit(prompt_ids, req)
         except ValueError as e:
@@ -298,11 +425,14 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
 
         if not req.stream:
             text, reason, count = "", None, 0
-            async for piece, reason, count in server.events(rid, req.stop):
-                text += piece
-                if await http.is_disconnected():
-                    server.loop.cancel(rid)
-                    return error(499, "client closed the request")
+            try:
+                async for piece, reason, count in server.events(rid, req.stop):
+                    text += piece
+                    if await http.is_disconnected():
+                        server.loop.cancel(rid)
+                        return error(499, "client closed the request")
+            except StreamEnded as e:
+                return error(e.status, str(e), "server_error")
             return {"id": ident, "object": kind, "created": created, "model": server.model_id,
                     "choices": [choice(text, reason, final=True)], "usage": usage(count)}
 
@@ -318,9 +448,15 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
                               "finish_reason": None}])
             count = 0
-            async for piece, reason, count in server.events(rid, req.stop):
-                if piece or reason:
-                    yield chunk([choice(piece, reason, final=False)])
+            try:
+                async for piece, reason, count in server.events(rid, req.stop):
+                    if piece or reason:
+                        yield chunk([choice(piece, reason, final=False)])
+            except StreamEnded as e:  # an error event, as OpenAI's and vLLM's servers send
+                yield "data: " + json.dumps({"error": {"message": str(e), "type": "server_error",
+                                                       "param": None, "code": e.status}}) + "\n\n"
+                yield "data: [DONE]\n\n"
+                return
             if req.stream_options and req.stream_options.include_usage:
                 yield chunk([], usage=usage(count))
             yield "data: [DONE]\n\n"
@@ -330,7 +466,9 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
     @app.post("/v1/chat/completions", dependencies=[auth])
     async def chat_completions(req: ChatRequest, http: Request):
         try:
-            prompt_ids = server.lm.tokenizer.encode_chat([m.model_dump() for m in req.messages])
+            prompt_ids = server.lm.tokenizer.encode_chat(chat_turns(req.messages))
+        except Unsupported as e:
+            return error(400, str(e), param=e.param)
         except ValueError as e:
             return error(400, str(e), param="messages")
         return await respond(http, req, prompt_ids, chat=True)
@@ -345,21 +483,38 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
     return app
 
 
+# After the streams have been told to end, how long shutdown waits for a connection
+# (a client that reads slowly) before uvicorn cancels it.
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def _uvicorn(server: Server, api_key: str | None, show_prompts: bool, **config):
+    """A uvicorn server that, on shutdown (SIGTERM, Ctrl+C, ``should_exit``), first ends
+    every open stream; uvicorn alone would wait until each had generated its last token."""
+    import uvicorn
+
+    class Uvicorn(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            server.close()
+            await super().shutdown(sockets)
+
+    app = create_app(server, api_key, show_prompts)
+    return Uvicorn(uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **config))
+
+
 def serve(lm: LoadedModel, kind: str, host: str = "127.0.0.1", port: int = 8000,
           max_queue: int = 64, api_key: str | None = None, insecure: bool = False,
           max_running_per_user: int | None = None, show_prompts: bool = False,
           **engine_options) -> None:
     """Run the server until interrupted (``batchlab serve``)."""
-    import uvicorn
-
     from .engine import make_engine
 
     check_exposure(host, api_key, insecure)
     engine = make_engine(kind, lm, trace_limit=2000, admission=Admission(max_queue=max_queue),
                          **engine_options)
     with EngineLoop(engine) as loop:
-        app = create_app(Server(lm, loop, lm.info.name, max_running_per_user), api_key, show_prompts)
-        uvicorn.run(app, host=host, port=port, log_level="info")
+        _uvicorn(Server(lm, loop, lm.info.name, max_running_per_user), api_key, show_prompts,
+                 host=host, port=port, log_level="info").run()
 
 
 class ServerThread:
@@ -399,8 +554,6 @@ def serve_in_thread(lm: LoadedModel, kind: str = "stallfree", host: str = "127.0
     import socket
     import threading
 
-    import uvicorn
-
     from .engine import make_engine
 
     check_exposure(host, api_key, insecure)
@@ -411,9 +564,8 @@ def serve_in_thread(lm: LoadedModel, kind: str = "stallfree", host: str = "127.0
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        app = create_app(Server(lm, loop, model_id or lm.info.name, max_running_per_user), api_key,
-                         show_prompts)
-        uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        uv = _uvicorn(Server(lm, loop, model_id or lm.info.name, max_running_per_user), api_key,
+                      show_prompts, log_level="warning")
         thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]},
                                   name="batchlab-http", daemon=True)
         thread.start()

@@ -28,26 +28,26 @@ is a small example).
 
 from ._core import FAIL, OK, Case, CheckFailed, Verdict, run_cases, whole_number_compare
 from .lesson00 import greedy_generate, greedy_pick, tokens_per_second
-from .lesson01 import static_batches, static_steps, wasted_slot_steps
-from .lesson02 import admit_next, continuous_steps, place_awaiting
+from .lesson01 import static_scheduler, static_steps, wasted_slot_steps
+from .lesson02 import continuous_scheduler, continuous_steps
 from .lesson03 import percentile_linear, predict_stall, time_between_tokens
 from .lesson04 import chunked_scheduler, largest_chunk, predict_long_ttft
 from .lesson05 import fused_saving, pack_chunks, skipped_decodes, stallfree_planner
-from .lesson06 import atomic_poll, cancel, stream_text
+from .lesson06 import engine_front, stream_text
 from .lesson07 import goodput, parse_sse, stream_metrics
-from .lesson08 import cached_prefix, choose_victim, kv_slots
-from .lesson09 import mean_in_system, pick_next, to_shed
+from .lesson08 import cached_prefix, kv_slots, memory_scheduler
+from .lesson09 import admission_policy, mean_in_system, to_shed
 
 __all__ = [
     "OK", "FAIL", "Case", "CheckFailed", "Verdict", "run_cases", "whole_number_compare",
     "greedy_pick", "greedy_generate", "tokens_per_second",
-    "static_batches", "wasted_slot_steps", "static_steps",
-    "place_awaiting", "admit_next", "continuous_steps",
+    "static_scheduler", "wasted_slot_steps", "static_steps",
+    "continuous_scheduler", "continuous_steps",
     "time_between_tokens", "percentile_linear", "predict_stall",
     "chunked_scheduler", "predict_long_ttft", "largest_chunk",
     "stallfree_planner", "pack_chunks", "skipped_decodes", "fused_saving",
-    "atomic_poll", "stream_text", "cancel",
+    "engine_front", "stream_text",
     "stream_metrics", "parse_sse", "goodput",
-    "kv_slots", "cached_prefix", "choose_victim",
-    "mean_in_system", "to_shed", "pick_next",
+    "kv_slots", "cached_prefix", "memory_scheduler",
+    "mean_in_system", "to_shed", "admission_policy",
 ]

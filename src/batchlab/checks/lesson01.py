@@ -4,8 +4,9 @@ Every checker here runs on the fake model (``batchlab.fake``), so it answers at 
 The right answers are not written down by hand: each case runs the library's own
 ``StaticScheduler`` on the same requests and compares.
 
-- ``static_batches(MyScheduler)``: a ``StaticScheduler`` subclass whose ``batches()`` the
-  learner wrote, driven by the real ``Engine`` with the fake model;
+- ``static_scheduler(MyStaticScheduler)``: a ``StaticScheduler`` subclass whose
+  ``batches()`` the learner wrote (``my_engine/static.py``), driven by the real ``Engine``
+  with the fake model, on small cases and on whole workloads;
 - ``wasted_slot_steps(fn)``: ``fn(output_lens, B)``, the slot-steps one static batch wastes;
 - ``static_steps(fn)``: ``fn(output_lens, B)``, the engine steps a whole workload takes.
 """
@@ -22,7 +23,7 @@ from ..fake import FakeModel, FakeRunner, reference_output
 from ..scheduler import StaticScheduler
 from ._core import Case, Verdict, run_cases, whole_number_compare
 
-__all__ = ["static_batches", "wasted_slot_steps", "static_steps"]
+__all__ = ["static_scheduler", "wasted_slot_steps", "static_steps"]
 
 MAX_STEPS = 2000  # a learner's scheduler that never finishes is stopped here
 
@@ -166,7 +167,110 @@ def compare_runs(got: Run, expected: Run, reqs: list[Req], fake: FakeModel,
 
 
 # ---------------------------------------------------------------------------------------
-# Exercise: the static batch loop.
+# Whole workloads: the piece runs through ``run_workload`` (the one driver), and the trace
+# it leaves must keep the rules of its kind.
+
+@dataclass
+class WholeRun:
+    """A whole workload run on the fake model: its trace, or why it stopped."""
+
+    trace: object | None = None
+    stuck: str | None = None
+    free_blocks_left: bool = True
+    steps_expected: int = 0
+
+
+def fake_workload(name: str, output_lens: list[int], prompt_lens: list[int], seed: int):
+    """A workload of fake prompts (all arriving at once) with these lengths."""
+    from ..workloads import Workload, WorkloadRequest
+    reqs = [WorkloadRequest(f"{name}-{i:03d}", list(fake_prompt(int(p), seed + i)), int(o))
+            for i, (p, o) in enumerate(zip(prompt_lens, output_lens))]
+    return Workload(name, f"{len(reqs)} fake requests at once", reqs, seed)
+
+
+def run_whole(cls: type, B: int, workload, fake: FakeModel) -> WholeRun:
+    """Run ``workload`` through ``run_workload`` on an engine around ``cls``; a scheduler
+    that steps without running anything is reported (``EngineStuck``), never a hang."""
+    from ..workloads import EngineStuck, run_workload
+    engine = fake_engine(cls, B, fake)
+    try:
+        trace = run_workload(engine, workload, progress=False)
+    except EngineStuck as e:
+        return WholeRun(stuck=f"the engine got stuck: {e}")
+    except NotImplementedError:
+        raise  # not written yet: the checker says so
+    except RuntimeError as e:  # idle with requests unfinished
+        return WholeRun(stuck=str(e))
+    blocks = engine.scheduler.blocks
+    return WholeRun(trace, free_blocks_left=blocks.num_free == blocks.num_blocks)
+
+
+def whole_outputs_problem(run: WholeRun, workload, fake: FakeModel) -> str | None:
+    """Every request got exactly the fake model's reference tokens."""
+    for r in workload:
+        want = reference_output(list(r.prompt_ids), r.max_new_tokens, fake.vocab_size, frozenset())
+        have = list(run.trace.requests[r.id].output_ids)
+        if have != want:
+            return f"{r.id} got {len(have)} tokens, not its {len(want)}, or the wrong ones"
+    return None
+
+
+def slots_problem(step, B: int) -> str | None:
+    """No slot double-booked, and never more than B of them."""
+    held = [rid for rid in step.slots if rid is not None]
+    if len(step.slots) > B:
+        return f"step {step.index} has {len(step.slots)} slots, more than B = {B}"
+    if len(held) != len(set(held)):
+        return f"after step {step.index} one request holds two slots: {step.slots}"
+    return None
+
+
+def whole_case(label: str, B: int, workload, fake: FakeModel, reference: type, kind: type,
+               invariants, hint: str, schedule=None) -> Case:
+    """A case that runs the learner's class on a whole workload: the run must finish, keep
+    ``invariants(trace, B)`` (None or what broke), give every request its reference
+    tokens, run the reference's schedule (``schedule(got, expected)`` names the first
+    difference, if given) and hand every KV block back."""
+    expected = run_whole(reference, B, workload, fake)
+
+    def call(c):
+        if not (isinstance(c, type) and issubclass(c, kind)):
+            raise TypeError(f"pass your scheduler class (a subclass of {kind.__name__})")
+        return run_whole(c, B, workload, fake)
+
+    def compare(got: WholeRun, exp: WholeRun) -> str | None:
+        if got.stuck:
+            return got.stuck
+        for step in got.trace.steps:
+            problem = slots_problem(step, B)
+            if problem:
+                return problem
+        problem = invariants(got.trace, B) or whole_outputs_problem(got, workload, fake)
+        if problem:
+            return problem
+        problem = schedule(got.trace, exp.trace) if schedule else None
+        if problem:
+            return problem
+        if len(got.trace.steps) != len(exp.trace.steps):
+            return (f"the rules held, but the run took {len(got.trace.steps)} steps where the "
+                    f"reference takes {len(exp.trace.steps)}")
+        if not got.free_blocks_left:
+            return ("at the end some KV blocks were still held: every finished request must be "
+                    "freed (Scheduler.remove)")
+        return None
+
+    def show(run):
+        if not isinstance(run, WholeRun):
+            return repr(run)
+        if run.stuck:
+            return "stopped: " + run.stuck.split(":")[0]
+        return f"{len(run.trace.steps)} steps, every request done"
+
+    return Case(label, call, expected, compare, hint, show)
+
+
+# ---------------------------------------------------------------------------------------
+# Exercise: the static scheduler (my_engine/static.py).
 
 def _static_hint(g: dict, e: dict, k: int) -> str | None:
     if g["prefill"] and not e["prefill"]:
@@ -175,6 +279,10 @@ def _static_hint(g: dict, e: dict, k: int) -> str | None:
     if e["prefill"] and g["prefill"] and len(g["prefill"]) != len(e["prefill"]):
         return ("a new batch takes up to max_batch_size requests from the front of the queue "
                 "(in arrival order), all at once")
+    if any(ge is None and ee is not None for ge, ee in zip(g["slots"], e["slots"])):
+        return ("a request left its slot while its batch was still running: a finished request "
+                "keeps its slot as a padding row, and nobody joins until every request of the "
+                "batch is done")
     if e["padding"] and not g["padding"]:
         return ("a finished request stays in the batch as a padding row until the whole batch "
                 "ends: yield Batch(decode=<live rows>, padding=<finished rows>)")
@@ -187,27 +295,58 @@ def _static_hint(g: dict, e: dict, k: int) -> str | None:
     return None
 
 
-def static_batches(cls) -> Verdict:
-    """Check a ``StaticScheduler`` subclass whose ``batches()`` the learner wrote: run it in
-    the engine on the fake model and compare every step with the library's scheduler."""
+def static_invariants(trace, B: int) -> str | None:
+    """The rules of static batching, read off a trace: a batch starts only when the last
+    one has left its slots (nobody joins mid-batch), and until it ends every request of
+    the batch has a row in every decode step: a decode row while it runs, a padding row
+    once it is done."""
+    batch: set[str] = set()
+    previous_slots: list = []
+    for step in trace.steps:
+        started = {rid for rid, _, _ in step.prefill}
+        if started:
+            if any(previous_slots):
+                joined = ", ".join(sorted(started))
+                return (f"step {step.index}: {joined} started while the batch before still held "
+                        f"its slots ({[r for r in previous_slots if r]}): in static batching nobody "
+                        f"joins a running batch")
+            batch = started
+        rows = set(step.decoded) | set(step.padding)
+        if step.decoded and rows != batch:
+            missing = sorted(batch - rows)
+            if missing and all(rid in {r for s in trace.steps[:step.index + 1] for r in s.finished}
+                               for rid in missing):
+                return (f"step {step.index}: finished {', '.join(missing)} had no row: a finished "
+                        f"request stays in its batch as a padding row until the batch ends")
+            return (f"step {step.index}: the decode step ran rows {sorted(rows)}, but the batch is "
+                    f"{sorted(batch)}")
+        done = set(step.decoded) & {r for r in step.padding}
+        if done:
+            return f"step {step.index}: {sorted(done)} got a decode row and a padding row"
+        previous_slots = list(step.slots)
+    return None
+
+
+def static_scheduler(cls) -> Verdict:
+    """Check ``MyStaticScheduler`` (a ``StaticScheduler`` subclass whose ``batches()`` the
+    learner wrote): small cases step by step against the library's scheduler, then whole
+    workloads through ``run_workload`` with the rules of static batching checked on the trace."""
     fake = FakeModel()
     eos_prompt, eos_len = _eos_prompt(fake)
     rng = np.random.default_rng(0)  # lengths drawn like the mixed workload's
     mixed_p, mixed_o = rng.integers(40, 301, 16), rng.integers(4, 65, 16)
     rows = [
+        ("two batches: 5 requests with B=3; the 4th and 5th wait until all of the first three "
+         "are done", 3, [Req(fake_prompt(4 + i, 10 + i), o) for i, o in enumerate([3, 7, 2, 5, 4])]),
         ("one batch with fewer requests than slots: 3 requests (prompts of 5, 9 and 3 tokens, "
          "outputs of 4, 2 and 6 tokens), B=4",
          4, [Req(fake_prompt(5, 1), 4), Req(fake_prompt(9, 2), 2), Req(fake_prompt(3, 3), 6)]),
-        ("two batches: 5 requests with B=3; the 4th and 5th wait until all of the first three "
-         "are done", 3, [Req(fake_prompt(4 + i, 10 + i), o) for i, o in enumerate([3, 7, 2, 5, 4])]),
         ("every request wants a single token (3 requests, B=2): the prefill makes it, no decode rows",
          2, [Req(fake_prompt(6, 20 + i), 1) for i in range(3)]),
         (f"a request stops early on EOS (the fake model's token 0, after {eos_len} tokens) and "
          "stays in its batch as a padding row", 3,
          [Req(fake_prompt(7, 30), 9), Req(eos_prompt, 12, ignore_eos=False), Req(fake_prompt(5, 31), 8)]),
         ("B=1: one request at a time", 1, [Req(fake_prompt(4, 40 + i), o) for i, o in enumerate([3, 1, 4])]),
-        ("16 requests with prompt and output lengths drawn like the mixed workload's, B=8", 8,
-         [Req(fake_prompt(int(p), 50 + i), int(o)) for i, (p, o) in enumerate(zip(mixed_p, mixed_o))]),
     ]
 
     def case(label, B, reqs):
@@ -216,14 +355,26 @@ def static_batches(cls) -> Verdict:
         def call(c):
             if not (isinstance(c, type) and issubclass(c, StaticScheduler)):
                 raise TypeError("pass your scheduler class (a subclass of StaticScheduler), "
-                                "e.g. check.static_batches(MyStaticScheduler)")
+                                "e.g. check.static_scheduler(MyStaticScheduler)")
             return run_requests(fake_engine(c, B, fake), reqs)
 
         return Case(label, call, expected,
                     lambda got, exp: compare_runs(got, exp, reqs, fake, _static_hint),
                     show=_show_run)
 
-    return run_cases("static_batches", cls, [case(*row) for row in rows])
+    hint = ("take up to B requests from the queue only when no batch runs; yield one prefill, "
+            "then one decode step per call (finished rows as padding); when every request of "
+            "the batch is done, free them all and empty self.batch")
+    wholes = [
+        ("whole workload: 16 requests with prompt and output lengths drawn like the mixed "
+         "workload's, B=8", 8, fake_workload("mix", mixed_o, mixed_p, 50)),
+        ("whole workload: 30 requests, outputs 1 to 40 tokens, B=4 (eight batches)", 4,
+         fake_workload("w", rng.integers(1, 41, 30), rng.integers(3, 30, 30), 500)),
+    ]
+    cases = [case(*row) for row in rows]
+    cases += [whole_case(label, B, wl, fake, StaticScheduler, StaticScheduler, static_invariants, hint)
+              for label, B, wl in wholes]
+    return run_cases("static_scheduler", cls, cases)
 
 
 def _static_run(output_lens: list[int], B: int) -> Run:

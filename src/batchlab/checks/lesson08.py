@@ -2,11 +2,12 @@
 
 ``kv_slots``       where tokens live: a block table turned into flat KV-pool slots;
 ``cached_prefix``  the prefix-cache lookup: a chain of block keys, longest cached run;
-``choose_victim``  who gives way when the pool runs dry (lowest priority, then newest).
+``memory_scheduler``  the learner's ``MyMemoryScheduler.fits`` (admission by free blocks) and
+                  ``MyVictimPolicy.victim`` (who gives way when the pool runs dry).
 
 Every answer is compared with the library's own code (``BlockManager.slots``,
-``BlockManager.lookup``, ``PriorityPolicy.victim``); the victim is also plugged into a
-fake-model engine whose pool is too small, and the run compared with the library's.
+``BlockManager.lookup``, ``Scheduler.fits``, ``PriorityPolicy.victim``); the memory pieces
+also run in fake-model engines on whole workloads under small pools.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from typing import Callable
 
 from ..batch import Chunk
 from ..engine import make_engine
-from ..fake import FakeModel, FakeRunner, TickClock
+from ..fake import FakeModel, FakeRunner, TickClock, reference_output
 from ..kv import BlockManager
 from ..policies import PriorityPolicy
+from ..request import State
+from ..scheduler import Scheduler
+from ..workloads import EngineStuck, Workload, WorkloadRequest, run_workload
 from ._core import Case, Verdict, answer_compare, run_cases, show
 
-__all__ = ["kv_slots", "cached_prefix", "choose_victim"]
+__all__ = ["kv_slots", "cached_prefix", "memory_scheduler"]
 
 
 def _ints(why_not: str):
@@ -144,49 +148,121 @@ def cached_prefix(fn: Callable) -> Verdict:
 
 
 # ---------------------------------------------------------------------------------------
-# Exercise 3: the preemption victim.
+# The main exercise: admission by free blocks (fits) and the preemption victim.
 
 def _req(rid, priority, arrival_s):
     return SimpleNamespace(id=rid, priority=priority, arrival_s=arrival_s)
 
 
-class _LearnerPolicy(PriorityPolicy):
-    """The library's policy with the victim chosen by the learner's function."""
+def _scenario_workload(name):
+    """Fake-model workloads (token ids < 60, all arriving at once) and how to run them:
+    (requests, engine options, priorities or None, must preempt)."""
+    def prompt(i, n, offset=0):
+        return [(7 * i + 3 * j + offset) % 59 + 1 for j in range(n)]
 
-    def __init__(self, fn):
-        self.fn = fn
-
-    def victim(self, running):
-        chosen = self.fn(list(running))
-        if chosen not in running:
-            raise RuntimeError(f"choose_victim returned {show(chosen)}, which is not one of "
-                               f"the running requests: return one of them")
-        return chosen
-
-
-def _preempting_run(policy: PriorityPolicy):
-    """Six requests of mixed priority on a pool too small for them (fake model): the
-    preemptions of each step and the tokens of each request."""
-    engine = make_engine("stallfree", FakeModel(), runner=FakeRunner, max_batch_size=4,
-                         token_budget=24, policy=policy, num_kv_blocks=14, kv_block_size=4,
-                         clock=TickClock())
-    for i, prio in enumerate([1, 0, 2, 1, 0, 2]):
-        engine.submit([(7 * i + j) % 60 + 1 for j in range(6 + i)], max_new_tokens=20,
-                      ignore_eos=True, request_id=f"r{i}", priority=prio)
-    engine.run_until_idle()
-    return ([s.preempted for s in engine.trace.steps if s.preempted],
-            {rid: list(r.output_ids) for rid, r in engine.trace.requests.items()})
+    if name == "tight":  # a pool too small for everyone's growth: preemptions must happen
+        reqs = [WorkloadRequest(f"r{i}", prompt(i, 6 + 3 * i), 14 + 2 * i) for i in range(6)]
+        return reqs, dict(max_batch_size=4, token_budget=24, num_kv_blocks=14), None, True
+    if name == "priorities":  # the same pool, mixed priorities: victims by importance
+        reqs = [WorkloadRequest(f"p{i}", prompt(i, 6 + i, 5), 20) for i in range(6)]
+        return (reqs, dict(max_batch_size=4, token_budget=24, num_kv_blocks=14),
+                {f"p{i}": prio for i, prio in enumerate([1, 0, 2, 1, 0, 2])}, True)
+    if name == "long prompts":  # prompts longer than the budget: only the first chunk counts
+        reqs = [WorkloadRequest(f"l{i}", prompt(i, 30 + 5 * i), 6) for i in range(5)]
+        return reqs, dict(max_batch_size=4, token_budget=12, num_kv_blocks=24), None, False
+    # a shared prefix on a prefix-cached pool: cached blocks need no new block
+    system = prompt(99, 16)
+    reqs = [WorkloadRequest(f"s{i}", system + prompt(i, 3 + i), 8) for i in range(6)]
+    return (reqs, dict(max_batch_size=4, token_budget=24, num_kv_blocks=11,
+                       enable_prefix_cache=True), None, False)
 
 
-def choose_victim(fn: Callable) -> Verdict:
-    """Check ``fn(running) -> request``: ``running`` lists the requests holding KV blocks in
-    admission order (each has ``.id``, ``.priority``, lower is more important, and
-    ``.arrival_s``); return the one to preempt: the least important (highest priority
-    number), and among those the newest arrival (the latest admitted if arrivals tie)."""
+SCENARIOS = {
+    "tight": "6 requests growing on a pool of 14 blocks of 4 tokens (preemptions must happen)",
+    "priorities": "6 requests of priorities [1, 0, 2, 1, 0, 2] on 14 blocks (preemptions must happen)",
+    "long prompts": "5 prompts of 30-50 tokens, a budget of 12 tokens a step (chunked admission)",
+    "shared prefix": "6 requests sharing a 16-token prefix, prefix cache on",
+}
 
-    def case(label, running, hint=""):
-        def call(f):
-            got = f(list(running))
+
+def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
+    """A sentence naming the likely mistake when the learner's fits disagrees."""
+    blocks = sched.blocks
+    hits, cached, n = sched._first_chunk(req, max_tokens)
+    decoding = sum(r.state is State.DECODING for r in sched.running)
+    need = blocks.blocks_for(cached + n) - len(hits) + sum(blocks.ref_counts[b] == 0 for b in hits)
+    situation = (f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, "
+                 f"{len(hits)} cached block(s), {decoding} request(s) decoding, "
+                 f"{blocks.num_free} free block(s)) your fits said {got}, the reference "
+                 f"{not got}")
+    free = blocks.num_free
+    if hits and got == (blocks.blocks_for(min(max_tokens, req.prefill_len)) + decoding <= free):
+        return (f"{situation}: cached prefix blocks (self.blocks.lookup, or self._first_chunk) "
+                f"are shared, not taken: they cost no free block (unless evictable, ref count 0)")
+    if got == (need <= free):
+        return (f"{situation}: you left no headroom; keep one free block for every DECODING "
+                f"request, so admitting does not force a preemption at once")
+    if got == (blocks.blocks_for(req.prefill_len) + decoding <= free):
+        return (f"{situation}: count only the first chunk (at most max_tokens tokens after "
+                f"the cached prefix), not the whole prompt: later chunks take blocks as they come")
+    return situation
+
+
+def _whole_run(scheduler_cls, policy_cls, name):
+    """Run scenario ``name`` with the learner's classes; every disagreement of fits and
+    victim with the reference is noted (the learner's decision is the one that runs)."""
+    reqs, options, priorities, _ = _scenario_workload(name)
+    notes: dict[str, str] = {}
+
+    class Probe(scheduler_cls):
+        def fits(self, req, max_tokens):
+            got = super().fits(req, max_tokens)
+            if bool(got) != Scheduler.fits(self, req, max_tokens) and "fits" not in notes:
+                notes["fits"] = _why_fits_differs(self, req, max_tokens, bool(got))
+            return got
+
+    class PolicyProbe(policy_cls):
+        def victim(self, running):
+            got = super().victim(running)
+            want = PriorityPolicy.victim(self, running)
+            if got is not want and "victim" not in notes:
+                notes["victim"] = (f"among {[(r.id, r.priority) for r in running]} (id, priority), "
+                                   f"your victim was {getattr(got, 'id', got)!r}, the reference's "
+                                   f"{want.id!r}")
+            if got not in running:
+                raise RuntimeError(f"victim returned {show(got)}, not one of the running requests")
+            return got
+
+    options = dict(options)
+    cache = options.pop("enable_prefix_cache", False)
+    engine = make_engine(Probe, FakeModel(), runner=FakeRunner, kv_block_size=4, clock=TickClock(),
+                         enable_prefix_cache=cache, policy=PolicyProbe(), **options)
+    try:
+        trace = run_workload(engine, Workload(name, name, reqs), progress=False,
+                             priorities=priorities)
+    except EngineStuck as e:
+        return {"problem": f"the engine got stuck: {e} (does your fits ever say True?)"}
+    fake = FakeModel()
+    wrong = [r.id for r in reqs if trace.requests[r.id].output_ids !=
+             reference_output(r.prompt_ids, r.max_new_tokens, fake.vocab_size, frozenset())]
+    held = engine.scheduler.blocks.num_blocks - engine.scheduler.blocks.num_free  # cached blocks count as free
+    return {"problem": None, "notes": notes, "wrong": wrong, "held at the end": held,
+            "preemptions": sum(len(s.preempted) for s in trace.steps),
+            "over budget": [s.index for s in trace.steps if s.num_tokens > options["token_budget"]]}
+
+
+def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
+    """Check the learner's ``MyMemoryScheduler(StallFreeScheduler).fits(req, max_tokens)``
+    (admission by free blocks: the first chunk after any cached prefix, plus one block of
+    headroom per decoding request) and ``MyVictimPolicy(PriorityPolicy).victim(running)``
+    (the least important, the newest among equals, the latest admitted on a full tie):
+    the victim on small cases, then both together in fake-model engines on whole workloads
+    under small pools, each decision compared with the reference's."""
+    missing = next((p for p in (scheduler_cls, policy_cls) if getattr(p, "missing_reason", None)), None)
+
+    def victim_case(label, running, hint=""):
+        def call(pieces):
+            got = pieces()[1]().victim(list(running))
             return getattr(got, "id", got)
 
         def compare(got, expected):
@@ -198,46 +274,59 @@ def choose_victim(fn: Callable) -> Verdict:
                 if picked.priority < want.priority:
                     return (f"{got} has priority {picked.priority}, more important than "
                             f"{expected}'s {want.priority}: lower numbers are MORE important")
-                if picked.priority == want.priority:
-                    return (f"{got} and {expected} have the same priority; the newer one "
+                if picked.priority == want.priority and picked.arrival_s < want.arrival_s:
+                    return (f"{got} and {expected} have the same priority; the NEWER one "
                             f"(later arrival) gives way: it has the least work to lose")
+                if picked.priority == want.priority:
+                    return "on a full tie, the one admitted last (the end of the list) gives way"
                 return ""
             return "return one of the running requests (the object itself)"
 
         return Case(label, call, PriorityPolicy().victim(running).id, compare, hint)
 
-    def engine_case():
-        expected = _preempting_run(PriorityPolicy())
+    def run_case(name):
+        _, _, _, must_preempt = _scenario_workload(name)
 
-        def compare(got, exp):
-            if got == exp:
-                return None
-            if got[0] != exp[0]:
-                k = next((i for i, (a, b) in enumerate(zip(got[0], exp[0])) if a != b),
-                         min(len(got[0]), len(exp[0])))
-                return (f"preemption number {k + 1}: yours preempted "
-                        f"{got[0][k] if k < len(got[0]) else 'nobody'}, the library "
-                        f"{exp[0][k] if k < len(exp[0]) else 'nobody'}")
-            return "the preemptions match but the outputs differ"
+        def compare(got, expected):
+            if got.get("problem"):
+                return got["problem"]
+            notes = got["notes"]
+            if "fits" in notes:
+                return f"fits: {notes['fits']}"
+            if "victim" in notes:
+                return f"victim: {notes['victim']}"
+            if got["wrong"]:
+                return f"the outputs of {got['wrong']} differ from the fake model's"
+            if got["held at the end"]:
+                return f"{got['held at the end']} KV block(s) still held after every request ended"
+            if got["over budget"]:
+                return f"steps {got['over budget'][:5]} ran more tokens than the budget"
+            if must_preempt and not got["preemptions"]:
+                return ("this scenario must preempt (the pool is too small for everyone's "
+                        "growth) but no preemption happened: the run did not test the victim")
+            return None
 
-        return Case("in the engine: 6 requests of priorities [1, 0, 2, 1, 0, 2] share a pool of "
-                    "14 blocks of 4 tokens (fake model); every preemption must match the "
-                    "library's", lambda f: _preempting_run(_LearnerPolicy(f)), expected, compare,
-                    show=lambda v: f"preemptions {v[0][:6]}{' ...' if len(v[0]) > 6 else ''}")
+        return Case(f"a whole run: {SCENARIOS[name]}; every fits and victim decision matches "
+                    f"the reference, outputs are the fake model's, every block comes back",
+                    lambda pieces: _whole_run(*pieces(), name), "all right", compare,
+                    show=lambda v: v if isinstance(v, str) else
+                    f"{v.get('preemptions', 0)} preemptions, {v.get('problem') or 'see below'}")
 
-    return run_cases("choose_victim", fn, [
-        case("all priority 0, arrivals 1, 2, 3: the newest gives way",
-             [_req("a", 0, 1.0), _req("b", 0, 2.0), _req("c", 0, 3.0)],
-             "with equal priorities, the newest arrival is the victim"),
-        case("an old request of priority 5 among newer ones of priority 0",
-             [_req("old", 5, 1.0), _req("b", 0, 2.0), _req("c", 0, 3.0)],
-             "the least important (highest number) goes first, however old"),
-        case("two of priority 2 (arrivals 1 and 4) and one of priority 1 (arrival 9)",
-             [_req("x", 2, 1.0), _req("y", 1, 9.0), _req("z", 2, 4.0)],
-             "among the least important, the newest"),
-        case("only one request runs: it is the victim", [_req("solo", 0, 1.0)]),
-        case("equal priority and equal arrival: the one admitted last (end of the list)",
-             [_req("p", 1, 2.0), _req("q", 1, 2.0), _req("r", 0, 2.0)],
-             "break a full tie by admission order: the last in the list"),
-        engine_case(),
-    ])
+    cases = [
+        victim_case("victim: all priority 0, arrivals 1, 2, 3: the newest gives way",
+                    [_req("a", 0, 1.0), _req("b", 0, 2.0), _req("c", 0, 3.0)],
+                    "with equal priorities, the newest arrival is the victim"),
+        victim_case("victim: an old request of priority 5 among newer ones of priority 0",
+                    [_req("old", 5, 1.0), _req("b", 0, 2.0), _req("c", 0, 3.0)],
+                    "the least important (highest number) goes first, however old"),
+        victim_case("victim: two of priority 2 (arrivals 1 and 4) and one of priority 1 (arrival 9)",
+                    [_req("x", 2, 1.0), _req("y", 1, 9.0), _req("z", 2, 4.0)],
+                    "among the least important, the newest"),
+        victim_case("victim: equal priority and arrival: the one admitted last (end of the list)",
+                    [_req("p", 1, 2.0), _req("q", 1, 2.0), _req("r", 0, 2.0)],
+                    "break a full tie by admission order: the last in the list"),
+        *[run_case(name) for name in SCENARIOS],
+    ]
+    if missing is not None:
+        return run_cases("memory_scheduler", missing, cases)
+    return run_cases("memory_scheduler", lambda: (scheduler_cls, policy_cls), cases)

@@ -4,8 +4,8 @@
   requests in the system from time 0 to the last departure (Little's law: L = λ W);
 * ``to_shed(fn)``: ``fn(queue, now, ttft_slo_s, prefill_tokens_per_s) -> [ids]``, the
   queued requests that can no longer meet their time-to-first-token objective;
-* ``pick_next(fn)``: ``fn(queue) -> id``, which queued request a priority scheduler
-  admits next, compared with the engine's own ``PriorityPolicy``.
+* ``admission_policy(cls)``: the learner's ``MyAdmission(Admission).to_shed(queue, now)``,
+  on small cases and on whole simulated overloads next to the library's ``Admission``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from ..policies import PriorityPolicy
+from ..policies import Admission
+from ..request import State
 from ._core import Case, Verdict, close, number_compare, run_cases
 
-__all__ = ["mean_in_system", "to_shed", "pick_next"]
+__all__ = ["mean_in_system", "to_shed", "admission_policy"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -110,33 +111,100 @@ def to_shed(fn: Any) -> Verdict:
 
 
 # ---------------------------------------------------------------------------------------
-# Exercise 3: the priority-aware pick, against the engine's own policy.
+# The main exercise: the engine's shedding policy (an Admission subclass).
 
-def _engine_pick(queue) -> str:
-    reqs = [SimpleNamespace(id=rid, priority=p) for rid, p in queue]
-    return PriorityPolicy().next_queued(reqs).id
+def _queued(rid, arrival_s, preempted=False, state=State.QUEUED):
+    """A queue entry as ``to_shed`` sees it (a preempted request has begun its answer)."""
+    return SimpleNamespace(id=rid, arrival_s=arrival_s, state=state, prompt_len=64,
+                           output_ids=[5, 6] if preempted else [])
 
 
-def pick_next(fn: Any) -> Verdict:
-    """Check ``fn(queue)``: queue is a list of ``(request id, priority)`` in arrival
-    order (lower priority number = more important); return the id to admit next."""
+def _shed_run(admission, name):
+    """A simulated overload (stall-free, 8 slots): every request's finish reason, and the
+    number of preemptions (scenario "tight" runs on a KV pool too small for everyone)."""
+    from ..simulator import make_sim_engine, simulate, synthetic_workload
 
-    def compare(got, expected):
-        if got == expected:
-            return None
-        return ("lowest priority number first; among equals, the one that came first "
-                "(earliest in the list)")
+    tight = name == "tight"
+    options = dict(max_batch_size=8, token_budget=64)
+    if tight:
+        options.update(num_kv_blocks=48, kv_block_size=16)
+    workload = synthetic_workload(160, rate=1.2, seed=11 if tight else 7,
+                                  prompt_range=(16, 256), output_range=(4, 256))
+    engine = make_sim_engine("stallfree", admission=admission, **options)
+    trace = simulate(engine, workload)
+    return ({rid: r.finish_reason for rid, r in trace.requests.items()},
+            sum(len(s.preempted) for s in trace.steps),
+            {rid for rid, r in trace.requests.items() if r.preemptions})
 
-    rows = [
-        ("a single request", [("a", 0)]),
-        ("everyone the same priority: first come, first served", [("a", 1), ("b", 1), ("c", 1)]),
-        ("an interactive request (0) behind batch work (1)", [("batch-1", 1), ("batch-2", 1),
-                                                               ("chat", 0)]),
-        ("two interactive ones behind batch work: the earlier of them",
-         [("batch", 1), ("chat-1", 0), ("chat-2", 0)]),
-        ("negative numbers are more important still", [("a", 0), ("b", -1), ("c", 2)]),
+
+def admission_policy(cls: Any) -> Verdict:
+    """Check ``MyAdmission(Admission)``: ``to_shed(queue, now)`` returns, in queue order,
+    the queued requests that never started (``state`` QUEUED and no ``output_ids``: a
+    preempted request has begun its answer and stays) and have waited more than
+    ``self.max_wait_s`` (None: shed nothing). Small cases, then whole simulated overloads
+    with ``admission=cls(max_wait_s=...)`` against the library's ``Admission``."""
+
+    def unit(label, queue, now, max_wait_s, hint=""):
+        def call(f):
+            got = f(max_wait_s=max_wait_s).to_shed(list(queue), now)
+            return [getattr(r, "id", r) for r in got]
+
+        expected = [r.id for r in Admission(max_wait_s=max_wait_s).to_shed(list(queue), now)]
+
+        def compare(got, want):
+            if got == want:
+                return None
+            if sorted(map(str, got)) == sorted(want):
+                return "the right requests, but keep them in queue order"
+            extra = [r for r in got if r not in want]
+            missing = [r for r in want if r not in got]
+            by_id = {r.id: r for r in queue}
+            if any(by_id.get(r) is not None and by_id[r].output_ids for r in extra):
+                return (f"{extra} was preempted (it has output_ids: it has begun its answer); a "
+                        f"preempted request waits in the queue to come back and is never shed")
+            if max_wait_s is None and got:
+                return "max_wait_s None means: shed nothing"
+            if any(by_id.get(r) is not None and now - by_id[r].arrival_s == max_wait_s for r in extra):
+                return f"{extra} waited exactly max_wait_s: shed only those that waited MORE"
+            if extra:
+                return f"{extra} waited no longer than max_wait_s ({max_wait_s} s): keep them"
+            return f"{missing} waited longer than max_wait_s ({max_wait_s} s): shed them"
+
+        return Case(label, call, expected, compare, hint)
+
+    def whole(name, label):
+        expected = _shed_run(Admission(max_wait_s=8.0), name)
+
+        def compare(got, want):
+            reasons, preemptions, preempted = got
+            if name == "tight" and not want[1]:
+                return "(checker) the reference run had no preemption: the scenario is void"
+            if reasons == want[0]:
+                return None
+            wrong = sorted(r for r in want[0] if reasons.get(r) != want[0][r])
+            rid = wrong[0]
+            note = " (it had been preempted)" if rid in preempted else ""
+            return (f"{len(wrong)} request(s) ended differently, e.g. {rid}{note}: yours "
+                    f"{reasons.get(rid)!r}, the reference {want[0][rid]!r}")
+
+        return Case(label, lambda f: _shed_run(f(max_wait_s=8.0), name), expected, compare,
+                    show=lambda v: (f"{sum(x == 'shed' for x in v[0].values())} shed of "
+                                    f"{len(v[0])}, {v[1]} preemptions"))
+
+    cases = [
+        unit("no limit (max_wait_s None): nobody is shed", [_queued("a", 0.0)], 100.0, None),
+        unit("waits of 9 s and 2 s at now = 10 s, limit 8 s: the first goes",
+             [_queued("a", 1.0), _queued("b", 8.0)], 10.0, 8.0,
+             "shed if now - arrival_s > max_wait_s"),
+        unit("exactly 8 s waited, limit 8 s: it stays", [_queued("edge", 2.0)], 10.0, 8.0),
+        unit("a preempted request (it has output_ids) that arrived long ago: it stays",
+             [_queued("back", 0.0, preempted=True), _queued("new", 9.5)], 10.0, 8.0,
+             "only requests that never started (no output_ids) are shed"),
+        unit("several late ones among others: all of them, in queue order",
+             [_queued("x", 0.5), _queued("y", 9.0), _queued("z", 1.0), _queued("w", 1.5)], 10.0, 8.0),
+        whole("overload", "a whole simulated overload (160 requests at 1.2/s, 8 slots): every "
+                          "request ends as with the library's Admission(max_wait_s=8)"),
+        whole("tight", "the same on a KV pool of 48 blocks, where preempted requests wait in the "
+                       "queue: none of them may be shed"),
     ]
-    cases = [Case(label, lambda f, q=q: f(list(q)), _engine_pick(q), compare,
-                  hint="min over the queue by priority; min keeps the first of equal keys")
-             for label, q in rows]
-    return run_cases("pick_next", fn, cases)
+    return run_cases("admission_policy", cls, cases)

@@ -1,0 +1,134 @@
+"""Lesson 6's checkers reject known-wrong solutions and name the mistake."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from batchlab import checks
+from batchlab.engine import Engine
+
+
+class DrainThenStatus(Engine):
+    """Two holds of the lock: the engine can finish the request between them."""
+
+    def poll(self, req_id):
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None:
+                return [], "unknown", None
+            tokens, req.pending = req.pending, []
+        with self._lock:
+            if req.finished:
+                self._requests.pop(req_id, None)
+                return tokens, "done", req.finish_reason
+            return tokens, "running", None
+
+
+class NeverForgets(Engine):
+    def poll(self, req_id):
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None:
+                return [], "unknown", None
+            tokens, req.pending = req.pending, []
+            return tokens, ("done" if req.finished else "running"), req.finish_reason
+
+
+class UnknownRaises(Engine):
+    def poll(self, req_id):
+        with self._lock:
+            req = self._requests[req_id]  # KeyError for an id it does not know
+        return super().poll(req_id)
+
+
+class FreesAtOnce(Engine):
+    """Frees the slot and blocks inside cancel, while a pass may be computing the request."""
+
+    def cancel(self, req_id):
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None or req.finished:
+                return False
+            self._finish(req, "cancelled")
+            self.scheduler.remove(req)
+            return True
+
+
+class TrueTwice(Engine):
+    def cancel(self, req_id):
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None:
+                return False
+            if not req.finished:
+                self._finish(req, "cancelled")
+                self._cancelled.append(req)
+            return True
+
+
+def test_the_reference_front_passes():
+    assert checks.engine_front(Engine)
+
+
+def test_a_poll_that_drains_and_reads_the_status_in_two_holds_is_rejected():
+    verdict = checks.engine_front(DrainThenStatus)
+    assert not verdict
+    assert "takes self._lock 2 times" in verdict.message
+    assert any("forced interleaving" in label for label in verdict.failed)
+
+
+def test_a_poll_that_never_forgets_a_done_request_is_rejected():
+    verdict = checks.engine_front(NeverForgets)
+    assert not verdict and "forgets the request" in verdict.message
+    assert "delete the request from self._requests" in verdict.message
+
+
+def test_a_poll_that_raises_on_an_unknown_id_is_rejected():
+    verdict = checks.engine_front(UnknownRaises)
+    assert not verdict and "KeyError" in verdict.message and "never had" in verdict.message
+
+
+def test_a_cancel_that_frees_during_the_pass_is_rejected():
+    verdict = checks.engine_front(FreesAtOnce)
+    assert not verdict
+    assert "freed the request's slot or KV blocks while a forward pass" in verdict.message
+
+
+def test_a_cancel_that_returns_true_twice_is_rejected():
+    verdict = checks.engine_front(TrueTwice)
+    assert not verdict and "the second cancel returned True" in verdict.message
+
+
+def test_a_missing_piece_is_not_written_yet():
+    from batchlab.course import Missing
+
+    verdict = checks.engine_front(Missing("MyEngine", "my_engine/front.py does not exist yet"))
+    assert not verdict and verdict.not_written and "not written yet" in verdict.message
+
+
+def test_a_poll_that_deadlocks_is_reported_not_hung():
+    class Nested(Engine):
+        def poll(self, req_id):
+            with self._lock:
+                return super().poll(req_id)
+
+    start = time.monotonic()
+    verdict = checks.engine_front(Nested)
+    assert not verdict and "taken twice by the same thread" in verdict.message
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.slow
+def test_a_stream_that_decodes_token_by_token_is_rejected(lm):
+    def one_by_one(poll, rid, detokenizer):
+        while True:
+            tokens, status, _ = poll(rid)
+            for t in tokens:
+                yield lm.tokenizer.decode([t])
+            if status != "running":
+                break
+
+    verdict = checks.stream_text(one_by_one, lm)
+    assert not verdict and "replacement character" in verdict.message

@@ -1,0 +1,108 @@
+"""Lesson 8's checkers reject known-wrong solutions and name the mistake."""
+
+from __future__ import annotations
+
+from batchlab import checks
+from batchlab.policies import PriorityPolicy
+from batchlab.request import State
+from batchlab.scheduler import StallFreeScheduler
+
+
+def _headroom(scheduler):
+    return sum(r.state is State.DECODING for r in scheduler.running)
+
+
+class RightFits(StallFreeScheduler):
+    def fits(self, req, max_tokens):
+        hits, cached, n = self._first_chunk(req, max_tokens)
+        taken = self.blocks.blocks_for(cached + n) - len(hits) \
+            + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        return taken + _headroom(self) <= self.blocks.num_free
+
+
+class NoHeadroom(StallFreeScheduler):
+    def fits(self, req, max_tokens):
+        hits, cached, n = self._first_chunk(req, max_tokens)
+        taken = self.blocks.blocks_for(cached + n) - len(hits) \
+            + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        return taken <= self.blocks.num_free
+
+
+class WholePrompt(StallFreeScheduler):
+    def fits(self, req, max_tokens):
+        return self.blocks.blocks_for(req.prefill_len) + _headroom(self) <= self.blocks.num_free
+
+
+class IgnoresCache(StallFreeScheduler):
+    def fits(self, req, max_tokens):
+        n = min(max_tokens, req.prefill_len)
+        return self.blocks.blocks_for(n) + _headroom(self) <= self.blocks.num_free
+
+
+class OldestVictim(PriorityPolicy):
+    def victim(self, running):
+        return min(running, key=lambda r: (-r.priority, r.arrival_s))
+
+
+class MostImportantVictim(PriorityPolicy):
+    def victim(self, running):
+        return min(reversed(running), key=lambda r: (r.priority, -r.arrival_s))
+
+
+def test_the_reference_pieces_pass():
+    assert checks.memory_scheduler(RightFits, PriorityPolicy)
+
+
+def test_fits_without_headroom_is_rejected():
+    verdict = checks.memory_scheduler(NoHeadroom, PriorityPolicy)
+    assert not verdict and "you left no headroom" in verdict.message
+
+
+def test_fits_that_counts_the_whole_prompt_is_rejected():
+    verdict = checks.memory_scheduler(WholePrompt, PriorityPolicy)
+    assert not verdict and "count only the first chunk" in verdict.message
+
+
+def test_fits_that_ignores_the_prefix_cache_is_rejected():
+    verdict = checks.memory_scheduler(IgnoresCache, PriorityPolicy)
+    assert not verdict and "cached prefix blocks" in verdict.message
+    assert verdict.failed and all("prefix" in label for label in verdict.failed)
+
+
+def test_a_victim_that_picks_the_oldest_is_rejected():
+    verdict = checks.memory_scheduler(RightFits, OldestVictim)
+    assert not verdict and "the NEWER one (later arrival) gives way" in verdict.message
+
+
+def test_a_victim_that_picks_the_most_important_is_rejected():
+    verdict = checks.memory_scheduler(RightFits, MostImportantVictim)
+    assert not verdict and "lower numbers are MORE important" in verdict.message
+
+
+def test_a_missing_piece_is_not_written_yet():
+    from batchlab.course import Missing
+
+    verdict = checks.memory_scheduler(RightFits, Missing("MyVictimPolicy", "no such class"))
+    assert not verdict and verdict.not_written
+
+
+def test_kv_slots_that_forget_the_block_size_are_rejected():
+    verdict = checks.kv_slots(lambda table, start, stop, bs: [table[p // bs] + p % bs
+                                                              for p in range(start, stop)])
+    assert not verdict and "block b starts at slot b * block_size" in verdict.message
+
+
+def test_a_prefix_lookup_that_shares_the_last_block_is_rejected():
+    from batchlab.kv import BlockManager
+
+    def greedy(token_ids, cached, block_size):
+        found, key = [], b""
+        for i in range(len(token_ids) // block_size):
+            key = BlockManager.block_key(key, token_ids[i * block_size:(i + 1) * block_size])
+            if key not in cached:
+                break
+            found.append(cached[key])
+        return found
+
+    verdict = checks.cached_prefix(greedy)
+    assert not verdict and "the block holding the last prompt token is always computed" in verdict.message

@@ -1,0 +1,224 @@
+"""Faults, seen from the server: an engine step that fails, an engine loop that dies, and
+``batchlab serve`` told to stop (SIGTERM) with streams open. No stream may hang.
+
+The faults are injected: a runner wrapper that raises on a chosen forward pass, and an
+engine whose ``step`` raises (which kills the loop thread whatever the engine catches).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from batchlab import generate
+from batchlab.runner import ModelRunner
+from batchlab.server import serve_in_thread
+
+
+class FaultyRunner(ModelRunner):
+    """The real runner, except that forward pass number ``fail_at`` (counted from 1; None:
+    never) raises, as a broken kernel or an out-of-memory error would."""
+
+    passes = 0
+    fail_at: int | None = None
+
+    def forward(self, chunks):
+        self.passes += 1
+        if self.passes == self.fail_at:
+            raise RuntimeError(f"injected fault in forward pass {self.passes}")
+        return super().forward(chunks)
+
+
+def read_stream(url: str, body: dict, out: dict, first_token: threading.Event | None = None):
+    """Stream a chat completion; record the text, the finish reason, any error event, whether
+    [DONE] came, and when the stream ended."""
+    out.update(text="", finish=None, error=None, done=False)
+    try:
+        with httpx.Client(timeout=60) as client:
+            with client.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+                out["status"] = r.status_code
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        out["done"] = True
+                    elif line.startswith("data: "):
+                        event = json.loads(line[6:])
+                        if "error" in event:
+                            out["error"] = event["error"]
+                            continue
+                        choice = event["choices"][0]
+                        out["text"] += choice["delta"].get("content", "")
+                        out["finish"] = choice["finish_reason"] or out["finish"]
+                        if out["text"] and first_token is not None:
+                            first_token.set()
+    except Exception as e:  # surfaced by the test
+        out["exception"] = repr(e)
+    out["ended"] = time.monotonic()
+
+
+def start_stream(url, body, first_token=None):
+    out = {}
+    thread = threading.Thread(target=read_stream, args=(url, body, out, first_token), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def chat(question: str, max_tokens: int) -> dict:
+    return {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0}
+
+
+LONG = chat("Write a long story about a dragon.", 300)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_when_the_engine_loop_dies_every_stream_ends_and_health_says_503(lm):
+    with serve_in_thread(lm, "stallfree", max_batch_size=1) as srv:
+        started = threading.Event()
+        streams = [start_stream(srv.base_url, LONG, started)]  # running
+        assert started.wait(60)
+        streams.append(start_stream(srv.base_url, LONG))  # queued behind it
+        while srv.engine.queue_depth() == 0:
+            time.sleep(0.01)
+        died = {}
+        real_step = srv.engine.step
+
+        def broken_step():
+            real_step()
+            died["at"] = time.monotonic()
+            raise RuntimeError("injected: the engine loop's thread dies")
+
+        srv.engine.step = broken_step
+        for thread, _ in streams:
+            thread.join(timeout=10)
+        assert srv.loop.error is not None
+        for thread, out in streams:
+            assert not thread.is_alive(), "a stream hangs"
+            assert "exception" not in out, out
+            assert out["status"] == 200 and out["error"] is not None and out["done"], out
+            assert "engine has stopped" in out["error"]["message"]
+            assert out["ended"] - died["at"] < 1.0, "the stream did not end within a second"
+        health = httpx.get(srv.base_url + "/health")
+        assert health.status_code == 503 and "injected" in health.json()["error"]["message"]
+        r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_failed_forward_pass_ends_its_requests_with_an_error_event_and_others_go_on(lm):
+    """The agreed engine behaviour: the requests in the failed pass finish with reason
+    "error" and free their blocks; requests not in it (here: queued) continue; the server
+    turns "error" into an error event and keeps serving, with the same greedy answers."""
+    question = chat("What is the capital of France?", 12)
+    expected = generate(lm, question["messages"], 12).text
+    with serve_in_thread(lm, "stallfree", max_batch_size=1, runner=FaultyRunner) as srv:
+        started = threading.Event()
+        victim = start_stream(srv.base_url, LONG, started)
+        assert started.wait(60)
+        bystander = start_stream(srv.base_url, question)  # queued: not in the failing pass
+        while srv.engine.queue_depth() == 0:
+            time.sleep(0.01)
+        srv.engine.runner.fail_at = srv.engine.runner.passes + 2
+        for thread, _ in (victim, bystander):
+            thread.join(timeout=60)
+        out = victim[1]
+        assert out["error"] is not None and out["done"] and out["finish"] is None, out
+        assert bystander[1]["text"] == expected and bystander[1]["error"] is None
+        assert srv.engine.finished_by_reason.get("error") == 1
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        stats = srv.engine.stats()
+        assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
+        again = httpx.post(srv.base_url + "/v1/chat/completions", json=question, timeout=60)
+        assert again.json()["choices"][0]["message"]["content"] == expected
+
+
+def test_a_request_the_engine_reports_as_error_gets_an_error_event_or_a_500(lm):
+    """The server's side of the agreed contract, whatever the engine does today: when
+    poll reports finish reason "error", a stream gets an error event (then [DONE]) after
+    the text so far, a non-streamed request a 500; the server goes on serving."""
+    question = chat("What is the capital of France?", 12)
+    expected = generate(lm, question["messages"], 12).text
+    with serve_in_thread(lm, "stallfree", max_batch_size=2) as srv:
+        real_poll, polls = srv.loop.poll, {}
+
+        def poll_that_fails_third_time(rid):
+            tokens, status, reason = real_poll(rid)
+            polls[rid] = polls.get(rid, 0) + 1
+            return (tokens, "done", "error") if polls[rid] == 3 else (tokens, status, reason)
+
+        srv.loop.poll = poll_that_fails_third_time
+        thread, out = start_stream(srv.base_url, question)
+        thread.join(timeout=60)
+        assert out["error"] is not None and out["done"] and out["finish"] is None, out
+        assert "failed while running this request" in out["error"]["message"]
+        assert expected.startswith(out["text"])
+        polls.clear()
+        r = httpx.post(srv.base_url + "/v1/chat/completions", json=question, timeout=60)
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        srv.loop.poll = real_poll
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        r = httpx.post(srv.base_url + "/v1/chat/completions", json=question, timeout=60)
+        assert r.json()["choices"][0]["message"]["content"] == expected
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # a real server process on the real model
+def test_sigterm_under_load_ends_every_stream_and_exits_within_10_s(tmp_path):
+    """``batchlab serve`` with 4 long streams open gets SIGTERM: it stops admitting, ends
+    each stream with a final chunk or an error event, and exits within 10 s."""
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "batchlab.cli", "serve", "--port", str(port),
+                             "--batch-size", "4"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        started = [threading.Event() for _ in range(4)]
+        streams = [start_stream(url, chat(f"Write a long story about dragon number {k + 1}.", 300),
+                                ev) for k, ev in enumerate(started)]
+        assert all(ev.wait(120) for ev in started), "the streams did not start"
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+        exited = time.monotonic() - signalled
+        for thread, _ in streams:
+            thread.join(timeout=5)
+        for thread, out in streams:
+            assert not thread.is_alive() and "exception" not in out, out
+            assert out["done"] and (out["error"] is not None or out["finish"] is not None), out
+            assert out["text"], "each stream had started"
+        assert exited < 10
+        # uvicorn shuts down in order, then re-raises the signal it caught (so the exit
+        # status says "terminated by SIGTERM", as a supervisor expects)
+        assert proc.returncode in (0, -signal.SIGTERM)
+        assert "Finished server process" in (tmp_path / "serve.log").read_text()
+        with pytest.raises(httpx.TransportError):  # nothing admitted any more
+            httpx.get(url + "/health")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()

@@ -3,10 +3,12 @@ the under-load flag, the figures in the JSON) on the fake model with stand-in
 micro-benchmarks, and the real ``--quick`` bench end to end. Figures are reported, never
 asserted: speed belongs to benchmarks, and this machine is shared."""
 
+import itertools
 import json
 import math
 import os
 import random
+import time
 
 import pytest
 
@@ -48,9 +50,35 @@ def test_median_spread_and_aggregate():
     assert "load_before" not in row and "repetition" not in row
 
 
+def record(share, load=0.3):
+    return {"load_before": load, "load_after": load, "others_cpu_share": share}
+
+
 def test_under_load_flag():
-    assert not bench.under_load([0.2, 1.5, 1.0])
-    assert bench.under_load([0.2, 1.51])
+    # the bench's own threads raise the load average; only other processes' CPU counts
+    assert not bench.under_load([record(0.02), record(0.10, load=2.5)])
+    assert bench.under_load([record(0.02), record(0.11)])
+    # without /proc/stat (macOS): the load average decides
+    assert not bench.under_load([record(None, 1.5)]) and bench.under_load([record(None, 1.51)])
+
+
+def test_others_share(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    # 3 busy CPU-seconds in 1 s on 2 cores, 1.5 of them ours: others took 0.75 of the machine
+    assert bench.others_share((100.0, 10.0), (103.0, 11.5), 1.0) == pytest.approx(0.75)
+    assert bench.others_share((100.0, 10.0), (101.0, 11.5), 1.0) == 0.0  # clock skew: never < 0
+    assert bench.others_share(None, (1.0, 1.0), 1.0) is None
+
+
+def test_cpu_seconds_counts_this_process():
+    before = bench.cpu_seconds()
+    start = time.process_time()
+    while time.process_time() - start < 0.3:  # burn 0.3 s of CPU in this process
+        pass
+    after = bench.cpu_seconds()
+    own = after[1] - before[1]
+    assert 0.25 < own < 1.0
+    assert after[0] - before[0] >= own - 0.05  # the machine was busy at least while we were
 
 
 class Model(FakeModel):
@@ -79,14 +107,21 @@ def fake_machine(lm):
         "chunk_context": {"chunk_1k_over_chunk_0": 1.4},
         "decode_scaling": {1: {"step_s": 0.1, "tokens_per_s": 10.0},
                            16: {"step_s": 0.2, "tokens_per_s": 80.0}},
-        "microbench_loads": {"limits": [0.5, 0.5]},
+        "microbench_loads": {"limits": record(0.01, load=0.5)},
     }
 
 
 def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "plan", lambda lm, quick: fake_workloads())
-    loads = iter([0.3] * 50 + [1.9] + [0.3] * 1000)  # one run ends under load
+    loads = iter([0.3] * 50 + [1.9] + [0.3] * 1000)  # one run ends at a high load average
     monkeypatch.setattr(os, "getloadavg", lambda: (next(loads), 0.0, 0.0))
+    ticks = itertools.count()
+
+    def cpu_seconds():  # other processes take 50 CPU-seconds during the sixth run only
+        n = next(ticks)
+        return n + (50.0 if n >= 11 else 0.0), float(n)
+
+    monkeypatch.setattr(bench, "cpu_seconds", cpu_seconds)
     calls = []
 
     def run(lm, wl, b, engine_name, progress, runner):
@@ -104,9 +139,10 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     for run_ in saved["runs"]:
         assert run_["load_before"] > 0 and run_["load_after"] > 0
         assert run_["completed"] == (32 if run_["workload"] == "high_variance" else 8)
+    assert [i for i, r in enumerate(saved["runs"]) if r["others_cpu_share"] > 0.1] == [5]
     assert saved["under_load"] and saved["max_load"] == 1.9
-    assert table.startswith("UNDER LOAD (load average up to 1.90 > 1.5)")
-    assert "0.3-1.9" in table  # the row of the run that ended under load shows it
+    assert table.startswith("UNDER LOAD (other processes took up to")
+    assert "0.3-1.9" in table  # the row of the run that ended at a high load average shows it
     for row in saved["medians"]:
         runs = [r for r in saved["runs"] if (r["workload"], r["batch_size"], r["engine"])
                 == (row["workload"], row["batch_size"], row["engine"])]
@@ -128,7 +164,8 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
 
 def test_quiet_run_has_no_load_warning(monkeypatch):
     monkeypatch.setattr(bench, "plan", lambda lm, quick: fake_workloads())
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.4, 0.0, 0.0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.4, 0.0, 0.0))  # our own threads
+    monkeypatch.setattr(bench, "cpu_seconds", lambda: (1.0, 1.0))  # nobody else ran
 
     def run(lm, wl, b, engine_name, progress, runner):
         name = "continuous" if engine_name == "mlx-lm" else engine_name

@@ -63,9 +63,11 @@ def on_gpu() -> bool:
     return mx.default_device() == mx.gpu
 
 
-def _numpy(*arrays: mx.array) -> list[np.ndarray]:
-    """float32 numpy views of MLX arrays (evaluates them; copies only to convert a dtype)."""
-    return [np.asarray(a if a.dtype == mx.float32 else a.astype(mx.float32)) for a in arrays]
+def to_numpy(*arrays: mx.array) -> list[np.ndarray]:
+    """float32 numpy views of MLX arrays, evaluated together (copies only to convert a dtype)."""
+    arrays = [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in arrays]
+    mx.eval(*arrays)
+    return [np.asarray(a) for a in arrays]
 
 
 def _split_rows(attend: Callable[[int, int], np.ndarray], rows: int, scores: int,
@@ -92,7 +94,7 @@ def prefill_chunk(q: mx.array, keys: mx.array, values: mx.array, mask, scale: fl
             values.transpose(1, 0, 2)[None], scale=scale,
             mask="causal" if mask is None else mask)
         return out[0].transpose(1, 0, 2).reshape(L, H * D)
-    qn, kn, vn = _numpy(q, keys, values)
+    qn, kn, vn = to_numpy(q, keys, values)
     if mask is None:  # the keys are the chunk's own: causal
         mask = additive_mask(np.tril(np.ones((L, S), dtype=bool)))
     mask = np.asarray(mask)
@@ -123,7 +125,7 @@ def decode_rows(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array,
             q[:, :, None], keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3),
             scale=scale, mask=mask[:, None, None, :])
         return out.reshape(R, H * D)
-    qn, kn, vn = _numpy(q, keys, values)
+    qn, kn, vn = to_numpy(q, keys, values)
     mask = np.asarray(mask)
     qg = (qn * np.float32(scale)).reshape(R, KH, G, D)
     keys_t, values_h = kn.transpose(0, 2, 3, 1), vn.transpose(0, 2, 1, 3)  # [R, KH, D|S, S|D]

@@ -3,7 +3,8 @@ workloads, in one run, so the ratios between them are fair on a noisy machine.
 
 The standard mode (the default) runs every engine once per repetition, interleaved, three
 repetitions, and reports each figure as the median with its spread, the load average
-around every run, and the machine's limits (sgemm and memory copy rates) with how close
+around every run and the share of the CPUs other processes took during it, and the
+machine's limits (sgemm and memory copy rates) with how close
 prefill and decode come to them. ``--quick`` is a smoke run: small workloads, once.
 
 Prints a table, writes a JSON with every run's metrics plus the headline ``figures``,
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -47,7 +49,8 @@ def engines(batch_size: int) -> dict[str, dict]:
     }
 
 
-LOAD_THRESHOLD = 1.5  # a load average above this at the start or end of a run marks the bench
+LOAD_THRESHOLD = 1.5  # without /proc/stat: a load average above this marks the bench
+OTHERS_THRESHOLD = 0.10  # other processes taking more of the CPUs during a run mark the bench
 
 
 def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, list[int]]]:
@@ -116,8 +119,48 @@ def aggregate(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def under_load(loads: list[float], threshold: float = LOAD_THRESHOLD) -> bool:
-    return any(load > threshold for load in loads)
+def cpu_seconds() -> tuple[float, float] | None:
+    """(CPU-seconds every core has spent busy since boot, counting time the hypervisor
+    stole; CPU-seconds this process and its children have used), or None without
+    ``/proc/stat`` (macOS). Differences over a run give what other processes took: a load
+    average cannot tell, since it counts this process's own threads."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    except OSError:
+        return None
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    own = sum(getattr(resource.getrusage(who), field)
+              for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for field in ("ru_utime", "ru_stime"))
+    return busy, own
+
+
+def others_share(before, after, seconds: float) -> float | None:
+    """The share of all CPUs that other processes used between two ``cpu_seconds()``."""
+    if before is None or after is None or seconds <= 0:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others) / (seconds * (os.cpu_count() or 1))
+
+
+def watched(measure, *args):
+    """``measure(*args)`` with the load around it: its result and a record of the load
+    average before and after and the CPU share other processes took meanwhile."""
+    load, cpu, start = os.getloadavg()[0], cpu_seconds(), time.perf_counter()
+    result = measure(*args)
+    share = others_share(cpu, cpu_seconds(), time.perf_counter() - start)
+    return result, {"load_before": load, "load_after": os.getloadavg()[0],
+                    "others_cpu_share": share}
+
+
+def under_load(records: list[dict]) -> bool:
+    """True when other processes took more than ``OTHERS_THRESHOLD`` of the CPUs during any
+    run; where that cannot be measured, when a load average exceeded ``LOAD_THRESHOLD``."""
+    shares = [r["others_cpu_share"] for r in records if r.get("others_cpu_share") is not None]
+    if shares:
+        return max(shares) > OTHERS_THRESHOLD
+    return any(r[k] > LOAD_THRESHOLD for r in records for k in ("load_before", "load_after"))
 
 
 def run_engine(lm, wl: workloads.Workload, batch_size: int, engine_name: str, progress: bool,
@@ -132,13 +175,11 @@ def run_engine(lm, wl: workloads.Workload, batch_size: int, engine_name: str, pr
 
 def measure_machine(lm: LoadedModel) -> dict:
     """The micro-benchmarks and the machine's limits, each with the load around it."""
-    out = {}
+    out = {"microbench_loads": {}}
     for key, measure in [("limits", machine_limits), ("fused_step", microbench.fused_step_ratio),
                          ("chunk_context", microbench.chunk_context_ratio),
                          ("decode_scaling", lambda lm: microbench.decode_scaling(lm, [1, 16]))]:
-        before = os.getloadavg()[0]
-        out[key] = measure(lm)
-        out.setdefault("microbench_loads", {})[key] = [before, os.getloadavg()[0]]
+        out[key], out["microbench_loads"][key] = watched(measure, lm)
     return out
 
 
@@ -180,12 +221,10 @@ def run_bench(lm: LoadedModel, quick: bool = False, json_out: str | None = None,
     runs: list[dict] = []
     traces: list[dict[tuple[str, int, str], Trace]] = [{} for _ in range(repetitions)]
     for rep, name, b, engine_name in schedule(experiments, repetitions):
-        before = os.getloadavg()[0]
-        trace = run(lm, by_name[name], b, engine_name, progress, runner=runner)
-        after = os.getloadavg()[0]
+        trace, load = watched(run, lm, by_name[name], b, engine_name, progress, runner)
         traces[rep][(name, b, engine_name)] = trace
         runs.append({"workload": name, "batch_size": b, "engine": engine_name, "repetition": rep,
-                     "load_before": before, "load_after": after, **metrics.summarize(trace)})
+                     **load, **metrics.summarize(trace)})
     machine = measure(lm)
     per_rep = [headline_figures(t, experiments, machine) for t in traces]
     figures, spreads = {}, {}
@@ -197,16 +236,18 @@ def run_bench(lm: LoadedModel, quick: bool = False, json_out: str | None = None,
         else:  # a name or a setting: the most common one
             values = [json.dumps(f[key]) for f in per_rep]
             figures[key] = json.loads(max(set(values), key=values.count))
-    loads = [r[k] for r in runs for k in ("load_before", "load_after")]
-    loads += [x for pair in machine.get("microbench_loads", {}).values() for x in pair]
+    records = runs + list(machine.get("microbench_loads", {}).values())
+    shares = [r["others_cpu_share"] for r in records if r.get("others_cpu_share") is not None]
     result = {
         "machine": f"{platform.system()} {platform.machine()}", "quick": quick,
         "repetitions": repetitions, "model": lm.info.name, "dtype": lm.info.dtype,
         "backend": lm.info.backend,
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "seconds": time.time() - started,
-        "load_threshold": LOAD_THRESHOLD, "max_load": max(loads),
-        "under_load": under_load(loads),
+        "load_threshold": LOAD_THRESHOLD, "others_threshold": OTHERS_THRESHOLD,
+        "max_load": max(r[k] for r in records for k in ("load_before", "load_after")),
+        "max_others_cpu_share": max(shares) if shares else None,
+        "under_load": under_load(records),
         "workloads": {name: wl.summary() for name, wl, _ in experiments},
         "runs": runs, "medians": aggregate(runs), **machine,
         "figures": figures, "figure_spreads": spreads,
@@ -281,23 +322,27 @@ def format_table(result: dict) -> str:
         text = fmt.format(row[key])
         return text if low == high or fmt == "{}" else f"{text} ({fmt.format(low)}-{fmt.format(high)})"
 
-    def loads(row):  # the load averages at the start and end of this row's runs
-        values = [r[k] for r in result["runs"] for k in ("load_before", "load_after")
-                  if (r["workload"], r["batch_size"], r["engine"])
-                  == (row["workload"], row["batch_size"], row["engine"])]
-        return f"{min(values):.1f}-{max(values):.1f}"
+    def load(row):  # load averages at the start and end of this row's runs; others' CPU share
+        runs = [r for r in result["runs"] if (r["workload"], r["batch_size"], r["engine"])
+                == (row["workload"], row["batch_size"], row["engine"])]
+        values = [r[k] for r in runs for k in ("load_before", "load_after")]
+        shares = [r["others_cpu_share"] for r in runs if r.get("others_cpu_share") is not None]
+        return [f"{min(values):.1f}-{max(values):.1f}", f"{max(shares):.0%}" if shares else "-"]
 
-    rows = [[h for h, _, _ in cols] + ["load"]]
-    rows += [[cell(row, k, fmt) for _, k, fmt in cols] + [loads(row)] for row in result["medians"]]
+    rows = [[h for h, _, _ in cols] + ["load", "others"]]
+    rows += [[cell(row, k, fmt) for _, k, fmt in cols] + load(row) for row in result["medians"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     header = (f"median of {result['repetitions']} interleaved repetition(s), (min-max); "
-              f"load average (1 min) at the start and end of the runs in the last column")
+              f"load: load average (1 min) at the start and end of the runs; others: the most "
+              f"of the CPUs other processes took during one of them")
     if result["under_load"]:
-        header = (f"UNDER LOAD (load average up to {result['max_load']:.2f} > "
-                  f"{result['load_threshold']}): absolute times are unreliable, ratios less so. "
-                  + header)
+        why = (f"other processes took up to {result['max_others_cpu_share']:.0%} of the CPUs "
+               f"during a run, > {result['others_threshold']:.0%}"
+               if result.get("max_others_cpu_share") is not None else
+               f"load average up to {result['max_load']:.2f} > {result['load_threshold']}")
+        header = f"UNDER LOAD ({why}): absolute times are unreliable, ratios less so. " + header
     lines.insert(0, header)
     lines.append("")
     for k, v in result["figures"].items():

@@ -91,7 +91,7 @@ class ModelRunner(Runner):
             h = h + layer.self_attn.o_proj(self._attention(
                 i, layer.self_attn, x, positions, writes, len(rows), row_context,
                 prefills, prefill_context))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + mlp(layer.mlp, layer.post_attention_layernorm(h))
 
         last = mx.array(np.cumsum([len(c.tokens) for c in chunks]) - 1)
         logits = self._lm_head(self.lm.model.model.norm(h[0, last]))
@@ -154,3 +154,18 @@ class ModelRunner(Runner):
         if hasattr(model, "lm_head"):
             return model.lm_head(h)
         return model.model.embed_tokens.as_linear(h)
+
+
+def mlp(block, x: mx.array) -> mx.array:
+    """mlx-lm's SwiGLU MLP, ``down(silu(gate(x)) * up(x))``. On the CPU the SiLU runs in
+    numpy: MLX's CPU sigmoid is a scalar ``exp`` loop (measured here at 64 tokens: 1.7 ms
+    of a layer's 3.5 ms MLP; numpy's SiLU takes 0.1 ms)."""
+    if attention.on_gpu():
+        return block(x)
+    gate, up = attention.to_numpy(block.gate_proj(x), block.up_proj(x))
+    with np.errstate(over="ignore"):  # exp(-gate) -> inf where silu(gate) is -0: fine
+        act = np.exp(-gate)
+    act += 1.0
+    np.divide(gate, act, out=act)
+    act *= up
+    return block.down_proj(mx.array(act).astype(x.dtype))

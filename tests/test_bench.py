@@ -18,7 +18,8 @@ from batchlab.fake import FakeModel, FakeRunner
 from batchlab.workloads import Workload, WorkloadRequest
 
 NEW_FIGURES = ("sgemm_gflops", "copy_gbps", "prefill_fraction_of_sgemm_bound",
-               "decode_fraction_of_bandwidth_bound", "chunk_1k_over_chunk_0")
+               "decode_fraction_of_bandwidth_bound", "chunk_1k_over_chunk_0",
+               "no_waste_over_static_tokps")
 
 
 def test_schedule_interleaves_the_engines_within_each_repetition():
@@ -160,6 +161,12 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     assert figures["chunk_1k_over_chunk_0"] == 1.4 and figures["b16_over_b1_decode"] == 8.0
     spread = saved["figure_spreads"]["continuous_over_static_tokps"]
     assert spread[0] <= figures["continuous_over_static_tokps"] <= spread[1]
+    # no waste: every prompt token at the fused benchmark's chunk rate, then full B=16 steps
+    hv = fake_workloads()[0][1].summary()
+    no_waste_s = hv["prompt_tokens"] * 0.512 / 128 + math.ceil((hv["output_tokens"] - 32) / 16) * 0.2
+    static = next(r for r in saved["medians"] if (r["workload"], r["batch_size"], r["engine"])
+                  == ("high_variance", 16, "static"))["output_tokens_per_s"]
+    assert figures["no_waste_over_static_tokps"] == pytest.approx(hv["output_tokens"] / no_waste_s / static)
 
 
 def test_quiet_run_has_no_load_warning(monkeypatch):

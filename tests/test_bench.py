@@ -19,7 +19,8 @@ from batchlab.workloads import Workload, WorkloadRequest
 
 NEW_FIGURES = ("sgemm_gflops", "copy_gbps", "prefill_fraction_of_sgemm_bound",
                "decode_fraction_of_bandwidth_bound", "chunk_1k_over_chunk_0",
-               "no_waste_over_static_tokps")
+               "no_waste_over_static_tokps", "one_row_linears_share_of_decode_step",
+               "one_row_linears_mlx_over_numpy")
 
 
 def test_schedule_interleaves_the_engines_within_each_repetition():
@@ -106,6 +107,7 @@ def fake_machine(lm):
                    "decode_bound_step_s": 0.05},
         "fused_step": {"chunk": 128, "chunk_alone_s": 0.512, "fused_over_chunk_alone": 1.2},
         "chunk_context": {"chunk_1k_over_chunk_0": 1.4},
+        "one_row_linears": {"mlx_s": 0.06, "numpy_s": 0.03, "mlx_over_numpy": 2.0},
         "decode_scaling": {1: {"step_s": 0.1, "tokens_per_s": 10.0},
                            16: {"step_s": 0.2, "tokens_per_s": 80.0}},
         "microbench_loads": {"limits": record(0.01, load=0.5)},
@@ -159,6 +161,8 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     assert figures["prefill_fraction_of_sgemm_bound"] == pytest.approx(128 / 0.512 / 500.0)
     assert figures["decode_fraction_of_bandwidth_bound"] == pytest.approx(0.05 / 0.1)
     assert figures["chunk_1k_over_chunk_0"] == 1.4 and figures["b16_over_b1_decode"] == 8.0
+    assert figures["one_row_linears_share_of_decode_step"] == pytest.approx(0.06 / 0.1)
+    assert figures["one_row_linears_mlx_over_numpy"] == 2.0
     spread = saved["figure_spreads"]["continuous_over_static_tokps"]
     assert spread[0] <= figures["continuous_over_static_tokps"] <= spread[1]
     # no waste: every prompt token at the fused benchmark's chunk rate, then full B=16 steps
@@ -219,3 +223,13 @@ def test_quick_bench_runs_every_engine_and_reports_the_figures(lm, tmp_path):
         assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
     assert (tmp_path / "bench_throughput.png").stat().st_size > 10_000
     assert (tmp_path / "bench_interference_latency.png").stat().st_size > 10_000
+
+
+def test_one_row_linears_times_every_weight_matrix(lm):
+    """Every layer's 7 linear maps plus the LM head, both timings positive and finite."""
+    from batchlab import microbench
+
+    out = microbench.one_row_linears(lm, repeats=1)
+    assert out["matrices"] == 7 * len(lm.model.model.layers) + 1
+    assert out["mlx_s"] > 0 and out["numpy_s"] > 0
+    assert out["mlx_over_numpy"] == pytest.approx(out["mlx_s"] / out["numpy_s"])

@@ -39,10 +39,16 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 # numpy's wheel bundles its own OpenBLAS (symbols prefixed scipy_openblas); MLX's is another
-_NUMPY_BLAS_ONE_THREAD = ThreadpoolController().select(prefix="libscipy_openblas").limit(limits=1)
-_CORES = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
-_POOL = ThreadPoolExecutor(_CORES, thread_name_prefix="batchlab-attention")
+_NUMPY_BLAS = ThreadpoolController().select(prefix="libscipy_openblas")
+_NUMPY_BLAS.limit(limits=1)
+CORES = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
+_POOL = ThreadPoolExecutor(CORES, thread_name_prefix="batchlab-attention")
 _SCORES_PER_THREAD = 32_768  # below this, handing work to a thread costs more than it saves
+
+
+def numpy_blas_threads(threads: int):
+    """A context in which numpy's own BLAS uses ``threads`` threads (one outside it)."""
+    return _NUMPY_BLAS.limit(limits=threads)
 
 
 def softmax_(scores: np.ndarray) -> np.ndarray:
@@ -74,7 +80,7 @@ def _split_rows(attend: Callable[[int, int], np.ndarray], rows: int, scores: int
                 axis: int) -> np.ndarray:
     """``attend(lo, hi)`` for contiguous row ranges covering ``rows``, one per core when
     the step computes enough ``scores`` to be worth it, joined along ``axis``."""
-    parts = max(1, min(_CORES, rows, scores // _SCORES_PER_THREAD))
+    parts = max(1, min(CORES, rows, scores // _SCORES_PER_THREAD))
     if parts == 1:
         return attend(0, rows)
     bounds = np.linspace(0, rows, parts + 1).astype(int)

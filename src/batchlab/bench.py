@@ -179,6 +179,7 @@ def measure_machine(lm: LoadedModel) -> dict:
     out = {"microbench_loads": {}}
     for key, measure in [("limits", machine_limits), ("fused_step", microbench.fused_step_ratio),
                          ("chunk_context", microbench.chunk_context_ratio),
+                         ("one_row_linears", microbench.one_row_linears),
                          ("decode_scaling", lambda lm: microbench.decode_scaling(lm, [1, 16]))]:
         out[key], out["microbench_loads"][key] = watched(measure, lm)
     return out
@@ -312,6 +313,11 @@ def headline_figures(traces, experiments, machine: dict) -> dict:
                                                  limits["prefill_bound_tokens_per_s"]),
         "decode_fraction_of_bandwidth_bound": ratio(limits["decode_bound_step_s"],
                                                     scaling[1]["step_s"]),
+        # why B=1 decode is far from the bound: its share in MLX's one-row matmuls, and
+        # how much slower those are than numpy's GEMV on the same weights
+        "one_row_linears_share_of_decode_step": ratio(machine["one_row_linears"]["mlx_s"],
+                                                      scaling[1]["step_s"]),
+        "one_row_linears_mlx_over_numpy": machine["one_row_linears"]["mlx_over_numpy"],
         "scheduler_overhead_share": metrics.scheduler_share(traces[("high_variance", hv_b, "stallfree")]),
         "decode_step_s": step,
         "batch_sizes": {"high_variance": hv_b, "interference": b_if},

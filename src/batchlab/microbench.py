@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
+from . import attention
 from .kv import BlockManager
 from .model import LoadedModel
 from .batch import Chunk
@@ -111,6 +112,42 @@ def decode_scaling(lm: LoadedModel, batch_sizes: list[int], prompt_len: int = 64
         out[batch] = {"batch": batch, "step_s": step_s, "tokens_per_s": batch / step_s,
                       "step_min_s": min(times), "step_max_s": max(times)}
     return out
+
+
+def one_row_linears(lm: LoadedModel, repeats: int = 5) -> dict:
+    """Every weight matrix of the model (each layer's linear maps and the LM head) times
+    one row, as a B=1 decode step needs: in MLX (one graph) and in numpy on the same
+    memory, interleaved, medians. Each pass streams all the weights once, as a real step
+    does. MLX's CPU backend runs every matmul as a GEMM, which repacks the weight even for
+    one row; numpy hands a row vector to GEMV, which reads it once. Their ratio shows how
+    much of a B=1 step's distance from the bandwidth bound is the matmul path, not ours.
+    Both use every core."""
+    weights = [m.weight for layer in lm.model.model.layers
+               for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                         layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
+                         layer.mlp.down_proj)]
+    head = lm.model.lm_head.weight if hasattr(lm.model, "lm_head") else lm.model.model.embed_tokens.weight
+    weights.append(head)
+    rows = {w.shape[1]: mx.random.normal((1, w.shape[1])) for w in weights}
+    mx.eval(list(rows.values()))
+    arrays = [np.asarray(w) for w in weights]  # shares MLX's memory
+    np_rows = {k: np.asarray(v) for k, v in rows.items()}
+    times = {"mlx": [], "numpy": []}
+    for rep in range(repeats + 1):  # the first round is a warm-up
+        start = time.perf_counter()
+        mx.eval([rows[w.shape[1]] @ w.T for w in weights])
+        mid = time.perf_counter()
+        with attention.numpy_blas_threads(attention.CORES):
+            for w in arrays:
+                np_rows[w.shape[1]] @ w.T
+        end = time.perf_counter()
+        time.sleep(0.3)  # numpy's BLAS threads spin a while after their work; let them stop
+        if rep:
+            times["mlx"].append(mid - start)
+            times["numpy"].append(end - mid)
+    mlx_s, numpy_s = statistics.median(times["mlx"]), statistics.median(times["numpy"])
+    return {"matrices": len(weights), "repeats": repeats, "mlx_s": mlx_s, "numpy_s": numpy_s,
+            "mlx_over_numpy": mlx_s / numpy_s}
 
 
 def sgemm_gflops(repeats: int = 50) -> float:

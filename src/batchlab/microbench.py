@@ -134,17 +134,21 @@ def one_row_linears(lm: LoadedModel, repeats: int = 5) -> dict:
     np_rows = {k: np.asarray(v) for k, v in rows.items()}
     times = {"mlx": [], "numpy": []}
     for rep in range(repeats + 1):  # the first round is a warm-up
+        # each library's BLAS threads spin for a while after their work: let them stop
+        # before the other library's pass, or the two fight over the cores
+        time.sleep(0.3)
         start = time.perf_counter()
         mx.eval([rows[w.shape[1]] @ w.T for w in weights])
-        mid = time.perf_counter()
+        mlx_s = time.perf_counter() - start
+        time.sleep(0.3)
         with attention.numpy_blas_threads(attention.CORES):
+            start = time.perf_counter()
             for w in arrays:
                 np_rows[w.shape[1]] @ w.T
-        end = time.perf_counter()
-        time.sleep(0.3)  # numpy's BLAS threads spin a while after their work; let them stop
+            numpy_s = time.perf_counter() - start
         if rep:
-            times["mlx"].append(mid - start)
-            times["numpy"].append(end - mid)
+            times["mlx"].append(mlx_s)
+            times["numpy"].append(numpy_s)
     mlx_s, numpy_s = statistics.median(times["mlx"]), statistics.median(times["numpy"])
     return {"matrices": len(weights), "repeats": repeats, "mlx_s": mlx_s, "numpy_s": numpy_s,
             "mlx_over_numpy": mlx_s / numpy_s}

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from batchlab import make_engine, workloads
-from batchlab.runner import ModelRunner
+from batchlab.model_runner import ModelRunner
 from batchlab.costfit import fit_cost_model
 from batchlab.simulator import CostModel, VirtualClock, sim_runner, simulate
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from batchlab import generate
-from batchlab.runner import ModelRunner
+from batchlab.model_runner import ModelRunner
 from batchlab.server import serve_in_thread
 
 

@@ -16,7 +16,7 @@ def test_the_committed_cost_model_is_usable():
     assert COST.error["median"] < COST.error["p90"] <= COST.error["max"]
     one = COST.predict([])  # an empty pass costs the fixed overhead only
     assert one == pytest.approx(max(COST.coefficients["passes"], 0.0))
-    from batchlab.batch import Chunk
+    from batchlab.runner import Chunk
     small = COST.predict([Chunk("a", [1], 10, [])])
     big = COST.predict([Chunk(f"r{i}", [1], 500, []) for i in range(16)] + [Chunk("p", [1] * 256, 0, [])])
     assert 0 < small < big  # more work costs more time

@@ -16,7 +16,7 @@ from pathlib import Path
 import batchlab
 
 PACKAGE = Path(batchlab.__file__).parent
-PURE = ["batch", "request", "scheduler", "kv", "policies", "sampling", "trace", "fake", "engine",
+PURE = ["batch", "runner", "request", "scheduler", "kv", "policies", "sampling", "trace", "fake", "engine",
         "simulator", "workloads", "metrics"]
 
 

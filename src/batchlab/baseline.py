@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from .model import LoadedModel
 from .prompts import clamp_new_tokens, prompt_ids
-from .runner import sample
+from .model_runner import sample
 from .sampling import Sampler, SamplingParams
 
 

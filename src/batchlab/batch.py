@@ -1,13 +1,9 @@
-"""What one forward pass runs, in two vocabularies (pure Python, no MLX).
+"""The scheduler's word for one forward pass (pure Python, no MLX).
 
-- ``Batch`` is the scheduler's word: which *requests* run and how many prompt tokens each.
-- ``Chunk`` is the runner's word: which *tokens* run, at which positions, and where their
-  keys and values live (the request's block table). The scheduler turns a Batch into
-  Chunks (``Scheduler.prepare``), so the runner never needs to know about requests,
-  queues or the block manager.
-
-``Runner`` is what the engine asks of a runner: the real one (``runner.ModelRunner``),
-the fake model's (``fake.FakeRunner``) and the simulator's (``simulator.SimRunner``).
+``Batch`` says which *requests* run and how many prompt tokens each. The runner's word
+for the same pass is ``runner.Chunk`` (which *tokens* run, where their keys and values
+live); the scheduler turns a Batch into Chunks (``Scheduler.prepare``), so the runner
+never needs to know about requests, queues or the block manager.
 """
 
 from __future__ import annotations
@@ -15,11 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 if TYPE_CHECKING:
     from .request import Request
-    from .sampling import Sampler
 
 
 @dataclass
@@ -38,51 +31,3 @@ class Batch:
     @property
     def requests(self) -> list[Request]:
         return [*self.decode, *(r for r, _ in self.prefill), *self.padding]
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Consecutive tokens of one sequence for the runner: one token for a decode row,
-    several for a prefill chunk. ``sampler`` is set when the chunk's last position
-    yields the sequence's next token (a decode row, or the chunk that ends a prefill)."""
-
-    req_id: str
-    tokens: list[int]
-    start: int  # position of tokens[0] in its sequence (= tokens already in the KV cache)
-    block_table: list[int] = field(default_factory=list)  # KV blocks of positions 0, bs, 2bs, ...
-    sampler: Sampler | None = None
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
-
-    def slot_mapping(self, start: int, stop: int, block_size: int) -> np.ndarray:
-        """Flat KV-pool addresses of positions ``start..stop-1`` (vLLM's slot mapping):
-        position ``i`` lives in block ``block_table[i // block_size]`` at ``i % block_size``."""
-        if stop > len(self.block_table) * block_size:
-            raise IndexError(f"{self.req_id}: positions up to {stop} need more KV blocks than "
-                             f"its table holds ({len(self.block_table)} of {block_size} tokens)")
-        table = np.asarray(self.block_table, dtype=np.int32)
-        positions = np.arange(start, stop, dtype=np.int32)
-        return table[positions // block_size] * block_size + positions % block_size
-
-
-class Runner:
-    """Runs chunks as one forward pass. Subclasses give ``forward`` (logits of each chunk's
-    last position, [len(chunks), vocab]) and ``sample`` (tokens from some of those rows)."""
-
-    def forward(self, chunks: list[Chunk]):
-        raise NotImplementedError
-
-    def sample(self, logits, rows: list[int], samplers: list[Sampler]) -> list[int]:
-        raise NotImplementedError
-
-    def run(self, chunks: list[Chunk]) -> list[int | None]:
-        """One pass; the next token of every chunk that has a sampler, None for the others."""
-        logits = self.forward(chunks)
-        rows = [i for i, c in enumerate(chunks) if c.sampler is not None]
-        tokens: list[int | None] = [None] * len(chunks)
-        if rows:
-            for i, token in zip(rows, self.sample(logits, rows, [chunks[i].sampler for i in rows])):
-                tokens[i] = token
-        return tokens

@@ -22,8 +22,8 @@ from datetime import datetime, timezone
 import numpy as np
 
 from .kv import BlockManager
-from .batch import Chunk
-from .runner import ModelRunner
+from .runner import Chunk
+from .model_runner import ModelRunner
 from .simulator import FEATURES, CostModel, pass_features
 
 DECODE_ROWS = (1, 2, 4, 8, 12, 16)

@@ -20,7 +20,8 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from . import metrics
-from .batch import Batch, Runner
+from .batch import Batch
+from .runner import Runner
 from .kv import BlockManager
 from .policies import Admission
 from .prompts import check_prompt_ids, clamp_new_tokens
@@ -282,7 +283,7 @@ def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
 
     scheduler = cls(blocks, clock, **options)
     if runner is None:
-        from .runner import ModelRunner
+        from .model_runner import ModelRunner
         runner = ModelRunner
     return engine_class(lm, scheduler, runner(lm, num_kv_blocks, kv_block_size), max_seq_len,
                         trace_limit, admission)

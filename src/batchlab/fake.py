@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .batch import Chunk, Runner
+from .runner import Chunk, Runner
 from .sampling import sample_rows
 
 
@@ -70,8 +70,8 @@ class FakeRunner(Runner):
         self.passes.append(chunks)
         logits = np.full((len(chunks), self.lm.vocab_size), -1e9, dtype=np.float32)
         for row, chunk in enumerate(chunks):
-            writes = chunk.slot_mapping(chunk.start, chunk.end, self.block_size)
-            context = self.kv[chunk.slot_mapping(0, chunk.start, self.block_size)]
+            writes = chunk.kv_addresses(chunk.start, chunk.end, self.block_size)
+            context = self.kv[chunk.kv_addresses(0, chunk.start, self.block_size)]
             if (context < 0).any():
                 raise AssertionError(f"{chunk.req_id}: chunk starts at {chunk.start} but the "
                                      f"cache has never-written positions before it (a gap)")

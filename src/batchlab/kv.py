@@ -3,7 +3,7 @@
 The runner keeps every layer's keys and values in one big array of token positions,
 ``[num_blocks * block_size, kv_heads, head_dim]`` (``runner.KVPool``). A request owns a
 list of blocks (its *block table*); its token number ``i`` lives at flat address
-``table[i // block_size] * block_size + i % block_size`` (``Chunk.slot_mapping``). This
+``table[i // block_size] * block_size + i % block_size`` (``Chunk.kv_addresses``). This
 module is the bookkeeping only, in pure Python: the scheduler is its one user. Joining a batch therefore
 costs only taking free blocks from a list, and leaving costs giving them back:
 no other request's cache is ever copied or moved. (vLLM calls this PagedAttention.)

@@ -16,8 +16,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from . import attention
 from .kv import BlockManager
 from .model import LoadedModel
-from .batch import Chunk
-from .runner import ModelRunner
+from .runner import Chunk
+from .model_runner import ModelRunner
 
 
 def fused_step_ratio(lm: LoadedModel, decodes: int = 16, chunk: int = 128, context: int = 256,

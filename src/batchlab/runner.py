@@ -1,171 +1,66 @@
-"""The model runner (the mechanism): run one batch of ragged sequences as ONE forward
-pass over an mlx-lm Llama-family model, reading and writing paged KV, and sample the
-next tokens. It owns the KV pool (the memory) but never decides who gets which block:
-each ``Chunk`` arrives with its request's block table, made by the scheduler.
+"""The runner's interface (pure Python, no MLX): what the engine asks of whatever runs
+the forward passes, and the ``Chunk`` it hands over.
 
-A batch is a list of ``Chunk``s. A decode row is a chunk of one token; a prefill chunk
-is several consecutive prompt tokens. All tokens of all chunks are packed into one
-``[1, T]`` sequence, so every linear layer (the bulk of the work) runs once over T
-rows: decode rows ride along on a prefill chunk's matrix multiplies. Only attention
-is per sequence, because each sequence attends to its own keys and values:
-- decode rows together: their contexts gathered from the KV pool, padded, masked;
-- each prefill chunk: causal attention over its own earlier tokens plus itself.
-Both go through ``batchlab.attention`` (fast CPU attention; ``mx.fast`` on Metal).
-
-The runner decides nothing: which chunks run is the scheduler's job.
+``Chunk`` is the runner's word for a pass: which *tokens* run, at which positions, and
+where their keys and values live (the request's block table). ``Runner`` is what every
+runner provides: the real one (``model_runner.ModelRunner``, MLX), the fake model's
+(``fake.FakeRunner``) and the simulator's (``simulator.SimRunner``).
 """
 
 from __future__ import annotations
 
-import mlx.core as mx
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from . import attention
-from .batch import Chunk, Runner
-from .model import LoadedModel
-from .sampling import Sampler, sample_rows
+if TYPE_CHECKING:
+    from .sampling import Sampler
 
 
-class KVPool:
-    """The KV memory itself (MLX arrays): keys and values of every layer, by flat address."""
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive tokens of one sequence for the runner: one token for a decode row,
+    several for a prefill chunk. ``sampler`` is set when the chunk's last position
+    yields the sequence's next token (a decode row, or the chunk that ends a prefill)."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: mx.Dtype):
-        shape = (num_blocks * block_size, kv_heads, head_dim)
-        self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        mx.eval(self.keys, self.values)
+    req_id: str
+    tokens: list[int]
+    start: int  # position of tokens[0] in its sequence (= tokens already in the KV cache)
+    block_table: list[int] = field(default_factory=list)  # KV blocks of positions 0, bs, 2bs, ...
+    sampler: Sampler | None = None
 
-    @staticmethod
-    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
-        return 2 * num_layers * kv_heads * head_dim * dtype.size
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
-
-def sample(logits: mx.array, samplers: list[Sampler]) -> list[int]:
-    """One token per row of ``logits`` [N, vocab]. All greedy: one argmax on the device;
-    otherwise the rows go to numpy and each request's own sampler."""
-    if all(s.params.greedy for s in samplers):
-        return mx.argmax(logits, axis=-1).tolist()
-    return sample_rows(np.array(logits.astype(mx.float32)), samplers)
-
-
-class ModelRunner(Runner):
-    def __init__(self, lm: LoadedModel, num_blocks: int, block_size: int):
-        self.lm, self.block_size = lm, block_size
-        model = lm.model
-        self.layers = model.model.layers
-        attn = self.layers[0].self_attn
-        self.n_heads, self.n_kv_heads = attn.n_heads, attn.n_kv_heads
-        self.head_dim = model.model.embed_tokens.weight.shape[1] // self.n_heads \
-            if getattr(lm.args, "head_dim", None) is None else lm.args.head_dim
-        self.scale = attn.scale
-        self.dtype = model.model.embed_tokens.weight.dtype
-        if self.dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized models
-            self.dtype = mx.float16
-        self.pool = KVPool(len(self.layers), num_blocks, block_size, self.n_kv_heads,
-                           self.head_dim, self.dtype)
-
-    def sample(self, logits: mx.array, rows: list[int], samplers: list[Sampler]) -> list[int]:
-        return sample(logits[mx.array(rows)], samplers)
-
-    def forward(self, chunks: list[Chunk]) -> mx.array:
-        """Run all ``chunks`` in one pass; return logits ``[len(chunks), vocab]`` for the
-        last token of each chunk (the distribution of the token that comes next)."""
-        # Decode rows first, then prefill chunks: each group's attention is done together.
-        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].tokens) > 1)
-        chunks = [chunks[i] for i in order]
-        rows = [c for c in chunks if len(c.tokens) == 1]
-        prefills = [c for c in chunks if len(c.tokens) > 1]
-
-        tokens = mx.array([t for c in chunks for t in c.tokens])
-        positions = mx.array(np.concatenate(
-            [np.arange(c.start, c.start + len(c.tokens)) for c in chunks]).astype(np.int32))
-        writes = mx.array(np.concatenate(
-            [c.slot_mapping(c.start, c.end, self.block_size) for c in chunks]))
-        row_context = self._row_context(rows) if rows else None
-        prefill_context = [self._prefill_context(c) for c in prefills]
-
-        h = self.lm.model.model.embed_tokens(tokens[None])  # [1, T, hidden]
-        for i, layer in enumerate(self.layers):
-            x = layer.input_layernorm(h)
-            h = h + layer.self_attn.o_proj(self._attention(
-                i, layer.self_attn, x, positions, writes, len(rows), row_context,
-                prefills, prefill_context))
-            h = h + mlp(layer.mlp, layer.post_attention_layernorm(h))
-
-        last = mx.array(np.cumsum([len(c.tokens) for c in chunks]) - 1)
-        logits = self._lm_head(self.lm.model.model.norm(h[0, last]))
-        logits = logits[mx.array(np.argsort(order))]  # back to the caller's order
-        mx.eval(logits, self.pool.keys, self.pool.values)
-        return logits
-
-    def _attention(self, i, attn, x, positions, writes, num_rows, row_context,
-                   prefills, prefill_context) -> mx.array:
-        """Self-attention of layer ``i`` for the packed tokens ``x`` [1, T, hidden]."""
-        T, H, KH, D = x.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
-        # Rotary embeddings per token at its own position: treat each token as a batch item.
-        q = attn.rope(attn.q_proj(x).reshape(T, H, 1, D), offset=positions).reshape(T, H, D)
-        k = attn.rope(attn.k_proj(x).reshape(T, KH, 1, D), offset=positions).reshape(T, KH, D)
-        v = attn.v_proj(x).reshape(T, KH, D)
-        # Store this step's keys and values in the pool (a scatter into their slots).
-        self.pool.keys[i][writes] = k
-        self.pool.values[i][writes] = v
-        keys, values = self.pool.keys[i], self.pool.values[i]
-
-        outputs = []
-        if num_rows:  # decode rows: one query each, over its gathered, padded context
-            gather, mask = row_context
-            outputs.append(attention.decode_rows(q[:num_rows], keys[gather], values[gather],
-                                                 mask, self.scale))
-        offset = num_rows
-        for chunk, (gather, mask) in zip(prefills, prefill_context):
-            L = len(chunk.tokens)
-            if gather is None:  # first chunk of a prompt: its own keys are the whole context
-                kc, vc = k[offset:offset + L], v[offset:offset + L]
-            else:
-                kc, vc = keys[gather], values[gather]
-            outputs.append(attention.prefill_chunk(q[offset:offset + L], kc, vc, mask, self.scale))
-            offset += L
-        return mx.concatenate(outputs)[None] if len(outputs) > 1 else outputs[0][None]
-
-    def _row_context(self, rows: list[Chunk]):
-        """Gather indices [rows, longest context] and the additive mask hiding each row's padding."""
-        lengths = [c.start + 1 for c in rows]
-        longest = max(lengths)
-        gather = np.zeros((len(rows), longest), dtype=np.int32)
-        for r, c in enumerate(rows):
-            gather[r, :lengths[r]] = c.slot_mapping(0, lengths[r], self.block_size)
-        allowed = np.arange(longest)[None, :] < np.array(lengths)[:, None]
-        return mx.array(gather), attention.additive_mask(allowed)
-
-    def _prefill_context(self, chunk: Chunk):
-        """Gather indices of the chunk's whole context and its additive causal mask (query i,
-        at position start+i, sees keys 0..start+i); both None if it starts the prompt."""
-        L = len(chunk.tokens)
-        if chunk.start == 0:
-            return None, None
-        total = chunk.start + L
-        gather = mx.array(chunk.slot_mapping(0, total, self.block_size))
-        allowed = np.arange(total)[None, :] <= (chunk.start + np.arange(L))[:, None]
-        return gather, attention.additive_mask(allowed)
-
-    def _lm_head(self, h: mx.array) -> mx.array:
-        model = self.lm.model
-        if hasattr(model, "lm_head"):
-            return model.lm_head(h)
-        return model.model.embed_tokens.as_linear(h)
+    def kv_addresses(self, start: int, stop: int, block_size: int) -> np.ndarray:
+        """Flat KV-pool addresses of positions ``start..stop-1`` (vLLM calls this the slot mapping):
+        position ``i`` lives in block ``block_table[i // block_size]`` at ``i % block_size``."""
+        if stop > len(self.block_table) * block_size:
+            raise IndexError(f"{self.req_id}: positions up to {stop} need more KV blocks than "
+                             f"its table holds ({len(self.block_table)} of {block_size} tokens)")
+        table = np.asarray(self.block_table, dtype=np.int32)
+        positions = np.arange(start, stop, dtype=np.int32)
+        return table[positions // block_size] * block_size + positions % block_size
 
 
-def mlp(block, x: mx.array) -> mx.array:
-    """mlx-lm's SwiGLU MLP, ``down(silu(gate(x)) * up(x))``. On the CPU the SiLU runs in
-    numpy: MLX's CPU sigmoid is a scalar ``exp`` loop (measured here at 64 tokens: 1.7 ms
-    of a layer's 3.5 ms MLP; numpy's SiLU takes 0.1 ms)."""
-    if attention.on_gpu():
-        return block(x)
-    gate, up = attention.to_numpy(block.gate_proj(x), block.up_proj(x))
-    with np.errstate(over="ignore"):  # exp(-gate) -> inf where silu(gate) is -0: fine
-        act = np.exp(-gate)
-    act += 1.0
-    np.divide(gate, act, out=act)
-    act *= up
-    return block.down_proj(mx.array(act).astype(x.dtype))
+class Runner:
+    """Runs chunks as one forward pass. Subclasses give ``forward`` (logits of each chunk's
+    last position, [len(chunks), vocab]) and ``sample`` (tokens from some of those rows)."""
+
+    def forward(self, chunks: list[Chunk]):
+        raise NotImplementedError
+
+    def sample(self, logits, rows: list[int], samplers: list[Sampler]) -> list[int]:
+        raise NotImplementedError
+
+    def run(self, chunks: list[Chunk]) -> list[int | None]:
+        """One pass; the next token of every chunk that has a sampler, None for the others."""
+        logits = self.forward(chunks)
+        rows = [i for i, c in enumerate(chunks) if c.sampler is not None]
+        tokens: list[int | None] = [None] * len(chunks)
+        if rows:
+            for i, token in zip(rows, self.sample(logits, rows, [chunks[i].sampler for i in rows])):
+                tokens[i] = token
+        return tokens

@@ -25,7 +25,8 @@ import math
 from collections import deque
 from typing import Callable, Iterator
 
-from .batch import Batch, Chunk
+from .batch import Batch
+from .runner import Chunk
 from .kv import BlockManager
 from .policies import PriorityPolicy
 from .request import Request, State

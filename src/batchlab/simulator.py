@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .batch import Chunk, Runner
+from .runner import Chunk, Runner
 from .fake import FakeModel
 from .trace import Trace
 from .workloads import Workload, WorkloadRequest, arrival_times, run_workload

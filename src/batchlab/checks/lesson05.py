@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..batch import Batch, Chunk
+from ..batch import Batch
+from ..runner import Chunk
 from ..scheduler import StallFreeScheduler
 from ..trace import StepRecord, Trace
 from ._core import Case, Verdict, close, number_compare, run_cases, show

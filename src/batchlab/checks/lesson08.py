@@ -15,7 +15,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Callable
 
-from ..batch import Chunk
+from ..runner import Chunk
 from ..engine import make_engine
 from ..fake import FakeModel, FakeRunner, TickClock, reference_output
 from ..kv import BlockManager
@@ -42,7 +42,7 @@ def _ints(why_not: str):
 # Exercise 1: block table -> slots.
 
 def _slots_reference(table, start, stop, block_size):
-    return Chunk("r", [], 0, list(table)).slot_mapping(start, stop, block_size).tolist()
+    return Chunk("r", [], 0, list(table)).kv_addresses(start, stop, block_size).tolist()
 
 
 def kv_slots(fn: Callable) -> Verdict:

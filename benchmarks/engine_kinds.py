@@ -13,7 +13,7 @@ import json
 import sys
 
 import batchlab  # first: makes MLX use OpenBLAS on Linux
-from batchlab import metrics, workloads
+from batchlab import driver, metrics, workloads
 from batchlab.bench import engines
 
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'engine':>11} {'B':>3} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TBT p50':>8} {'TBT p99':>8}")
     for name, b, cfg in configs:
         cfg = dict(cfg)
-        trace = workloads.run_workload(batchlab.make_engine(cfg.pop("kind"), lm, **cfg), wl,
+        trace = driver.run_workload(batchlab.make_engine(cfg.pop("kind"), lm, **cfg), wl,
                                        progress=False)
         s = metrics.summarize(trace)
         rows.append({"engine": name, "batch_size": b, **s})

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from batchlab import make_engine, workloads
+from batchlab import driver, make_engine, workloads
 from batchlab.model_runner import ModelRunner
 from batchlab.costfit import fit_cost_model
 from batchlab.simulator import CostModel, VirtualClock, sim_runner, simulate
@@ -45,7 +45,7 @@ def test_cost_model_predicts_real_forward_passes(lm):
     cost = fit_cost_model(lm, reps=2, progress=False)
     engine = make_engine("stallfree", lm, max_batch_size=8, token_budget=128, runner=TimedRunner)
     workload = workloads.mixed(lm, seed=5, num_requests=8).capped(12)
-    trace = workloads.run_workload(engine, workload, progress=False)
+    trace = driver.run_workload(engine, workload, progress=False)
     assert all(len(r.output_ids) == r.max_new_tokens for r in trace.requests.values())
     passes = engine.runner.timed
     kinds = {("decode" if all(len(c.tokens) == 1 for c in ch) else

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from batchlab.simulator import (CostModel, VirtualClock, make_sim_engine, queue_timeline,
-                                service_rate, simulate, synthetic_workload)
+                                service_rate, simulate)
+from batchlab.workloads import synthetic_workload
 
 COST = CostModel.load()  # this machine's committed fit
 OPTIONS = dict(max_batch_size=16, token_budget=256)

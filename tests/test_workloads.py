@@ -11,6 +11,7 @@ import pytest
 
 import batchlab
 from batchlab import metrics as M
+from batchlab import driver as D
 from batchlab import workloads as W
 from batchlab.trace import RequestRecord, StepRecord, Trace
 
@@ -272,7 +273,7 @@ def test_driver_submits_on_time_and_sleeps_when_idle():
     eng.step()
     w = toy_workload([0.0, 0.0, 0.6, 0.07], [3, 2, 2, 4])
     t_start = eng.clock()
-    tr = W.run_workload(eng, w, progress=False)
+    tr = D.run_workload(eng, w, progress=False)
     assert set(tr.requests) == {"t0", "t1", "t2", "t3"}
     assert list(tr.requests) == ["t0", "t1", "t3", "t2"]  # in arrival order
     for r in w:
@@ -294,7 +295,7 @@ def test_driver_submits_on_time_and_sleeps_when_idle():
 
 def test_driver_timeout_cancels_what_is_still_running():
     eng = ToyEngine(step_s=0.02)
-    tr = W.run_workload(eng, toy_workload([0.0, 0.0, 5.0], [2, 1000, 1]), progress=False,
+    tr = D.run_workload(eng, toy_workload([0.0, 0.0, 5.0], [2, 1000, 1]), progress=False,
                         timeout_s=0.2)
     assert tr.requests["t0"].finish_reason == "length"
     assert tr.requests["t1"].finish_reason == "cancelled"
@@ -306,7 +307,7 @@ def test_driver_works_with_an_engine_that_forgets_done_requests():
     eng = ToyEngine(step_s=0.01, bounded=True)
     eng.submit([1], 1, True, 0.0, "old")
     eng.step()
-    tr = W.run_workload(eng, toy_workload([0.0, 0.0], [3, 2]), progress=False)
+    tr = D.run_workload(eng, toy_workload([0.0, 0.0], [3, 2]), progress=False)
     eng.step()
     assert not eng.trace.requests  # the engine dropped the finished ones...
     assert [len(tr.requests[r].token_times_s) for r in ("t0", "t1")] == [3, 2]  # ...we did not
@@ -319,22 +320,22 @@ def test_driver_stops_an_engine_that_steps_without_running_anything():
             self.trace.steps.append(StepRecord(len(self.trace.steps), self.clock()))
             return True
 
-    with pytest.raises(W.EngineStuck, match="stepped 50 times in a row without running"):
-        W.run_workload(Stuck(), toy_workload([0.0], [3]), progress=False)
+    with pytest.raises(D.EngineStuck, match="stepped 50 times in a row without running"):
+        D.run_workload(Stuck(), toy_workload([0.0], [3]), progress=False)
 
 
 def test_driver_refuses_duplicate_ids():
     w = toy_workload([0, 0], [1, 1])
     w.requests[1].id = "t0"
     with pytest.raises(ValueError, match="unique"):
-        W.run_workload(ToyEngine(), w, progress=False)
+        D.run_workload(ToyEngine(), w, progress=False)
 
 
 # -- the real engine ------------------------------------------------------------------------------
 def test_quick_mixed_subset_on_a_real_continuous_engine(lm):
     w = W.mixed(lm).head(3).capped(6)
     eng = batchlab.make_engine("continuous", lm, max_batch_size=4)
-    tr = W.run_workload(eng, w, progress=False)
+    tr = D.run_workload(eng, w, progress=False)
     assert list(tr.requests) == [r.id for r in w]
     for r in w:
         rec = tr.requests[r.id]
@@ -347,13 +348,13 @@ def test_quick_mixed_subset_on_a_real_continuous_engine(lm):
     assert 0 < s["scheduler_share"] < 0.5
     # a second run on the same engine: its trace has only its own steps and requests
     w2 = W.Workload("again", "", [W.WorkloadRequest("late", w.requests[0].prompt_ids[:40], 2, 0.0)])
-    tr2 = W.run_workload(eng, w2, progress=False)
+    tr2 = D.run_workload(eng, w2, progress=False)
     assert list(tr2.requests) == ["late"] and len(tr2.requests["late"].output_ids) == 2
     assert tr2.steps[0].index == len(tr.steps)
 
 
 def test_speeds_measure_on_the_real_model(lm):
-    sp = W.Speeds.measure(lm, batch_size=2)
+    sp = D.measure_speeds(lm, batch_size=2)
     assert 0.001 < sp.decode_step_s < 10
     # one pass over a 256-token prompt makes tokens far faster than 2-row decode steps
     assert sp.prefill_tokens_per_s > 2 / sp.decode_step_s
@@ -366,13 +367,13 @@ def test_speeds_measure_times_prefill_at_the_length_asked(tok, monkeypatch, leng
     from batchlab.fake import FakeModel, FakeRunner
 
     fake = FakeModel(vocab_size=tok.vocab_size)
-    real_make, real_run = E.make_engine, W.run_workload
-    monkeypatch.setattr(E, "make_engine",
+    real_make, real_run = E.make_engine, D.run_workload
+    monkeypatch.setattr(D, "make_engine",
                         lambda kind, lm, **kw: real_make(kind, fake, runner=FakeRunner, **kw))
     traces = []
-    monkeypatch.setattr(W, "run_workload", lambda *a, **kw: traces.append(real_run(*a, **kw)) or traces[-1])
+    monkeypatch.setattr(D, "run_workload", lambda *a, **kw: traces.append(real_run(*a, **kw)) or traces[-1])
     kwargs = {} if length == 256 else {"prefill_tokens": length}  # 256 is the default
-    sp = W.Speeds.measure(tok, batch_size=2, **kwargs)
+    sp = D.measure_speeds(tok, batch_size=2, **kwargs)
     prefill = traces[-1]
     assert [r.prompt_len for r in prefill.requests.values()] == [length, length]
     last = [s for s in prefill.steps if s.prefill][-1]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from mlx.utils import tree_flatten
 
-from . import metrics, microbench, workloads
+from . import driver, metrics, microbench, workloads
 from .engine import make_engine
 from .model import LoadedModel
 from .peers import run_mlxlm_workload
@@ -170,7 +170,7 @@ def run_engine(lm, wl: workloads.Workload, batch_size: int, engine_name: str, pr
     if engine_name == "mlx-lm":
         return run_mlxlm_workload(lm, wl, batch_size, progress=progress)
     args = dict(kind="sequential") if engine_name == "sequential" else dict(engines(batch_size)[engine_name])
-    return workloads.run_workload(make_engine(args.pop("kind"), lm, runner=runner, **args), wl,
+    return driver.run_workload(make_engine(args.pop("kind"), lm, runner=runner, **args), wl,
                                   progress=progress)
 
 

@@ -15,7 +15,6 @@ and the wall clock by a virtual one, so 10,000 requests run in seconds.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -25,7 +24,8 @@ import numpy as np
 from .runner import Chunk, Runner
 from .fake import FakeModel
 from .trace import Trace
-from .workloads import Workload, WorkloadRequest, arrival_times, run_workload
+from .driver import run_workload
+from .workloads import Workload
 
 COST_MODEL_FILE = Path(__file__).parent / "data" / "cost_model.json"
 
@@ -156,38 +156,8 @@ def make_sim_engine(kind: str = "stallfree", cost: CostModel | None = None, **op
                        clock=clock, **options)
 
 
-def synthetic_workload(num_requests: int, rate: float, seed: int = 0,
-                       prompt_median: float = 128.0, prompt_sigma: float = 0.7,
-                       prompt_range: tuple[int, int] = (16, 1024), output_median: float = 64.0,
-                       output_sigma: float = 0.8, output_range: tuple[int, int] = (4, 512),
-                       arrivals: str = "poisson", prefix: str = "sim") -> Workload:
-    """ShareGPT-like lengths (lognormal, as ``workloads.sharegpt``) arriving at ``rate``
-    per second, with placeholder prompt tokens: the simulator needs lengths, not text,
-    and building 10,000 real prompts would take longer than simulating them."""
-    rng = np.random.default_rng(seed)
-    p = np.clip(np.rint(rng.lognormal(math.log(prompt_median), prompt_sigma, num_requests)), *prompt_range)
-    o = np.clip(np.rint(rng.lognormal(math.log(output_median), output_sigma, num_requests)), *output_range)
-    t = arrival_times(num_requests, arrivals, rate, rng=rng)
-    width = len(str(num_requests - 1))
-    reqs = [WorkloadRequest(f"{prefix}-{i:0{width}d}", [1] * int(pi), int(oi), float(ti))
-            for i, (pi, oi, ti) in enumerate(zip(p, o, t))]
-    return Workload("synthetic", f"{num_requests} requests, Poisson at {rate:g}/s, "
-                    f"ShareGPT-like lengths", reqs, seed,
-                    dict(num_requests=num_requests, rate=rate, prompt_median=prompt_median,
-                         output_median=output_median, arrivals=arrivals, prefix=prefix))
-
-
-def merge(*workloads: Workload) -> Workload:
-    """Several workloads' requests as one, in order of arrival (ids must differ)."""
-    reqs = sorted((r for w in workloads for r in w.requests), key=lambda r: r.arrival_s)
-    if len({r.id for r in reqs}) != len(reqs):
-        raise ValueError("merged workloads share request ids; give each a different prefix")
-    return Workload("+".join(w.name for w in workloads), "; ".join(w.description for w in workloads),
-                    reqs, None, {"parts": [w.params for w in workloads]})
-
-
 def simulate(engine, workload: Workload, priorities: dict[str, int] | None = None) -> Trace:
-    """Run ``workload`` on a simulated engine (``workloads.run_workload``, whose clock
+    """Run ``workload`` on a simulated engine (``driver.run_workload``, whose clock
     jumps to the next arrival when the engine is idle) and return its trace."""
     if not isinstance(engine.clock, VirtualClock):
         raise ValueError("simulate needs an engine made by make_sim_engine (a virtual clock)")

@@ -41,14 +41,12 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from .trace import RequestRecord, Trace
 
 CORPUS_FILE = Path(__file__).parent / "data" / "python_reference.txt"
 
@@ -155,34 +153,10 @@ class Workload:
 class Speeds:
     """How fast the machine is, used only to place the arrivals of ``interference`` so the
     long prompts land while the batch decodes. The defaults are the 2-core CPU the course
-    was measured on (float32 + OpenBLAS); ``Speeds.measure(lm)`` measures yours."""
+    was measured on (float32 + OpenBLAS); ``driver.measure_speeds(lm)`` measures yours."""
 
     decode_step_s: float = 0.10  # one decode step of a batch of 16
     prefill_tokens_per_s: float = 250.0
-
-    @classmethod
-    def measure(cls, lm, batch_size: int = 16, prefill_tokens: int = 256) -> "Speeds":
-        """Measure them on this machine (about 10 s on a 2-core CPU): the median step of a
-        continuous engine decoding ``batch_size`` requests, and the prefill throughput of
-        a sequential engine on a ``prefill_tokens``-token prompt (the second of two; the
-        first warms up). Prefill gets slower per token as prompts grow (attention), so
-        measure at the length you want to predict: a 256-token rate underestimates the
-        prefill of a 520-token prompt by about a quarter."""
-        from . import metrics
-        from .engine import make_engine
-
-        maker, rng = _maker(getattr(lm, "tokenizer", lm)), np.random.default_rng(0)
-        reqs = [WorkloadRequest(f"decode-{i}", maker.make(40, rng)[0], batch_size + 8)
-                for i in range(batch_size)]
-        trace = run_workload(make_engine("continuous", lm, max_batch_size=batch_size),
-                             Workload("speeds", "", reqs), progress=False)
-        step = metrics.decode_step_s(trace, batch_size)
-        reqs = [WorkloadRequest(f"prefill-{i}", maker.make(prefill_tokens, rng)[0], 1) for i in range(2)]
-        trace = run_workload(make_engine("sequential", lm), Workload("speeds", "", reqs),
-                             progress=False)
-        last = [s for s in trace.steps if s.prefill][-1]
-        return cls(decode_step_s=step,
-                   prefill_tokens_per_s=sum(n for _, _, n in last.prefill) / last.forward_s)
 
 
 # -- text ------------------------------------------------------------------------------------
@@ -443,105 +417,16 @@ def _arrivals_text(arrivals: str, rate: float | None, cv: float | None) -> str:
     return f"bursty at {rate:g}/s (gap CV {2.0 if cv is None else cv:g})"
 
 
-WORKLOADS: dict[str, Callable[..., Workload]] = {
-    "mixed": mixed, "high_variance": high_variance, "sharegpt": sharegpt,
-    "interference": interference,
-}
 
 
-def make_workload(name: str, tokenizer, **kwargs) -> Workload:
-    """``make_workload("sharegpt", lm, size="full", seed=1)``: a workload by name."""
-    if name not in WORKLOADS:
-        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
-    return WORKLOADS[name](tokenizer, **kwargs)
-
-
-# -- the driver ------------------------------------------------------------------------------
-class EngineStuck(RuntimeError):
-    """The engine kept stepping without running anything (a scheduler bug): the driver
-    stops instead of looping forever."""
-
-
-def run_workload(engine, workload: Workload, progress: bool = True,
-                 timeout_s: float | None = None, temperature: float = 0.0,
-                 priorities: dict[str, int] | None = None, max_idle_steps: int = 50) -> Trace:
-    """Run ``workload`` on ``engine`` and return the trace of this run alone. The one
-    driver of every run: real engines, the simulator and the exercise checkers.
-
-    Each request is submitted once its arrival time (seconds after the run starts, on the
-    engine's clock) has come, with ``arrival_s`` = when it was *due*: a request due while
-    a step was running is submitted after the step, and that wait is part of its TTFT, as
-    it would be in a server. When the engine is idle and the next request is still to
-    come, the driver waits: it sleeps on a real clock and jumps a virtual one (the
-    simulator's) forward. A request refused at the door (``QueueFull``) gets a record
-    finished with reason ``"rejected"``, so the trace accounts for every request.
-    ``priorities`` maps request ids to a ``submit`` priority. After ``timeout_s`` seconds
-    the requests still running are cancelled. ``max_idle_steps`` steps in a row that run
-    no forward pass raise ``EngineStuck``.
-    """
-    from tqdm.auto import tqdm
-
-    from .policies import QueueFull
-
-    reqs = sorted(workload.requests, key=lambda r: r.arrival_s)  # stable: ties keep order
-    if len({r.id for r in reqs}) != len(reqs):
-        raise ValueError("workload request ids must be unique")
-    clock = engine.clock
-    wait_until = getattr(clock, "advance_to", None) or (lambda t: time.sleep(max(0.0, t - clock())))
-    t0 = clock()
-    records: dict[str, RequestRecord] = {}
-    nxt = idle = 0
-    bar = tqdm(total=sum(r.max_new_tokens for r in reqs), unit="tok", desc=workload.name,
-               disable=not progress, leave=False)
-    try:
-        while True:
-            now = clock() - t0
-            if timeout_s is not None and now > timeout_s:
-                for rid, rec in records.items():
-                    if rec.finished_s is None:
-                        engine.cancel(rid)
-                engine.step()  # sweeps the cancelled requests out
-                break
-            while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
-                r, due = reqs[nxt], t0 + reqs[nxt].arrival_s
-                nxt += 1
-                extra = {} if priorities is None else {"priority": priorities[r.id]}
-                try:
-                    engine.submit(r.prompt_ids, max_new_tokens=r.max_new_tokens, ignore_eos=True,
-                                  temperature=temperature, request_id=r.id, arrival_s=due, **extra)
-                except QueueFull:
-                    records[r.id] = RequestRecord(r.id, r.prompt_len, r.max_new_tokens, due,
-                                                  [(due, "finished")], finished_s=due,
-                                                  finish_reason="rejected")
-                    continue
-                records[r.id] = engine.trace.requests[r.id]
-            if engine.step():
-                step = engine.trace.steps[-1]
-                bar.update(sum(map(len, step.emitted.values())))
-                idle = 0 if step.passes else idle + 1
-                if idle >= max_idle_steps:
-                    raise EngineStuck(
-                        f"the engine stepped {idle} times in a row without running anything: "
-                        f"its scheduler says it has work, but batches() yields nothing")
-            elif nxt < len(reqs):
-                wait_until(t0 + reqs[nxt].arrival_s)  # idle: wait for the next arrival
-            else:
-                break
-    finally:
-        bar.close()
-    unfinished = sorted(rid for rid, rec in records.items() if rec.finished_s is None)
-    if unfinished and timeout_s is None:
-        raise RuntimeError(f"the engine is idle but {len(unfinished)} requests are not done: "
-                           f"{unfinished[:5]}")
-    steps = [s for s in list(engine.trace.steps) if s.start_s >= t0]  # this run's steps only
-    return replace(engine.trace, steps=steps, requests={r.id: records[r.id] for r in reqs
-                                                        if r.id in records})
-
-
-def shared_prefix(tokenizer, seed: int = 0, num_requests: int = 8, system_chars: int = 1200,
-                  output_len: int = 8) -> Workload:
+def shared_prefix(tokenizer, size: str = "quick", seed: int = 0, num_requests: int | None = None,
+                  system_chars: int = 1200, output_len: int = 8) -> Workload:
     """Requests that share one long system prompt (real text) and differ only in a short
-    question about it: the case a prefix cache is for (lesson 8). All arrive at time 0."""
+    question about it: the case a prefix cache is for (lesson 8). All arrive at time 0.
+    8 requests at size "quick", 32 at "full"."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
+    num_requests = num_requests or (8 if size == "quick" else 32)
     tok = getattr(tokenizer, "tokenizer", tokenizer)
     rng = np.random.default_rng(seed)
     system = "Answer questions about the following text.\n\n" + _passage(rng, system_chars)
@@ -558,3 +443,47 @@ def shared_prefix(tokenizer, seed: int = 0, num_requests: int = 8, system_chars:
                     f"{system_chars} characters; outputs of {output_len} tokens", reqs, seed,
                     dict(num_requests=num_requests, system_chars=system_chars,
                          output_len=output_len, arrivals="all"))
+
+
+# -- for the simulator: lengths only ----------------------------------------------------
+def synthetic_workload(num_requests: int, rate: float, seed: int = 0,
+                       prompt_median: float = 128.0, prompt_sigma: float = 0.7,
+                       prompt_range: tuple[int, int] = (16, 1024), output_median: float = 64.0,
+                       output_sigma: float = 0.8, output_range: tuple[int, int] = (4, 512),
+                       arrivals: str = "poisson", prefix: str = "sim") -> Workload:
+    """ShareGPT-like lengths (lognormal, as ``sharegpt``) arriving at ``rate``
+    per second, with placeholder prompt tokens: the simulator needs lengths, not text,
+    and building 10,000 real prompts would take longer than simulating them."""
+    rng = np.random.default_rng(seed)
+    p = np.clip(np.rint(rng.lognormal(math.log(prompt_median), prompt_sigma, num_requests)), *prompt_range)
+    o = np.clip(np.rint(rng.lognormal(math.log(output_median), output_sigma, num_requests)), *output_range)
+    t = arrival_times(num_requests, arrivals, rate, rng=rng)
+    width = len(str(num_requests - 1))
+    reqs = [WorkloadRequest(f"{prefix}-{i:0{width}d}", [1] * int(pi), int(oi), float(ti))
+            for i, (pi, oi, ti) in enumerate(zip(p, o, t))]
+    return Workload("synthetic", f"{num_requests} requests, Poisson at {rate:g}/s, "
+                    f"ShareGPT-like lengths", reqs, seed,
+                    dict(num_requests=num_requests, rate=rate, prompt_median=prompt_median,
+                         output_median=output_median, arrivals=arrivals, prefix=prefix))
+
+
+def merge(*workloads: Workload) -> Workload:
+    """Several workloads' requests as one, in order of arrival (ids must differ)."""
+    reqs = sorted((r for w in workloads for r in w.requests), key=lambda r: r.arrival_s)
+    if len({r.id for r in reqs}) != len(reqs):
+        raise ValueError("merged workloads share request ids; give each a different prefix")
+    return Workload("+".join(w.name for w in workloads), "; ".join(w.description for w in workloads),
+                    reqs, None, {"parts": [w.params for w in workloads]})
+
+
+WORKLOADS: dict[str, Callable[..., Workload]] = {
+    "mixed": mixed, "high_variance": high_variance, "sharegpt": sharegpt,
+    "interference": interference, "shared_prefix": shared_prefix,
+}
+
+
+def make_workload(name: str, tokenizer, **kwargs) -> Workload:
+    """``make_workload("sharegpt", lm, size="full", seed=1)``: a workload by name."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](tokenizer, **kwargs)

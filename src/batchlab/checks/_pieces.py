@@ -13,7 +13,8 @@ from ..engine import make_engine
 from ..fake import FakeModel, FakeRunner, TickClock, reference_output
 from ..prompts import clamp_new_tokens
 from ..trace import Trace
-from ..workloads import EngineStuck, Workload, WorkloadRequest, run_workload
+from ..driver import EngineStuck, run_workload
+from ..workloads import Workload, WorkloadRequest
 from ._core import Case, _where
 
 VOCAB = 64

@@ -191,7 +191,7 @@ def fake_workload(name: str, output_lens: list[int], prompt_lens: list[int], see
 def run_whole(cls: type, B: int, workload, fake: FakeModel) -> WholeRun:
     """Run ``workload`` through ``run_workload`` on an engine around ``cls``; a scheduler
     that steps without running anything is reported (``EngineStuck``), never a hang."""
-    from ..workloads import EngineStuck, run_workload
+    from ..driver import EngineStuck, run_workload
     engine = fake_engine(cls, B, fake)
     try:
         trace = run_workload(engine, workload, progress=False)

@@ -22,7 +22,8 @@ from ..kv import BlockManager
 from ..policies import PriorityPolicy
 from ..request import State
 from ..scheduler import Scheduler
-from ..workloads import EngineStuck, Workload, WorkloadRequest, run_workload
+from ..driver import EngineStuck, run_workload
+from ..workloads import Workload, WorkloadRequest
 from ._core import Case, Verdict, answer_compare, run_cases, show
 
 __all__ = ["kv_slots", "cached_prefix", "memory_scheduler"]

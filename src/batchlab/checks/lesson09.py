@@ -122,7 +122,8 @@ def _queued(rid, arrival_s, preempted=False, state=State.QUEUED):
 def _shed_run(admission, name):
     """A simulated overload (stall-free, 8 slots): every request's finish reason, and the
     number of preemptions (scenario "tight" runs on a KV pool too small for everyone)."""
-    from ..simulator import make_sim_engine, simulate, synthetic_workload
+    from ..simulator import make_sim_engine, simulate
+    from ..workloads import synthetic_workload
 
     tight = name == "tight"
     options = dict(max_batch_size=8, token_budget=64)

@@ -20,7 +20,8 @@ import pytest
 from batchlab import driver, make_engine, workloads
 from batchlab.model_runner import ModelRunner
 from batchlab.costfit import fit_cost_model
-from batchlab.simulator import CostModel, VirtualClock, sim_runner, simulate
+from batchlab.costmodel import CostModel
+from batchlab.simulator import VirtualClock, sim_runner, simulate
 
 MARGIN = 0.15  # allowed on top of twice the reported held-out median error
 

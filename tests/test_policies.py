@@ -6,7 +6,8 @@ import pytest
 from batchlab import make_engine
 from batchlab.fake import FakeModel, FakeRunner, reference_output
 from batchlab.policies import Admission, QueueFull
-from batchlab.simulator import CostModel, make_sim_engine, simulate
+from batchlab.costmodel import CostModel
+from batchlab.simulator import make_sim_engine, simulate
 from batchlab.workloads import synthetic_workload
 
 LM = FakeModel()

@@ -5,7 +5,8 @@ import time
 import numpy as np
 import pytest
 
-from batchlab.simulator import (CostModel, VirtualClock, make_sim_engine, queue_timeline,
+from batchlab.costmodel import CostModel
+from batchlab.simulator import (VirtualClock, make_sim_engine, queue_timeline,
                                 service_rate, simulate)
 from batchlab.workloads import synthetic_workload
 

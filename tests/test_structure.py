@@ -17,7 +17,7 @@ import batchlab
 
 PACKAGE = Path(batchlab.__file__).parent
 PURE = ["batch", "runner", "request", "scheduler", "kv", "policies", "sampling", "trace", "fake", "engine",
-        "simulator", "workloads", "metrics"]
+        "simulator", "workloads", "metrics", "costmodel", "driver"]
 
 
 def test_policy_modules_run_without_mlx():

@@ -24,7 +24,7 @@ import numpy as np
 from .kv import BlockManager
 from .runner import Chunk
 from .model_runner import ModelRunner
-from .simulator import FEATURES, CostModel, pass_features
+from .costmodel import FEATURES, CostModel, pass_features
 
 DECODE_ROWS = (1, 2, 4, 8, 12, 16)
 DECODE_CONTEXTS = (32, 128, 384, 768)

@@ -4,9 +4,8 @@ and the wall clock by a virtual one, so 10,000 requests run in seconds.
 - ``VirtualClock``: time that moves only when told to. The engine takes every timestamp
   from it (``make_engine(..., clock=...)``), so traces and metrics read exactly as for a
   real run.
-- ``CostModel``: a forward pass's time predicted from what it computes -- a linear model
-  whose coefficients are fitted by least squares to timings of the real model
-  (:mod:`batchlab.costfit`; this machine's fit ships as ``data/cost_model.json``).
+- ``costmodel.CostModel``: a forward pass's time predicted from what it computes (fitted
+  to timings of the real model by :mod:`batchlab.costfit`).
 - ``SimRunner``: a drop-in for ``ModelRunner``. It advances the clock by the predicted
   time of each pass and returns logits that pick a fixed token, with no model compute.
 - ``simulate``: feeds a workload's arrivals on virtual time and steps the engine.
@@ -14,91 +13,14 @@ and the wall clock by a virtual one, so 10,000 requests run in seconds.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Sequence
-
 import numpy as np
 
-from .runner import Chunk, Runner
+from .costmodel import CostModel
 from .fake import FakeModel
+from .runner import Chunk, Runner
 from .trace import Trace
 from .driver import run_workload
 from .workloads import Workload
-
-COST_MODEL_FILE = Path(__file__).parent / "data" / "cost_model.json"
-
-#: What a forward pass computes, as the cost model sees it (one number each).
-FEATURES = (
-    "passes",  # 1 per pass: fixed overhead (kernel launches, the lm head's set-up)
-    "tokens",  # tokens pushed through every linear layer (decode rows + prefill tokens)
-    "decode_rows",  # decode rows (each a separate attention over its own context)
-    "decode_context",  # sum of the decode rows' context lengths (KV read by attention)
-    "prefill_chunks",  # prefill chunks (each its own attention call)
-    "prefill_attention",  # sum over chunks of chunk length x context length (quadratic part)
-)
-
-
-def pass_features(chunks: Sequence[Chunk]) -> np.ndarray:
-    """The ``FEATURES`` of one forward pass over ``chunks``."""
-    rows = [c.start + 1 for c in chunks if len(c.tokens) == 1]
-    prefills = [(len(c.tokens), c.start + len(c.tokens)) for c in chunks if len(c.tokens) > 1]
-    return np.array([
-        1.0,
-        float(len(rows) + sum(n for n, _ in prefills)),
-        float(len(rows)),
-        float(sum(rows)),
-        float(len(prefills)),
-        float(sum(n * ctx for n, ctx in prefills)),
-    ])
-
-
-@dataclass
-class CostModel:
-    """seconds = coefficients · features(pass). ``error`` holds the fit's relative error
-    on held-out passes (median, p90), so anyone using it knows how far to trust it."""
-
-    coefficients: dict[str, float]
-    error: dict[str, float] = field(default_factory=dict)
-    meta: dict = field(default_factory=dict)  # how, where and when it was fitted
-
-    def __post_init__(self):
-        missing = [f for f in FEATURES if f not in self.coefficients]
-        if missing:
-            raise ValueError(f"cost model lacks coefficients for {', '.join(missing)}")
-        self._w = np.array([self.coefficients[f] for f in FEATURES])
-
-    def predict(self, chunks: Sequence[Chunk]) -> float:
-        """Predicted seconds of one forward pass over ``chunks`` (never below zero)."""
-        return max(float(pass_features(chunks) @ self._w), 0.0)
-
-    def predict_features(self, x: np.ndarray) -> np.ndarray:
-        return np.maximum(np.asarray(x) @ self._w, 0.0)
-
-    @classmethod
-    def fit(cls, features: np.ndarray, seconds: np.ndarray, meta: dict | None = None) -> "CostModel":
-        """Least-squares fit, minimising *relative* error (each row weighted by 1/seconds)
-        so short decode steps count as much as long prefills; non-negative by clipping."""
-        x, y = np.asarray(features, dtype=float), np.asarray(seconds, dtype=float)
-        w, *_ = np.linalg.lstsq(x / y[:, None], np.ones_like(y), rcond=None)
-        return cls({f: float(v) for f, v in zip(FEATURES, w)}, meta=meta or {})
-
-    def relative_errors(self, features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-        """|predicted - measured| / measured for each pass."""
-        y = np.asarray(seconds, dtype=float)
-        return np.abs(self.predict_features(features) - y) / y
-
-    def to_json(self) -> str:
-        return json.dumps({"coefficients": self.coefficients, "error": self.error,
-                           "meta": self.meta}, indent=2)
-
-    @classmethod
-    def load(cls, path: str | Path | None = None) -> "CostModel":
-        """The committed fit for the course machine, or one written by ``batchlab fit-cost --json``."""
-        data = json.loads(Path(path or COST_MODEL_FILE).read_text())
-        return cls(data["coefficients"], data.get("error", {}), data.get("meta", {}))
-
 
 class VirtualClock:
     """Seconds of simulated time; callable like the engine's clock."""

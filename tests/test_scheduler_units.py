@@ -1,6 +1,6 @@
 """Each scheduler's planning, driven directly: no engine, no runner, no model.
 
-A step here is what the engine does with a scheduler: for every Batch that ``batches()``
+A step here is what the engine does with a scheduler: for every Batch that ``passes()``
 yields, ``prepare`` it (take blocks, make chunks), "run" it (every sampled chunk gets
 token 7), and ``postprocess`` the tokens. The tests read the plans, slots and blocks.
 """
@@ -30,7 +30,7 @@ def make(cls, num_blocks=64, block_size=4, **options):
 def step(sched, token: int = 7) -> list[tuple[list[str], list[tuple[str, int]], list[str]]]:
     """One engine step; returns each pass as (decode ids, prefill (id, tokens), padding ids)."""
     passes = []
-    for batch in sched.step():
+    for batch in sched.passes():
         chunks = sched.prepare(batch)
         assert [c.req_id for c in chunks] == [r.id for r in batch.requests]
         sched.postprocess(batch, [token if c.sampler else None for c in chunks], now=0.0)
@@ -85,7 +85,7 @@ def test_continuous_admits_nobody_while_a_prefilled_request_awaits_a_slot():
         s.add(r)
     step(s)  # a prefills and takes the only slot
     step(s)  # b prefills, then waits: no free slot
-    assert b.state is State.AWAITING_SLOT and list(s.awaiting) == [b]
+    assert b.state is State.AWAITING_SLOT and s.in_state(State.AWAITING_SLOT) == [b]
     assert step(s) == [(["a"], [], [])]  # c is not admitted while b waits
     assert c.state is State.QUEUED
 

@@ -3,10 +3,13 @@ KV memory) to a runner (mechanism), and recording a trace of every step. Each pa
 ``scheduler.prepare`` → ``runner.run`` → ``scheduler.postprocess``; the engine itself
 never touches KV blocks.
 
-Thread safety: ``submit``, ``poll`` and ``cancel`` may be called from any thread while
-another thread calls ``step`` (``EngineLoop`` does exactly that). They only touch
-request bookkeeping under a lock; the forward passes run outside it, so a poll never
-waits for the model.
+Thread discipline: ``submit``, ``poll``, ``cancel``, ``queue_depth`` and ``stats`` may be
+called from any thread while another thread calls ``step`` (``EngineLoop`` does exactly
+that). One lock guards every request, the scheduler's state and the trace: each of
+those calls holds it, and so does ``step`` for everything but the forward passes --
+the scheduler plans each pass (and takes its KV blocks) under the lock, ``runner.run``
+computes it outside, the scheduler takes the result under the lock again. So a poll
+never waits for the model, and nobody ever reads a half-planned step.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class Engine:
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer (lower is more important), got {priority!r}")
         with self._lock:
-            self.scheduler.check_room(len(prompt_ids) + max_new)
+            self.scheduler.check_pool_holds(len(prompt_ids) + max_new)
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
@@ -140,18 +143,19 @@ class Engine:
             if not self.scheduler.has_work():
                 return False
             record = StepRecord(self._step_index, self.clock(), queued=len(self.scheduler.queue))
-        self._step_index += 1
+            self._step_index += 1
+            passes = self.scheduler.passes()
         # 2-5. The scheduler hands out one forward pass at a time and sees each result.
-        for batch in self.scheduler.step():
-            self._run(batch, record)
-        record.slots = [r.id if r is not None else None for r in self.scheduler.slots]
-        kv = self.scheduler.kv_usage()
-        record.kv_blocks_used, record.block_tables = kv["kv_blocks_used"], kv["block_tables"]
-        record.cached_blocks = kv["cached_blocks"]
-        record.preempted = list(self.scheduler.preempted)
-        record.end_s = self.clock()
-        self.trace.steps.append(record)
-        return True
+        while True:
+            with self._lock:
+                self._sweep()  # a request cancelled during the last pass leaves before the next
+                batch = next(passes, None)  # planning: under the lock
+                if batch is None:
+                    self._end_step(record)
+                    return True
+                chunks = self.scheduler.prepare(batch)
+                self._record_pass(batch, record)
+            self._run(batch, chunks, record)
 
     def sweep(self) -> None:
         """Free what cancelled requests hold now (``step`` does this first anyway)."""
@@ -167,21 +171,16 @@ class Engine:
         while self.step():
             pass
 
-    def _run(self, batch: Batch, record: StepRecord) -> None:
-        """One forward pass: the scheduler prepares it, the runner runs it, the scheduler
-        takes the new tokens; the engine records what happened."""
-        with self._lock:  # a request cancelled meanwhile does not run
-            batch = Batch([r for r in batch.decode if not r.finished],
-                          [(r, n) for r, n in batch.prefill if not r.finished],
-                          batch.padding, batch.padding_tokens)
-            if not batch.decode and not batch.prefill:
-                return
-            chunks = self.scheduler.prepare(batch)
+    def _record_pass(self, batch: Batch, record: StepRecord) -> None:
         record.decoded += [r.id for r in batch.decode]
         record.prefill += [(r.id, r.num_computed, n) for r, n in batch.prefill]
         record.slot_of.update({r.id: r.slot for r in batch.requests if r.slot is not None})
         record.padding += [r.id for r in batch.padding]
         record.padding_tokens += batch.padding_tokens
+
+    def _run(self, batch: Batch, chunks, record: StepRecord) -> None:
+        """One forward pass, outside the lock; the scheduler takes the new tokens (or the
+        failure) under it, and the engine records what happened."""
         start = self.clock()  # a simulator's clock advances inside the runner
         try:
             tokens = self.runner.run(chunks)
@@ -202,6 +201,15 @@ class Engine:
                 if reason is not None:
                     self._count(reason)
                     record.finished[req.id] = reason
+
+    def _end_step(self, record: StepRecord) -> None:
+        record.slots = [r.id if r is not None else None for r in self.scheduler.slots]
+        kv = self.scheduler.kv_usage()
+        record.kv_blocks_used, record.block_tables = kv["kv_blocks_used"], kv["block_tables"]
+        record.cached_blocks = kv["cached_blocks"]
+        record.preempted = list(self.scheduler.preempted)
+        record.end_s = self.clock()
+        self.trace.steps.append(record)
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish(reason, self.clock())

@@ -2,20 +2,36 @@
 an import).
 
 A scheduler owns the waiting queue, the decode slots and the KV blocks (it is the only
-code that takes or frees them), and decides what the model runs. Its ``batches()`` is a
-generator: it yields one ``Batch`` (one forward pass) at a time; the engine asks it to
-``prepare`` the pass (take its blocks, describe it as runner ``Chunk``s), runs it, and
-hands the new tokens to ``postprocess``; then the generator resumes and sees the result.
-The four kinds differ only in ``batches``:
+code that takes or frees them), and decides what the model runs. One flow serves every
+kind:
+
+- **Planning** is the kind's ``batches()``: a generator that yields one ``Batch`` (one
+  forward pass) at a time. It is the only code a kind writes; it reads the requests'
+  states and changes them (admits, places, preempts).
+- **The result** of each pass goes to ``postprocess`` (shared by every kind): requests
+  advance by what they computed, get their new tokens, finish, and a request whose
+  prompt is done moves on -- to decoding if it holds a slot, else to await one.
+- **Leaving** (finish, cancel, preemption) is ``remove`` / ``release``, also shared: a
+  kind keeps no containers of its own to keep in sync. Who is prefilling, awaiting a
+  slot or decoding is read from the requests themselves (``in_state``), in admission
+  order (``running``).
+
+The engine asks ``passes()`` for the passes of one iteration, has each ``prepare``d
+(blocks taken, described as runner ``Chunk``s), runs it, and hands the new tokens to
+``postprocess``; then the generator resumes and sees the result. The kinds:
 
 - ``SequentialScheduler``: one request at a time, start to finish.
 - ``StaticScheduler``: up to B requests start together; nobody joins until all finish.
 - ``ContinuousScheduler``: iteration-level scheduling in five phases (see ``batches``).
 - ``StallFreeScheduler``: a token budget per step, decodes first, one fused pass.
 
-*Write your own*: subclass one of them, give it a ``kind`` name, and pass the class to
-``make_engine(MyScheduler, lm, ...)``. A scheduler's options are the keyword arguments of
-its constructor after ``(blocks, clock)``, with their defaults; the constructor checks them.
+*Write your own*: subclass one of them, give it a ``kind`` name and a one-line
+``description``, and pass the class to ``make_engine(MyScheduler, lm, ...)`` -- or
+``--engine my_module:MyScheduler`` to any ``batchlab`` command. A scheduler's options are
+the keyword arguments of its constructor after ``(blocks, clock)``, with their defaults;
+``options`` gives each its type and help text (the command line's flags come from it).
+Every class defined here with a ``kind`` of its own joins ``KINDS``, the registry every
+command, the bench and the README read.
 """
 
 from __future__ import annotations
@@ -23,26 +39,51 @@ from __future__ import annotations
 import inspect
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from .batch import Batch
-from .runner import Chunk
+from .costmodel import CostModel, token_budget_for_slo
 from .kv import BlockManager
 from .policies import PriorityPolicy
 from .request import Request, State
+from .runner import Chunk
+
+KINDS: dict[str, type["Scheduler"]] = {}  # kind name -> class: the kinds batchlab ships
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a scheduler kind, as a command line offers it."""
+
+    type: type
+    help: str
 
 
 class Scheduler:
-    """What every policy shares: a queue, B decode slots, the KV blocks.
+    """What every policy shares: a queue, B decode slots, the KV blocks, and the flow of
+    a pass (``prepare`` before the runner, ``postprocess`` after it).
 
     Static and sequential batching reserve a request's whole KV memory up front
     (``reserve``). Continuous and stall-free take blocks on demand (``fits``, ``start``,
-    ``make_room``) and preempt when the pool runs dry; ``running`` lists who holds blocks.
+    ``make_room``) and preempt when the pool runs dry. ``running`` lists every admitted
+    request (it holds KV blocks), in admission order.
     """
 
     kind = "base"
+    description = ""  # one line: what this kind does (the CLI, ``batchlab demo``, the README)
+    options: dict[str, Option] = {
+        "max_batch_size": Option(int, "decode slots: at most this many requests decode together (B)"),
+    }
+    bench_variants: dict[str, dict] = {}  # engines of this kind in ``batchlab bench``: name -> options
     kv_on_demand = False  # blocks taken as requests grow (so prefix caching can share them)
     prefill_lane = False  # prefilling requests hold no decode slot (pictures draw a lane)
+    rectangular = False  # a finished request keeps its row (slot, KV) until its whole batch ends
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.__module__ == __name__ and "kind" in cls.__dict__:
+            KINDS[cls.kind] = cls
 
     def __init__(self, blocks: BlockManager, clock: Callable[[], float], max_batch_size: int = 8,
                  policy: PriorityPolicy | None = None):
@@ -53,7 +94,7 @@ class Scheduler:
         self.policy = policy or PriorityPolicy()
         self.queue: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * max_batch_size
-        self.running: list[Request] = []  # on demand: requests holding KV blocks, by admission
+        self.running: list[Request] = []  # admitted, holding KV blocks, in admission order
         self.preempted: list[str] = []  # preempted during the current step
         self.num_preemptions = 0
 
@@ -65,19 +106,36 @@ class Scheduler:
         return {p.name: p.default for p in params
                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
+    @classmethod
+    def option_specs(cls) -> dict[str, tuple[object, Option | None]]:
+        """Each option with its default and its ``Option`` (None where no class in the
+        kind's lineage describes it, e.g. ``policy``: an object, not a command-line value)."""
+        described: dict[str, Option] = {}
+        for klass in reversed(cls.__mro__):
+            described.update(getattr(klass, "options", {}) or {})
+        return {name: (default, described.get(name)) for name, default in cls.option_defaults().items()}
+
     # -- bookkeeping shared by all policies --------------------------------------------
     def add(self, req: Request) -> None:
         self.queue.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.queue) or any(self.slots)
+        return bool(self.queue) or bool(self.running)
+
+    def in_state(self, *states: State) -> list[Request]:
+        """The admitted requests in any of ``states``, in admission order."""
+        return [r for r in self.running if r.state in states]
 
     def free_slot(self) -> int | None:
         return next((i for i, r in enumerate(self.slots) if r is None), None)
 
     def take_slot(self, req: Request) -> None:
-        req.slot = self.free_slot()
-        self.slots[req.slot] = req
+        slot = self.free_slot()
+        if slot is None:
+            raise RuntimeError(f"take_slot({req.id}): every decode slot is taken; check "
+                               f"free_slot() is not None first (or free finished requests)")
+        req.slot = slot
+        self.slots[slot] = req
 
     def reserve(self, req: Request) -> bool:
         """Reserve KV blocks for the whole request (prompt + every token it may generate);
@@ -87,8 +145,23 @@ class Scheduler:
         self.blocks.reserve(req.id, req.prompt_len + req.max_new_tokens)
         return True
 
+    def begin(self, req: Request) -> None:
+        """``req`` leaves the queue and starts prefilling: it joins ``running``."""
+        if req in self.queue:
+            self.queue.remove(req)
+        self.running.append(req)
+        req.set_state(State.PREFILLING, self.clock())
+
     def remove(self, req: Request) -> None:
-        """Forget a finished or cancelled request and free everything it held."""
+        """A request leaves (finished, cancelled): free everything it held -- except, in a
+        ``rectangular`` batch, a row that still runs: it stays as padding until its batch
+        ends and the kind's planning releases it."""
+        if self.rectangular and req in self.running:
+            return
+        self.release(req)
+
+    def release(self, req: Request) -> None:
+        """Forget ``req`` and free its slot and KV blocks."""
         if req in self.queue:
             self.queue.remove(req)
         if req.slot is not None and self.slots[req.slot] is req:
@@ -98,7 +171,7 @@ class Scheduler:
         req.slot = None
         self.blocks.release(req.id)
 
-    def check_room(self, num_tokens: int) -> None:
+    def check_pool_holds(self, num_tokens: int) -> None:
         """Refuse (ValueError) a request that could never fit the KV pool."""
         need = self.blocks.blocks_for(num_tokens)
         if need > self.blocks.num_blocks:
@@ -107,11 +180,15 @@ class Scheduler:
                 f"engine has {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens; "
                 f"raise num_kv_blocks")
 
-    def step(self) -> Iterator[Batch]:
+    def passes(self) -> Iterator[Batch]:
         """This step's passes: what the engine iterates. Starts the step's bookkeeping,
-        then runs the kind's own ``batches()``."""
+        then runs the kind's own planning, ``batches()``."""
         self.preempted = []
         yield from self.batches()
+
+    def batches(self) -> Iterator[Batch]:
+        """Planning: yield this step's passes, one ``Batch`` each (the kind's own code)."""
+        raise NotImplementedError
 
     # -- one pass: before and after the runner --------------------------------------------
     def prepare(self, batch: Batch) -> list[Chunk]:
@@ -135,10 +212,12 @@ class Scheduler:
 
     def postprocess(self, batch: Batch, tokens: list[int | None], now: float
                     ) -> list[tuple[Request, int, str | None]]:
-        """After the pass: advance every request by what it computed, name full blocks
-        for the prefix cache, hand out the new tokens (one per ``batch.requests`` entry,
-        None where none was sampled) and free the requests that finished. Returns
-        ``(request, token, finish reason or None)`` for every token handed out."""
+        """The one result hook, after every pass of every kind: advance each request by
+        what it computed, name full blocks for the prefix cache, hand out the new tokens
+        (one per ``batch.requests`` entry, None where none was sampled), free the
+        requests that finished, and move a request whose prompt is done on to decoding
+        (it holds a slot) or to await a slot. Returns ``(request, token, finish reason or
+        None)`` for every token handed out."""
         for req in batch.decode:
             req.num_computed += 1
         for req, n in batch.prefill:
@@ -155,6 +234,10 @@ class Scheduler:
                 req.finish(reason, now)
                 self.remove(req)
             events.append((req, token, reason))
+        for req, _ in batch.prefill:  # a finished prompt moves on: decode in its slot, or await one
+            if req.prefill_left == 0 and req.state is State.PREFILLING:
+                req.set_state(State.DECODING if req.slot is not None else State.AWAITING_SLOT,
+                              self.clock())
         return events
 
     def fail(self, batch: Batch, cause: BaseException, now: float) -> list[Request]:
@@ -179,7 +262,7 @@ class Scheduler:
                 "prefix_cache_hits": b.hit_blocks, "prefix_cache_hit_tokens": b.hit_tokens}
 
     # -- on-demand KV memory (continuous, stall-free) ------------------------------------
-    def _first_chunk(self, req: Request, max_tokens: float) -> tuple[list[int], int, int]:
+    def first_chunk(self, req: Request, max_tokens: float) -> tuple[list[int], int, int]:
         """(cached blocks it can share, their tokens, its first chunk's length)."""
         hits = self.blocks.lookup(req.token_ids(0, req.prefill_len))
         cached = len(hits) * self.blocks.block_size
@@ -189,7 +272,7 @@ class Scheduler:
         """Admission by free blocks: the pool must hold the first chunk (at most
         ``max_tokens``, after any cached prefix) and still keep one block of headroom for
         every decoding request, so that admitting does not at once force a preemption."""
-        hits, cached, n = self._first_chunk(req, max_tokens)
+        hits, cached, n = self.first_chunk(req, max_tokens)
         taken = self.blocks.blocks_for(cached + n) - len(hits) \
             + sum(self.blocks.ref_counts[b] == 0 for b in hits)  # evictable hits leave the free pool
         headroom = sum(r.state is State.DECODING for r in self.running)
@@ -198,14 +281,11 @@ class Scheduler:
     def start(self, req: Request, max_tokens: float) -> int:
         """Admit ``req`` (checked with ``fits``) into prefilling: share its cached prefix,
         take blocks for its first chunk; return that chunk's length."""
-        hits, cached, n = self._first_chunk(req, max_tokens)
-        if req in self.queue:
-            self.queue.remove(req)
+        hits, cached, n = self.first_chunk(req, max_tokens)
         self.blocks.share(req.id, hits)
         req.num_computed = cached
         self.blocks.ensure(req.id, cached + n)
-        self.running.append(req)
-        req.set_state(State.PREFILLING, self.clock())
+        self.begin(req)
         return n
 
     def make_room(self, req: Request, num_tokens: int) -> bool:
@@ -222,7 +302,7 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Preemption by recompute: free all of ``req``'s blocks and put it back at the
         front of the queue; it keeps its generated tokens."""
-        self.remove(req)
+        self.release(req)
         if req.finished:  # cancelled meanwhile: nothing to come back for
             return
         req.preempt(self.clock())
@@ -230,74 +310,55 @@ class Scheduler:
         self.preempted.append(req.id)
         self.num_preemptions += 1
 
-    def batches(self) -> Iterator[Batch]:
-        raise NotImplementedError
-
 
 class SequentialScheduler(Scheduler):
     """One request at a time: prefill its whole prompt, decode it to the end, next."""
 
     kind = "sequential"
+    description = "one request at a time, start to finish: the baseline every batching engine beats"
+    options: dict[str, Option] = {}
 
     def __init__(self, blocks: BlockManager, clock):
         super().__init__(blocks, clock, 1)
 
     def batches(self):
-        current = self.slots[0]
-        if current is None:
-            if not self.queue or not self.reserve(self.queue[0]):
-                return
-            current = self.queue.popleft()
-            self.take_slot(current)
-            current.set_state(State.PREFILLING, self.clock())
-            yield Batch(prefill=[(current, current.prompt_len)])
-            if not current.finished:
-                current.set_state(State.DECODING, self.clock())
-            return
-        yield Batch(decode=[current])
+        if self.running:
+            yield Batch(decode=self.running[:1])
+        elif self.queue and self.reserve(self.queue[0]):
+            req = self.queue[0]
+            self.begin(req)
+            self.take_slot(req)
+            yield Batch(prefill=[(req, req.prompt_len)])
 
 
 class StaticScheduler(Scheduler):
     """Static batching: take up to B queued requests, prefill them together, decode until
     the longest is done. Finished rows stay in the batch as padding (computed, thrown
-    away, their KV memory held) because a rectangular batch cannot shrink."""
+    away, their KV memory held) because a rectangular batch cannot shrink: the batch is
+    ``running``, and it ends when every row has finished."""
 
     kind = "static"
-
-    def __init__(self, blocks: BlockManager, clock, max_batch_size: int = 8):
-        super().__init__(blocks, clock, max_batch_size)
-        self.batch: list[Request] = []
-
-    def has_work(self) -> bool:
-        return bool(self.queue) or bool(self.batch)
-
-    def remove(self, req: Request) -> None:
-        if req not in self.batch:  # still queued: forget it now
-            super().remove(req)
-        # in the batch: it stays as a padding row until the whole batch ends
+    description = "up to B requests start together; nobody joins until the longest finishes"
+    bench_variants = {"static": {}}
+    rectangular = True
 
     def batches(self):
-        if not self.batch:
-            while self.queue and len(self.batch) < self.max_batch_size and self.reserve(self.queue[0]):
-                req = self.queue.popleft()
+        if not self.running:  # start a batch: up to B requests from the front of the queue
+            while self.queue and len(self.running) < self.max_batch_size and self.reserve(self.queue[0]):
+                req = self.queue[0]
+                self.begin(req)
                 self.take_slot(req)
-                req.set_state(State.PREFILLING, self.clock())
-                self.batch.append(req)
-            if not self.batch:
+            if not self.running:
                 return
-            longest = max(r.prompt_len for r in self.batch)
-            yield Batch(prefill=[(r, r.prompt_len) for r in self.batch],
-                        padding_tokens=sum(longest - r.prompt_len for r in self.batch))
-            for r in self.batch:
-                if not r.finished:
-                    r.set_state(State.DECODING, self.clock())
-        live = [r for r in self.batch if not r.finished]
-        if live:
-            yield Batch(decode=live, padding=[r for r in self.batch if r.finished])
-        if all(r.finished for r in self.batch):  # the batch is over: free its rows
-            for r in self.batch:
-                super().remove(r)
-            self.batch = []
+            longest = max(r.prompt_len for r in self.running)
+            yield Batch(prefill=[(r, r.prompt_len) for r in self.running],
+                        padding_tokens=sum(longest - r.prompt_len for r in self.running))
+        live = [r for r in self.running if not r.finished]
+        if live:  # finished rows ride along as padding
+            yield Batch(decode=live, padding=[r for r in self.running if r.finished])
+        if all(r.finished for r in self.running):  # the batch is over: free its rows
+            for r in list(self.running):
+                self.release(r)
 
 
 class ContinuousScheduler(Scheduler):
@@ -315,6 +376,11 @@ class ContinuousScheduler(Scheduler):
     """
 
     kind = "continuous"
+    description = ("iteration-level: one admission a step, its prefill as a pass of its own "
+                   "(whole, or prefill_step tokens at a time), then one decode pass over every slot")
+    options = {"prefill_step": Option(int, "prefill at most this many prompt tokens a step "
+                                           "(chunked prefill; default: the whole prompt at once)")}
+    bench_variants = {"continuous": {}, "chunked": {"prefill_step": 128}}
     kv_on_demand = True
     prefill_lane = True
 
@@ -325,18 +391,6 @@ class ContinuousScheduler(Scheduler):
                                          or prefill_step < 1):
             raise ValueError(f"prefill_step must be an integer >= 1, got {prefill_step!r}")
         self.prefill_step = prefill_step or math.inf
-        self.prefilling: Request | None = None
-        self.awaiting: deque[Request] = deque()
-
-    def has_work(self) -> bool:
-        return super().has_work() or self.prefilling is not None or bool(self.awaiting)
-
-    def remove(self, req: Request) -> None:
-        if self.prefilling is req:
-            self.prefilling = None
-        if req in self.awaiting:
-            self.awaiting.remove(req)
-        super().remove(req)
 
     def batches(self):
         self.admit()
@@ -345,33 +399,26 @@ class ContinuousScheduler(Scheduler):
         yield from self.decode_rows()
 
     def admit(self) -> None:
-        """2. Admit one request at a time, and none while a prefilled one still waits for a
+        """2. Admit one request at a time, and none while another prefills or waits for a
         slot; only if the free blocks hold its first chunk."""
-        if self.prefilling is None and not self.awaiting and self.queue:
+        if self.queue and not self.in_state(State.PREFILLING, State.AWAITING_SLOT):
             req = self.policy.next_queued(self.queue)
             if self.fits(req, self.prefill_step):
                 self.start(req, self.prefill_step)
-                self.prefilling = req
 
     def prefill_chunk(self) -> Iterator[Batch]:
-        """3. One chunk of the prefilling request; the chunk that ends it samples a token."""
-        req = self.prefilling
-        if req is None:
-            return
-        n = min(self.prefill_step, req.prefill_left)
-        if not self.make_room(req, n):
-            return
-        yield Batch(prefill=[(req, n)])
-        if req.finished or req.prefill_left == 0:
-            self.prefilling = None
-            if not req.finished:
-                req.set_state(State.AWAITING_SLOT, self.clock())
-                self.awaiting.append(req)
+        """3. One chunk of the prefilling request, a pass of its own; the chunk that ends
+        the prompt samples its first token (then it awaits a slot)."""
+        for req in self.in_state(State.PREFILLING)[:1]:
+            n = min(self.prefill_step, req.prefill_left)
+            if self.make_room(req, n):
+                yield Batch(prefill=[(req, n)])
 
     def place(self) -> None:
         """4. Move prefilled requests into free slots, first come first placed."""
-        while self.awaiting and self.free_slot() is not None:
-            req = self.awaiting.popleft()
+        for req in self.in_state(State.AWAITING_SLOT):
+            if self.free_slot() is None:
+                break
             self.take_slot(req)
             req.set_state(State.DECODING, self.clock())
 
@@ -386,48 +433,59 @@ class ContinuousScheduler(Scheduler):
             yield Batch(decode=rows)
 
 
-class StallFreeScheduler(Scheduler):
-    """Sarathi-Serve's stall-free batching: a budget of ``token_budget`` tokens a step.
-    Every running decode goes first (one token each), then the partial prefills continue
-    with what is left, then new requests are admitted while budget and slots remain.
-    Everything runs as ONE forward pass, so decodes never wait for a prompt.
-    A prefilling request holds its slot from admission, so nobody waits for a slot."""
+class StallFreeScheduler(ContinuousScheduler):
+    """Sarathi-Serve's stall-free batching: continuous batching with a budget of
+    ``token_budget`` tokens a step. Every running decode goes first (one token each), then
+    the partial prefills continue with what is left, then new requests are admitted
+    while budget and slots remain. Everything runs as ONE forward pass, so decodes never
+    wait for a prompt. A prefilling request holds its slot from admission, so nobody
+    waits for a slot.
+
+    The budget, unless given, is the largest whose predicted step time (the packaged cost
+    model, ``batchlab fit-cost``) meets ``tbt_slo`` seconds between tokens; without a
+    target, ``costmodel.DEFAULT_SLO_DECODE_STEPS`` decode steps of a full batch."""
 
     kind = "stallfree"
-    kv_on_demand = True
+    description = ("Sarathi-Serve's stall-free batching: a token budget a step, decodes first, "
+                   "then prefill chunks, all in ONE fused forward pass")
+    options = {
+        "token_budget": Option(int, "tokens a step: decodes first, prefill chunks in the rest "
+                                    "(default: chosen from --tbt-slo by the cost model)"),
+        "tbt_slo": Option(float, "the time-between-tokens target in seconds the budget is chosen "
+                                 "for (default: a multiple of the predicted decode step)"),
+    }
+    bench_variants = {"stallfree": {}}
+    prefill_lane = False
 
-    def __init__(self, blocks: BlockManager, clock, max_batch_size: int = 8, token_budget: int = 256,
+    def __init__(self, blocks: BlockManager, clock, max_batch_size: int = 8,
+                 token_budget: int | None = None, tbt_slo: float | None = None,
                  policy: PriorityPolicy | None = None):
-        super().__init__(blocks, clock, max_batch_size, policy)
+        super().__init__(blocks, clock, max_batch_size, policy=policy)
+        if token_budget is None:
+            token_budget = token_budget_for_slo(CostModel.load(), max_batch_size, tbt_slo)
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < max_batch_size:
             raise ValueError(f"token_budget must be an integer >= max_batch_size "
                              f"({max_batch_size}), got {token_budget!r}")
         self.token_budget = token_budget
-        self.prefilling: list[Request] = []  # in admission order
-
-    def remove(self, req: Request) -> None:
-        if req in self.prefilling:
-            self.prefilling.remove(req)
-        super().remove(req)
+        self.tbt_slo = tbt_slo
 
     def batches(self):
         batch = self.plan()
         if batch.decode or batch.prefill:
             yield batch
-        self.end_prefills(batch)
 
     def plan(self) -> Batch:
         """The step's one pass: decodes, then partial prefills, then admissions."""
         decode = self.decodes()
         prefill = self.continue_prefills(self.token_budget - len(decode))
-        prefill += self.admit(self.token_budget - len(decode) - sum(n for _, n in prefill))
+        prefill += self.admit_within(self.token_budget - len(decode) - sum(n for _, n in prefill))
         held = set(map(id, self.running))  # a later phase may have preempted an earlier pick
         return Batch(decode=[r for r in decode if id(r) in held],
                      prefill=[(r, n) for r, n in prefill if id(r) in held])
 
     def decodes(self) -> list[Request]:
         """Every decoding request, one token each (blocks to the most important first)."""
-        decode = [r for r in self.slots if r is not None and r.state is State.DECODING]
+        decode = self.in_state(State.DECODING)
         for req in sorted(decode, key=self.policy.importance):
             if req.slot is not None:
                 self.make_room(req, 1)
@@ -436,14 +494,14 @@ class StallFreeScheduler(Scheduler):
     def continue_prefills(self, budget: int) -> list[tuple[Request, int]]:
         """Partial prefills continue, in admission order, while the budget lasts."""
         prefill = []
-        for req in list(self.prefilling):
+        for req in self.in_state(State.PREFILLING):
             n = min(budget, req.prefill_left)
-            if n > 0 and req in self.prefilling and self.make_room(req, n):
+            if n > 0 and req.state is State.PREFILLING and self.make_room(req, n):
                 prefill.append((req, n))
                 budget -= n
         return prefill
 
-    def admit(self, budget: int) -> list[tuple[Request, int]]:
+    def admit_within(self, budget: int) -> list[tuple[Request, int]]:
         """New requests while budget, a free slot and free blocks for a first chunk remain.
         A request preempted while planning this step waits for the next one."""
         prefill = []
@@ -453,19 +511,6 @@ class StallFreeScheduler(Scheduler):
                 break
             n = self.start(req, budget)
             self.take_slot(req)
-            self.prefilling.append(req)
             prefill.append((req, n))
             budget -= n
         return prefill
-
-    def end_prefills(self, batch: Batch) -> None:
-        """A request whose prefill is done starts decoding next step."""
-        for req, _ in batch.prefill:
-            if req.prefill_left == 0 and req in self.prefilling:
-                self.prefilling.remove(req)
-                if not req.finished:
-                    req.set_state(State.DECODING, self.clock())
-
-
-KINDS = {cls.kind: cls for cls in (SequentialScheduler, StaticScheduler, ContinuousScheduler,
-                                   StallFreeScheduler)}

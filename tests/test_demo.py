@@ -73,9 +73,9 @@ def test_a_pipe_gets_only_the_last_screen_and_the_summary(fake_lm):
 
 
 def test_idle_slots_and_the_queue_are_explained():
-    assert demo.explain("stallfree", 2, 0, 4) == "2 slots idle: no request is waiting for one."
-    assert "all 4 slots are busy" in demo.explain("stallfree", 0, 3, 4)
-    assert "whole batch" in demo.explain("static", 1, 3, 4)
+    assert demo.explain(False, 2, 0, 4) == "2 slots idle: no request is waiting for one."
+    assert "all 4 slots are busy" in demo.explain(False, 0, 3, 4)
+    assert "whole batch" in demo.explain(True, 1, 3, 4)
 
 
 def test_an_answer_cut_inside_a_character_drops_the_half_character(gguf_meta):

@@ -1,4 +1,4 @@
-"""The ``batchlab`` command: info, generate, demo, serve, loadgen, export-mlx, bench, fit-cost."""
+"""The ``batchlab`` command: info, kinds, generate, demo, serve, loadgen, export-mlx, bench, fit-cost."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .engine import KINDS
+from .engine import KINDS, scheduler_class
 
 
 def _cmd_info(args) -> int:
@@ -73,12 +73,44 @@ def read_requests(path: Path, lm) -> list[dict]:
     return requests
 
 
+ENGINE_FLAG_ALIASES = {"max_batch_size": ("--batch-size",)}  # the flag users know
+
+
+def scheduler_flags(classes) -> dict[str, tuple[type, str]]:
+    """Every described option of these scheduler classes: name -> (type, help), the help
+    naming the kinds that take it. The command line's engine flags come from here."""
+    flags: dict[str, tuple[type, str, list[str]]] = {}
+    for cls in classes:
+        for name, (default, option) in cls.option_specs().items():
+            if option is None:
+                continue
+            kinds = flags.setdefault(name, (option.type, option.help, []))[2]
+            kinds.append(cls.kind)
+    return {name: (t, f"{h} [{', '.join(kinds)}]") for name, (t, h, kinds) in flags.items()}
+
+
+def kinds_table() -> str:
+    """The registry as a Markdown table (``batchlab kinds``; the README's kinds table)."""
+    rows = ["| kind | options (default) | what it does |", "|---|---|---|"]
+    for kind, cls in KINDS.items():
+        opts = [f"`{name}` ({'—' if default is None else default})"
+                for name, (default, option) in cls.option_specs().items() if option is not None]
+        rows.append(f"| `{kind}` | {', '.join(opts) or '—'} | {cls.description} |")
+    return "\n".join(rows)
+
+
+def _cmd_kinds(args) -> int:
+    print(kinds_table())
+    return 0
+
+
 def engine_options(args) -> dict:
     """The make_engine options the user actually gave (the rest keep their defaults)."""
-    options = {k: v for k, v in (("max_batch_size", args.batch_size), ("prefill_step", args.prefill_step),
-                                 ("token_budget", args.token_budget),
-                                 ("num_kv_blocks", args.num_kv_blocks)) if v is not None}
-    if args.enable_prefix_cache:
+    options = {name: getattr(args, name) for name in getattr(args, "scheduler_options", ())
+               if getattr(args, name, None) is not None}
+    if getattr(args, "num_kv_blocks", None) is not None:
+        options["num_kv_blocks"] = args.num_kv_blocks
+    if getattr(args, "enable_prefix_cache", False):
         options["enable_prefix_cache"] = True
     return options
 
@@ -89,7 +121,7 @@ def _cmd_generate(args) -> int:
 
     lm = load_model(args.model)
     requests = read_requests(Path(args.input), lm)
-    engine = make_engine(args.engine, lm, **engine_options(args))
+    engine = make_engine(args.engine_class, lm, **engine_options(args))
     ids = [engine.submit(r["prompt_ids"], max_new_tokens=args.max_new_tokens,
                          temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                          ignore_eos=args.ignore_eos) for r in requests]
@@ -106,14 +138,14 @@ def _cmd_generate(args) -> int:
     stats = engine.stats()
     print(f"wrote {len(requests)} results to {args.output}: {stats['output_tokens']} tokens in "
           f"{stats['elapsed_s']:.1f} s ({stats['output_tokens_per_s']:.1f} tokens/s, "
-          f"{args.engine})", file=sys.stderr)
+          f"{args.engine_class.kind})", file=sys.stderr)
     return 0
 
 
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(args.engine, args.model, requests=args.requests, **engine_options(args))
+    return run_demo(args.engine_class, args.model, requests=args.requests, **engine_options(args))
 
 
 def _cmd_serve(args) -> int:
@@ -121,7 +153,7 @@ def _cmd_serve(args) -> int:
     from .server import check_exposure, serve
 
     check_exposure(args.host, args.api_key, args.insecure)  # before the model takes its seconds to load
-    serve(load_model(args.model), args.engine, host=args.host, port=args.port,
+    serve(load_model(args.model), args.engine_class, host=args.host, port=args.port,
           max_queue=args.max_queue, api_key=args.api_key, insecure=args.insecure,
           max_running_per_user=args.max_running_per_user, show_prompts=args.show_prompts,
           **engine_options(args))
@@ -174,7 +206,10 @@ def _cmd_bench(args) -> int:
     from .bench import format_table, run_bench
     from .model import load_model
 
-    result = run_bench(load_model(args.model), quick=args.quick, json_out=args.json)
+    extra = {name: {"kind": cls} for name, cls in (args.engines or {}).items()}
+    result = run_bench(load_model(args.model), quick=args.quick, json_out=args.json,
+                       **({"extra_engines": extra} if extra else {}),
+                       **({"tbt_slo": args.tbt_slo} if args.tbt_slo is not None else {}))
     print(format_table(result))
     if args.json:
         print(f"\nwrote {args.json} (and plots beside it)")
@@ -201,29 +236,37 @@ def _cmd_fit_cost(args) -> int:
     return 0
 
 
-def _add_engine_options(parser, kinds, default):
-    parser.add_argument("--engine", choices=kinds, default=default)
-    parser.add_argument("--batch-size", type=int, default=None, help="decode slots (not for sequential)")
-    parser.add_argument("--prefill-step", type=int, default=None,
-                        help="continuous: prompt tokens per prefill chunk (default: whole prompt)")
-    parser.add_argument("--token-budget", type=int, default=None,
-                        help="stallfree: tokens per step (default 256)")
+def _add_engine_options(parser, default: str, extra=None):
+    """``--engine`` (a kind or module:Class) and one flag per scheduler option, from the
+    registry (plus the options of ``extra``, a class named with module:Class)."""
+    parser.add_argument("--engine", default=default, metavar="KIND|module:Class",
+                        help=f"the scheduler: {', '.join(KINDS)} (default {default}), or your own "
+                             f"class as module:Class, imported from the current folder")
+    classes = [*KINDS.values(), *([extra] if extra is not None and extra not in KINDS.values() else [])]
+    flags = scheduler_flags(classes)
+    for name, (kind, text) in flags.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", *ENGINE_FLAG_ALIASES.get(name, ()),
+                            dest=name, type=kind, default=None, help=text)
+    parser.set_defaults(scheduler_options=tuple(flags))
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="KV blocks of 16 tokens (default: ~1k tokens a slot); a small pool preempts")
     parser.add_argument("--enable-prefix-cache", action="store_true",
-                        help="continuous/stallfree: share the KV blocks of repeated prompt prefixes")
+                        help="kinds that take KV on demand: share the KV blocks of repeated prompt prefixes")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extra=None) -> argparse.ArgumentParser:
+    """The whole command line; ``extra`` is a scheduler class named with module:Class,
+    whose own options then get flags too."""
     parser = argparse.ArgumentParser(prog="batchlab", description=__doc__)
     parser.add_argument("--model", default=None,
                         help="an mlx-lm model folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("info", help="versions, backend, BLAS in use, and the model")
+    sub.add_parser("kinds", help="the engine kinds, their options and what each does (Markdown)")
 
     gen = sub.add_parser("generate", help="generate for every request of a JSONL file")
-    _add_engine_options(gen, list(KINDS), "sequential")
+    _add_engine_options(gen, "sequential", extra)
     gen.add_argument("--max-new-tokens", type=int, required=True)
     gen.add_argument("--ignore-eos", action="store_true", help="keep going past EOS tokens")
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -233,11 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", required=True, help="JSONL results, one line per request")
 
     demo = sub.add_parser("demo", help="watch an engine (default: stall-free) batch requests live, in 80x24")
-    _add_engine_options(demo, [k for k in KINDS if k != "sequential"], "stallfree")
+    _add_engine_options(demo, "stallfree", extra)
     demo.add_argument("--requests", type=int, default=10)
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible streaming server")
-    _add_engine_options(srv, list(KINDS), "stallfree")
+    _add_engine_options(srv, "stallfree", extra)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
@@ -276,6 +319,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="every engine and mlx-lm's BatchGenerator, side by "
                            "side (interleaved repetitions, medians, the machine's limits)")
+    bench.add_argument("--engine", action="append", default=[], metavar="KIND|module:Class",
+                       dest="engines", help="also run this engine (your own as module:Class) "
+                       "beside ours and mlx-lm's; repeat for several")
+    bench.add_argument("--tbt-slo", type=float, default=None, metavar="SECONDS",
+                       help="the stall-free engines' time-between-tokens target (their budget "
+                            "is chosen from it; default: a multiple of the decode step)")
     bench.add_argument("--quick", action="store_true",
                        help="a smoke run: small workloads, each engine once")
     bench.add_argument("--json", metavar="OUT", help="write results here, plots beside it")
@@ -292,16 +341,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _engine_spec(argv: list[str]) -> str | None:
+    """The ``--engine`` value on a command line, if one is given as module:Class."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--engine", action="append", default=[])
+    known, _ = pre.parse_known_args(argv)
+    return next((spec for spec in known.engine if ":" in spec), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    args.command_line = "batchlab " + " ".join(sys.argv[1:] if argv is None else argv)
-    handler = {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo,
-               "serve": _cmd_serve, "loadgen": _cmd_loadgen, "export-mlx": _cmd_export_mlx,
-               "bench": _cmd_bench, "fit-cost": _cmd_fit_cost}[args.command]
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), "batchlab")
     try:
+        spec = _engine_spec(argv)
+        extra = scheduler_class(spec) if spec else None  # its own options become flags
+        args = build_parser(extra).parse_args(argv)
+        args.command_line = "batchlab " + " ".join(argv)
+        if isinstance(getattr(args, "engine", None), str):
+            args.engine_class = scheduler_class(args.engine)
+        if getattr(args, "engines", None):  # bench: name -> class (module:Class by its kind)
+            classes = [scheduler_class(e) for e in args.engines]
+            args.engines = {cls.kind if ":" in e else e: cls for e, cls in zip(args.engines, classes)}
+        handler = {"info": _cmd_info, "kinds": _cmd_kinds, "generate": _cmd_generate, "demo": _cmd_demo,
+                   "serve": _cmd_serve, "loadgen": _cmd_loadgen, "export-mlx": _cmd_export_mlx,
+                   "bench": _cmd_bench, "fit-cost": _cmd_fit_cost}[args.command]
         return handler(args)
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"batchlab {args.command}: {e}") from None
+        raise SystemExit(f"batchlab {command}: {e}") from None
 
 
 if __name__ == "__main__":

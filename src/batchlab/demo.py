@@ -31,13 +31,6 @@ QUESTIONS = [
     ("List two planets.", 16), ("How many legs does a spider have?", 12),
 ]
 
-WHAT_IT_DOES = {
-    "static": "a batch runs until its last request ends, then the next batch starts",
-    "continuous": "a finished request's slot is refilled at the next step",
-    "stallfree": "prompts are prefilled in chunks beside the decodes, within a token budget",
-}
-
-
 def columns(ch: str) -> int:
     """Terminal columns a character takes: 2 for wide East Asian ones, 0 for combining."""
     if unicodedata.combining(ch):
@@ -65,20 +58,20 @@ def fit(text: str, width: int, pad: bool = False) -> str:
     return "".join(out) + "…" + " " * (width - 1 - used) * pad
 
 
-def describe(kind: str, engine) -> str:
-    """The engine and the options it runs with, in one line."""
+def describe(engine) -> str:
+    """The engine and the options it runs with, in one line (from its kind's options)."""
     s = engine.scheduler
-    parts = [f"{kind} engine", f"{s.max_batch_size} slots"]
-    if kind == "stallfree":
-        parts.append(f"token budget {s.token_budget}")
-    if kind == "continuous":
-        step = s.prefill_step
-        parts.append("whole-prompt prefill" if step == float("inf") else f"prefill step {step}")
+    parts = [f"{s.kind} engine", f"{s.max_batch_size} slots"]
+    for name, (_, option) in type(s).option_specs().items():
+        value = getattr(s, name, None)
+        if option is None or name == "max_batch_size" or value is None:
+            continue
+        parts.append(f"{name.replace('_', ' ')} " + ("whole prompt" if value == float("inf") else f"{value:g}"))
     parts.append(f"{engine.stats()['num_kv_blocks']} KV blocks")
     return ", ".join(parts)
 
 
-def explain(kind: str, idle: int, waiting: int, slots: int) -> str:
+def explain(rectangular: bool, idle: int, waiting: int, slots: int) -> str:
     """Why slots are idle or requests wait, right now."""
     s = "s" if idle != 1 else ""
     if idle and not waiting:
@@ -86,7 +79,7 @@ def explain(kind: str, idle: int, waiting: int, slots: int) -> str:
     if waiting and not idle:
         return f"{waiting} waiting: all {slots} slots are busy; a request waits for a free one."
     if idle and waiting:
-        if kind == "static":
+        if rectangular:
             return (f"{idle} slot{s} idle while {waiting} wait: static batching refills only "
                     f"when the whole batch is done.")
         return f"{idle} slot{s} idle, {waiting} waiting: they are admitted at the next step."
@@ -110,8 +103,8 @@ class Request:
                 self.answer += self.detok.add(t)
 
 
-def frame(title: str, model: str, record, requests: dict[str, Request], kind: str, slots: int,
-          finished: int) -> list[str]:
+def frame(title: str, model: str, record, requests: dict[str, Request], rectangular: bool,
+          slots: int, finished: int) -> list[str]:
     """The whole screen after one step: at most ``HEIGHT`` lines of at most ``WIDTH`` columns."""
     letters = {rid: r.letter for rid, r in requests.items()}
     prefilling = {rid for rid, *_ in record.prefill} - set(record.decoded)
@@ -126,7 +119,7 @@ def frame(title: str, model: str, record, requests: dict[str, Request], kind: st
               fit(f"slots [{' '.join(cells)}]   capital = decoding, small = prefilling, . = idle",
                   WIDTH),
               fit(f"queue {' '.join(queued) or '(empty)'}", WIDTH),
-              fit(explain(kind, idle, len(queued), slots), WIDTH),
+              fit(explain(rectangular, idle, len(queued), slots), WIDTH),
               ""]
     room = HEIGHT - len(header)
     running = [r for r in requests.values() if r.state == "running"][:room]
@@ -140,21 +133,24 @@ def frame(title: str, model: str, record, requests: dict[str, Request], kind: st
     return header + rows
 
 
-def summary(kind: str, engine, requests: int) -> str:
+def summary(engine, requests: int) -> str:
     """One paragraph on what the run showed."""
     stats = metrics.summarize(engine.trace)
-    text = (f"The {kind} engine answered {requests} requests with "
+    s = engine.scheduler
+    what = s.description or f"a {type(s).__name__} runs the steps"
+    text = (f"The {s.kind} engine answered {requests} requests with "
             f"{stats['output_tokens']} tokens in {stats['steps']} steps "
             f"({stats['elapsed_s']:.1f} s, {stats['output_tokens_per_s']:.1f} tokens/s). "
             f"Slots were busy in {100 * stats['slot_occupancy']:.0f}% of decode steps; "
             f"the median request waited {stats['ttft_p50_s']:.1f} s for its first token. "
-            f"Here {WHAT_IT_DOES[kind]}. Compare: batchlab demo --engine "
-            f"{'static' if kind != 'static' else 'stallfree'}.")
+            f"Here: {what}. Compare: batchlab demo --engine "
+            f"{'static' if s.kind != 'static' else 'stallfree'}.")
     return textwrap.fill(text, WIDTH)
 
 
-def play(lm, kind: str, requests: int = 10, out: TextIO = sys.stdout, **options) -> str:
-    """Run the demo on ``lm`` and return the summary; ``options`` go to ``make_engine``.
+def play(lm, kind, requests: int = 10, out: TextIO = sys.stdout, **options) -> str:
+    """Run the demo on ``lm`` and return the summary; ``kind`` is a kind name, a
+    scheduler class or module:Class; ``options`` go to ``make_engine``.
     On a terminal every step redraws the screen; otherwise only the last screen is written."""
     if not 1 <= requests <= len(string.ascii_uppercase):
         raise ValueError(f"--requests must be between 1 and {len(string.ascii_uppercase)}")
@@ -163,7 +159,7 @@ def play(lm, kind: str, requests: int = 10, out: TextIO = sys.stdout, **options)
     if not 1 <= options["max_batch_size"] <= len(string.ascii_uppercase):
         raise ValueError("--batch-size must be between 1 and 26 for the demo")
     engine = make_engine(kind, lm, **options)
-    title = f"batchlab demo · {describe(kind, engine)}"
+    title = f"batchlab demo · {describe(engine)}"
     slots = engine.scheduler.max_batch_size
     live = out.isatty()
     work = [QUESTIONS[i % len(QUESTIONS)] for i in range(requests)]
@@ -195,18 +191,18 @@ def play(lm, kind: str, requests: int = 10, out: TextIO = sys.stdout, **options)
                 r.state, finished = "cut" if reason == "length" else "done", finished + 1
             elif rid in in_slots:
                 r.state = "running"
-        screen = frame(title, lm.info.name, record, shown, kind, slots, finished)
+        screen = frame(title, lm.info.name, record, shown, engine.scheduler.rectangular, slots, finished)
         if live:
             out.write("\x1b[H\x1b[J" + "\n".join(screen) + "\n")
             out.flush()
-    text = summary(kind, engine, requests)
+    text = summary(engine, requests)
     if not live:
         out.write("\n".join(screen) + "\n")
     out.write("\n" + text + "\n")
     return text
 
 
-def run_demo(kind: str, model: str | None, requests: int = 10, **options) -> int:
+def run_demo(kind, model: str | None, requests: int = 10, **options) -> int:
     print("loading the model ...", flush=True)
     play(load_model(model), kind, requests, **options)
     return 0

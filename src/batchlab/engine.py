@@ -15,9 +15,12 @@ never waits for the model, and nobody ever reads a half-planned step.
 from __future__ import annotations
 
 import collections
+import importlib
 import itertools
 import logging
 import math
+import os
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Sequence
@@ -249,8 +252,8 @@ def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
                 max_seq_len: int | None = None, trace_limit: int | None = None,
                 enable_prefix_cache: bool = False, admission: Admission | None = None,
                 clock=None, engine_class: type[Engine] = Engine, **options) -> Engine:
-    """Build an engine around a scheduler: a kind name (sequential | static | continuous |
-    stallfree) or a scheduler class of your own (a subclass of ``Scheduler``).
+    """Build an engine around a scheduler: a kind name (``scheduler.KINDS``), a scheduler
+    class of your own (a subclass of ``Scheduler``), or ``"module:Class"`` naming one.
 
     ``options`` are the scheduler's own (``max_batch_size``, ``prefill_step``,
     ``token_budget``, ``policy``...: the keyword arguments of its constructor); one that
@@ -298,10 +301,46 @@ def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
 
 
 def scheduler_class(kind: str | type[Scheduler]) -> type[Scheduler]:
-    """The scheduler class for a kind name, or the class itself if one is given."""
-    if isinstance(kind, type) and issubclass(kind, Scheduler):
-        return kind
+    """The scheduler class for ``kind``: a kind name (``KINDS``), a ``Scheduler``
+    subclass, or ``"module:Class"`` (the uvicorn convention), imported with the current
+    folder on the path -- so ``my_engine.memory:MyMemoryScheduler`` finds the learner's
+    package. Anything else is a ValueError that says what was wrong."""
+    if isinstance(kind, type):
+        if issubclass(kind, Scheduler):
+            return kind
+        raise ValueError(f"{kind.__module__}.{kind.__qualname__} is not a Scheduler subclass "
+                         f"(subclass batchlab.scheduler.Scheduler or one of its kinds)")
+    if isinstance(kind, str) and ":" in kind:
+        return _import_scheduler(kind)
     if kind not in KINDS:
-        raise ValueError(f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)} "
-                         f"or pass a Scheduler subclass")
+        raise ValueError(f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)}, "
+                         f"or name your own as module:Class (e.g. my_engine.memory:MyMemoryScheduler)")
     return KINDS[kind]
+
+
+def _import_scheduler(spec: str) -> type[Scheduler]:
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name or ":" in name:
+        raise ValueError(f"--engine {spec!r}: write module:Class, e.g. my_engine.memory:MyMemoryScheduler")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise ValueError(f"--engine {spec}: there is no module {e.name!r} here ({here}); run "
+                             f"the command from the folder that holds it") from None
+        raise ValueError(f"--engine {spec}: importing {module_name} failed: {e}") from None
+    except Exception as e:  # a learner's module that does not import: say where
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+        raise ValueError(f"--engine {spec}: importing {module_name} raised "
+                         f"{type(e).__name__}: {e}{where}") from None
+    found = getattr(module, name, None)
+    if found is None:
+        raise ValueError(f"--engine {spec}: {module_name} defines no {name!r}")
+    if not (isinstance(found, type) and issubclass(found, Scheduler)):
+        what = "a class" if isinstance(found, type) else f"a {type(found).__name__}"
+        raise ValueError(f"--engine {spec}: {name} is {what}, not a Scheduler subclass "
+                         f"(subclass one of batchlab.scheduler's kinds)")
+    return found

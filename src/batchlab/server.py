@@ -502,7 +502,7 @@ def _uvicorn(server: Server, api_key: str | None, show_prompts: bool, **config):
     return Uvicorn(uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **config))
 
 
-def serve(lm: LoadedModel, kind: str, host: str = "127.0.0.1", port: int = 8000,
+def serve(lm: LoadedModel, kind, host: str = "127.0.0.1", port: int = 8000,
           max_queue: int = 64, api_key: str | None = None, insecure: bool = False,
           max_running_per_user: int | None = None, show_prompts: bool = False,
           **engine_options) -> None:
@@ -541,7 +541,7 @@ class ServerThread:
         self.stop()
 
 
-def serve_in_thread(lm: LoadedModel, kind: str = "stallfree", host: str = "127.0.0.1",
+def serve_in_thread(lm: LoadedModel, kind="stallfree", host: str = "127.0.0.1",
                     port: int = 0, max_queue: int = 64, model_id: str | None = None,
                     trace_limit: int | None = 5000, api_key: str | None = None,
                     insecure: bool = False, max_running_per_user: int | None = None,

@@ -39,11 +39,13 @@ class ServerSpec:
     model: str | None
 
 
-def batchlab_spec(batch_size: int, max_queue: int = 100_000) -> ServerSpec:
-    """``batchlab serve``: the stall-free engine with ``batch_size`` slots (budget 256)."""
+def batchlab_spec(batch_size: int, max_queue: int = 100_000, engine: str = "stallfree",
+                  *options: str) -> ServerSpec:
+    """``batchlab serve``: ``engine`` (a kind, or module:Class imported from the current
+    folder) with ``batch_size`` slots, plus any further command-line ``options``."""
     return ServerSpec("batchlab serve", [sys.executable, "-m", "batchlab.cli", "serve",
-                                         "--engine", "stallfree", "--batch-size", str(batch_size),
-                                         "--max-queue", str(max_queue)], {}, None)
+                                         "--engine", engine, "--batch-size", str(batch_size),
+                                         "--max-queue", str(max_queue), *options], {}, None)
 
 
 def mlx_lm_spec(model_dir: str | Path, batch_size: int) -> ServerSpec:

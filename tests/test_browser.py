@@ -3,7 +3,7 @@ with Debian's Chromium (no browser download).
 
 Opens ``NOTEBOOK``, runs all cells from the Run menu, checks the slot grid has
 ``EXPECTED_SLOTS`` slots, presses play, checks the frame advances, and keeps a
-screenshot in ``artifacts/``. JupyterLab serves a temporary copy of the notebook's
+screenshot in a temporary folder (``BATCHLAB_SCREENSHOTS=DIR`` keeps it). JupyterLab serves a temporary copy of the notebook's
 folder, so running cells never touches the repository's files.
 """
 
@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 import urllib.request
@@ -27,7 +28,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "02_continuous_batching.ipynb"
 EXPECTED_SLOTS = 8  # max_batch_size of the run the notebook's first slot view shows
-SCREENSHOT = REPO / "artifacts" / "widget.png"
+# Screenshots go to a temporary folder (tests write nowhere else); set
+# BATCHLAB_SCREENSHOTS=DIR to keep them (e.g. to look at a failure).
+SCREENSHOT = Path(os.environ.get("BATCHLAB_SCREENSHOTS") or tempfile.mkdtemp(prefix="batchlab-shots-")) / "widget.png"
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
@@ -121,7 +124,7 @@ def jupyterlab(tmp_path):
 def test_slot_animation_plays_in_jupyterlab(jupyterlab):
     from playwright.sync_api import sync_playwright
 
-    SCREENSHOT.parent.mkdir(exist_ok=True)
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 900})

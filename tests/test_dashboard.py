@@ -4,6 +4,8 @@ class of clients, each with its own ``user``, streams from the real model."""
 
 import json
 import re
+import os
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -21,7 +23,11 @@ from batchlab.workloads import Workload, WorkloadRequest
 from test_browser import CHROMIUM, CHROMIUM_ARGS, MISSING
 
 REPO = Path(__file__).resolve().parents[1]
-SCREENSHOT = REPO / "docs" / "results" / "dashboard.png"
+# The README's screenshot is refreshed only when asked, by an explicit command:
+#   BATCHLAB_DASHBOARD_SCREENSHOT=docs/results/dashboard.png .venv/bin/python -m pytest tests/test_dashboard.py -k browser
+# otherwise the test writes its screenshots to a temporary folder.
+SCREENSHOT = Path(os.environ.get("BATCHLAB_DASHBOARD_SCREENSHOT")
+                  or Path(tempfile.mkdtemp(prefix="batchlab-dashboard-")) / "dashboard.png")
 KEY = "room-42-key"
 SECRET = "zebras"  # a word of every prompt here: it must not reach the page without --show-prompts
 
@@ -185,7 +191,7 @@ CLASS = ["ada", "bo", "chen", "dmitri", "emma", "farah", "gus", "hana", "ivan", 
          "mo", "noor", "oli", "pia", "quinn", "raj", "sara", "<i>tom</i>"]
 
 
-@pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
+@pytest.mark.skipif(MISSING is not None and os.environ.get("CI") != "true", reason=str(MISSING))
 def test_the_dashboard_in_a_browser_while_a_class_streams(lm):
     """32 slots at 1280×720: the page loads, the grid moves while twenty students stream,
     their names label their lanes, and the console stays clean."""
@@ -225,7 +231,7 @@ def test_the_dashboard_in_a_browser_while_a_class_streams(lm):
             page.wait_for_function("+document.getElementById('slots').textContent.split('/')[0] >= 10",
                                    timeout=60_000)
             page.wait_for_function("s => +document.body.dataset.step >= s + 24", arg=first, timeout=120_000)
-            page.screenshot(path=str(SCREENSHOT))  # for the README: a few dozen steps of a busy room
+            page.screenshot(path=str(SCREENSHOT))  # a few dozen steps of a busy room (the README's, when asked)
             for box in (rows.nth(0).bounding_box(), rows.nth(31).bounding_box()):
                 assert box["height"] >= 12 and box["y"] + box["height"] <= 720  # all 32 in view
             legend = page.locator(".bl-legend").inner_text()

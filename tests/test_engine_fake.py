@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+from kinds import kind_configs
 
 from batchlab import EngineLoop, make_engine
 from batchlab.fake import FakeModel, FakeRunner, reference_output
@@ -24,9 +25,7 @@ def fake_engine(kind, **options):
     return make_engine(kind, LM, runner=FakeRunner, **options)
 
 
-CONFIGS = [("sequential", {})] + [("static", {"max_batch_size": b}) for b in (1, 3, 8)] + [
-    ("continuous", {"max_batch_size": b, "prefill_step": s}) for b in (1, 3, 8) for s in (1, 7, 128, None)
-] + [("stallfree", {"max_batch_size": b, "token_budget": t}) for b in (1, 3, 8) for t in (b, b + 7, b + 128)]
+CONFIGS = kind_configs()  # every kind with every combination of its options' examples
 
 
 def run_all(engine, requests):
@@ -231,40 +230,44 @@ def test_make_engine_rejects_options_that_do_not_apply(kind, options, message):
         fake_engine(kind, **options)
 
 
-def test_concurrent_clients_lose_and_duplicate_nothing():
-    engine = fake_engine("stallfree", max_batch_size=4, token_budget=32)
-    results, errors = {}, []
+def _wait(condition, seconds: float, what: str) -> None:
+    """Await ``condition()`` with a deadline; fail naming ``what`` if it never holds."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not happen within {seconds:.0f} s"
+        time.sleep(0.001)
 
-    def client(seed):
-        rng = random.Random(seed)
-        try:
-            for _ in range(6):
-                prompt = [rng.randrange(1, LM.vocab_size) for _ in range(rng.randint(3, 40))]
-                max_new = rng.randint(1, 20)
-                rid = loop.submit(prompt, max_new_tokens=max_new)
-                cancel_after = rng.choice([None, None, 0.0, 0.002])
-                got, start = [], time.monotonic()
-                while True:
-                    if cancel_after is not None and time.monotonic() - start > cancel_after:
-                        loop.cancel(rid)
-                        cancel_after = None
-                    tokens, status, reason = loop.poll(rid)
-                    got += tokens
-                    if status == "done":
-                        break
-                    time.sleep(0.0005)
-                results[rid] = (prompt, max_new, got, reason)
-        except Exception as e:  # surfaced below
-            errors.append(e)
 
-    with EngineLoop(engine) as loop:
-        threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-    assert not errors
-    assert len(results) == 48
+def _client(loop, seed, results, errors, cancels, count=6, long=400, tokens_before_cancel=1,
+            vocab=LM.vocab_size):
+    """Submit ``count`` requests one after another and read each to its end; a third are
+    cancelled at once, a third once ``tokens_before_cancel`` tokens have arrived (both
+    ``long`` enough not to have finished first)."""
+    rng = random.Random(seed)
+    try:
+        for k in range(count):
+            how = ("keep", "at once", "after a token")[k % 3]
+            prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(3, 40))]
+            max_new = rng.randint(1, 20) if how == "keep" else long
+            rid = loop.submit(prompt, max_new_tokens=max_new)
+            got = []
+            if how == "at once":
+                cancels.append(loop.cancel(rid))
+            while True:
+                tokens, status, reason = loop.poll(rid)
+                got += tokens
+                if how == "after a token" and len(got) >= tokens_before_cancel:
+                    cancels.append(loop.cancel(rid))
+                    how = "keep"
+                if status == "done":
+                    break
+                time.sleep(0.0005)
+            results[rid] = (prompt, max_new, got, reason)
+    except Exception as e:  # surfaced by the test
+        errors.append(e)
+
+
+def _check_results(results, cancels):
     cancelled = 0
     for prompt, max_new, got, reason in results.values():
         expected = reference_output(prompt, max_new, LM.vocab_size, EOS)
@@ -273,8 +276,68 @@ def test_concurrent_clients_lose_and_duplicate_nothing():
             assert got == expected[:len(got)], "a cancelled stream is a prefix of the answer"
         else:
             assert got == expected
-    assert cancelled > 0
+    assert cancelled == sum(cancels) and cancelled > 0, (cancelled, cancels)
+
+
+def test_concurrent_clients_lose_and_duplicate_nothing():
+    engine = fake_engine("stallfree", max_batch_size=4, token_budget=32)
+    results, errors, cancels = {}, [], []
+    with EngineLoop(engine) as loop:
+        threads = [threading.Thread(target=_client, args=(loop, s, results, errors, cancels))
+                   for s in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in threads), "a client hangs"
+    assert not errors
+    assert len(results) == 48
+    _check_results(results, cancels)
     assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+
+
+@pytest.mark.parametrize("kind,options", [("stallfree", {"token_budget": 24}),
+                                          ("continuous", {"prefill_step": 8})])
+def test_stress_readers_while_the_loop_serves_preempts_and_cancels(kind, options):
+    """Thread discipline: while the loop serves many clients in a KV pool small enough to
+    preempt, with cancels, other threads read ``stats()`` and ``queue_depth()`` without
+    pause. Every read succeeds and is consistent, every output is right, every block comes
+    back, and the run really preempted (a stress test that saw no preemption fails)."""
+    engine = fake_engine(kind, max_batch_size=4, num_kv_blocks=16, kv_block_size=8, **options)
+    results, errors, cancels, reads, read_errors = {}, [], [], [0], []
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                stats = engine.stats()
+                depth = engine.queue_depth()
+                assert 0 <= stats["free_kv_blocks"] <= stats["num_kv_blocks"] == 16
+                assert stats["queued"] >= 0 and depth >= 0
+                reads[0] += 1
+            except Exception as e:
+                read_errors.append(e)
+                return
+
+    with EngineLoop(engine) as loop:
+        readers = [threading.Thread(target=reader) for _ in range(2)]
+        clients = [threading.Thread(target=_client, args=(loop, 100 + s, results, errors, cancels, 6, 80, 40))
+                   for s in range(6)]
+        for t in readers + clients:
+            t.start()
+        for t in clients:
+            t.join(timeout=120)
+        stop.set()
+        for t in readers:
+            t.join(timeout=10)
+        assert not any(t.is_alive() for t in clients + readers), "a thread hangs"
+    assert not errors and not read_errors, (errors, read_errors)
+    assert reads[0] > 0
+    assert len(results) == 36
+    _check_results(results, cancels)
+    assert engine.scheduler.num_preemptions > 0, "the pool never ran short: nothing was stressed"
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.queue
 
 
 def test_engine_loop_sleeps_when_idle_and_stops_cleanly():
@@ -285,9 +348,9 @@ def test_engine_loop_sleeps_when_idle_and_stops_cleanly():
     time.sleep(0.2)
     assert engine._step_index == steps_idle, "an idle loop must not step"
     rid = loop.submit([1, 2], max_new_tokens=3, ignore_eos=True)
-    deadline = time.monotonic() + 5
-    while loop.poll(rid)[1] != "done" and time.monotonic() < deadline:
-        time.sleep(0.01)
+    done = []
+    _wait(lambda: done.append(loop.poll(rid)) or done[-1][1] == "done", 30, "the request finishing")
+    assert done[-1][2] == "length"
     loop.stop()
     assert not loop._thread
     assert loop.error is None

@@ -11,6 +11,7 @@ import textwrap
 
 import mlx.core as mx
 import pytest
+from kinds import kind_configs
 
 from batchlab import generate, make_engine
 
@@ -51,17 +52,7 @@ def margin_at_divergence(lm, prompt, expected, got):
     return k, top[1] - top[0]
 
 
-CONFIGS = [
-    ("static", {"max_batch_size": 3}),
-    ("static", {"max_batch_size": 8}),
-    ("continuous", {"max_batch_size": 1, "prefill_step": 7}),
-    ("continuous", {"max_batch_size": 3, "prefill_step": 128}),
-    ("continuous", {"max_batch_size": 3, "prefill_step": 1}),  # on the short prompts only
-    ("continuous", {"max_batch_size": 8}),
-    ("stallfree", {"max_batch_size": 1, "token_budget": 8}),
-    ("stallfree", {"max_batch_size": 3, "token_budget": 10}),
-    ("stallfree", {"max_batch_size": 8, "token_budget": 136}),
-]
+CONFIGS = kind_configs(exclude=("sequential",), per_kind=3)  # the reference below is sequential
 
 
 @pytest.mark.parametrize("kind,options", CONFIGS, ids=[f"{k}-{o}" for k, o in CONFIGS])

@@ -8,7 +8,10 @@ import json
 import shlex
 import subprocess
 import sys
-import tomllib
+try:
+    import tomllib  # Python >= 3.11
+except ModuleNotFoundError:  # Python 3.10: the test extra installs tomli, the same parser
+    import tomli as tomllib
 from pathlib import Path
 
 import pytest

@@ -54,10 +54,13 @@ KINDS: dict[str, type["Scheduler"]] = {}  # kind name -> class: the kinds batchl
 
 @dataclass(frozen=True)
 class Option:
-    """One option of a scheduler kind, as a command line offers it."""
+    """One option of a scheduler kind, as a command line offers it. ``examples``: values
+    the tests run every kind with (edge cases first), so a new kind is tested by declaring
+    it."""
 
     type: type
     help: str
+    examples: tuple = ()
 
 
 class Scheduler:
@@ -73,7 +76,8 @@ class Scheduler:
     kind = "base"
     description = ""  # one line: what this kind does (the CLI, ``batchlab demo``, the README)
     options: dict[str, Option] = {
-        "max_batch_size": Option(int, "decode slots: at most this many requests decode together (B)"),
+        "max_batch_size": Option(int, "decode slots: at most this many requests decode together (B)",
+                                 (1, 3, 8)),
     }
     bench_variants: dict[str, dict] = {}  # engines of this kind in ``batchlab bench``: name -> options
     kv_on_demand = False  # blocks taken as requests grow (so prefix caching can share them)
@@ -379,7 +383,8 @@ class ContinuousScheduler(Scheduler):
     description = ("iteration-level: one admission a step, its prefill as a pass of its own "
                    "(whole, or prefill_step tokens at a time), then one decode pass over every slot")
     options = {"prefill_step": Option(int, "prefill at most this many prompt tokens a step "
-                                           "(chunked prefill; default: the whole prompt at once)")}
+                                           "(chunked prefill; default: the whole prompt at once)",
+                                      (1, 7, 128, None))}
     bench_variants = {"continuous": {}, "chunked": {"prefill_step": 128}}
     kv_on_demand = True
     prefill_lane = True
@@ -450,7 +455,7 @@ class StallFreeScheduler(ContinuousScheduler):
                    "then prefill chunks, all in ONE fused forward pass")
     options = {
         "token_budget": Option(int, "tokens a step: decodes first, prefill chunks in the rest "
-                                    "(default: chosen from --tbt-slo by the cost model)"),
+                                    "(default: chosen from --tbt-slo by the cost model)", (8, 15, 136)),
         "tbt_slo": Option(float, "the time-between-tokens target in seconds the budget is chosen "
                                  "for (default: a multiple of the predicted decode step)"),
     }

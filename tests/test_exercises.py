@@ -30,8 +30,8 @@ LESSON_FILES = sorted(LESSONS.glob("*.ipynb"))
 
 def run_cell(source: str, ns: dict):
     """Run a cell's source like a notebook does; return the value of a final expression.
-    A ``%%writefile PATH`` cell writes its body to PATH under the course folder instead."""
-    if source.startswith("%%writefile "):
+    A ``%%piece PATH`` cell writes its body to PATH under the course folder instead."""
+    if source.startswith("%%piece "):
         first, _, body = source.partition("\n")
         target = Path(ns["__course_root__"]) / first.split(maxsplit=1)[1].strip()
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -47,7 +47,7 @@ def run_cell(source: str, ns: dict):
 
 def exercise_namespace(lm, root: Path) -> dict:
     """What exercise and checker cells may use (the convention in batchlab.exercises);
-    ``root`` is the course folder where ``%%writefile my_engine/...`` cells write."""
+    ``root`` is the course folder where ``%%piece my_engine/...`` cells write."""
     course.setup(root)
     return {"mx": mx, "np": np, "batchlab": batchlab, "check": checks, "course": course,
             "lm": lm, "__course_root__": str(root)}
@@ -83,13 +83,13 @@ def test_lesson_follows_the_exercise_convention(path):
 
 
 def write_earlier_pieces(path: Path, root: Path) -> None:
-    """Write the engine pieces of every lesson before ``path`` (their ``%%writefile`` cells,
+    """Write the engine pieces of every lesson before ``path`` (their ``%%piece`` cells,
     with solutions) into ``root``: a lesson starts from the engine the earlier ones built
     (lesson 4's MyChunkedScheduler extends lesson 2's MyContinuousScheduler)."""
     ns = {"__course_root__": str(root)}
     for earlier in LESSON_FILES[:LESSON_FILES.index(path)]:
         for cell in nbformat.read(earlier, as_version=4).cells:
-            if cell.cell_type == "code" and cell.source.startswith("%%writefile "):
+            if cell.cell_type == "code" and cell.source.startswith("%%piece "):
                 run_cell(cell.source, ns)
 
 
@@ -284,7 +284,9 @@ def test_an_exercise_needs_a_checker_cell():
         exercises.exercise_pairs(nb)
 
 
-def test_learner_copy_changes_only_exercise_and_checker_cells():
+def test_learner_copy_strips_solutions_and_every_output():
+    """Solutions leave the exercise cells only; outputs and execution counts leave every
+    code cell (the "clean" convention); the rest is copied unchanged."""
     nb = synthetic_lesson()
     before = json.dumps(nb, sort_keys=True)
     clean = exercises.learner_notebook(nb, "01_synthetic.ipynb")
@@ -293,8 +295,10 @@ def test_learner_copy_changes_only_exercise_and_checker_cells():
     assert exercises.exercise_pairs(nb) == [(2, 3), (4, 5)]
     body = clean.cells[1:]
     for i, (old, new) in enumerate(zip(nb.cells, body)):
-        if i in (2, 3, 4, 5):
+        if old.cell_type == "code":
             assert new.outputs == [] and new.execution_count is None
+            if i not in (2, 4):
+                assert new.source == old.source, f"cell {i}: only exercise cells change their source"
         else:
             assert new == old, f"cell {i} should be copied unchanged"
     assert body[3].source == nb.cells[3].source and body[5].source == nb.cells[5].source

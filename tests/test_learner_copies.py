@@ -40,3 +40,22 @@ def test_learner_copy_runs_without_an_error_cell(course_folder, name):
               if cell.cell_type == "code" for o in cell.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors, f"{name}: error cells {errors}"
+
+
+@pytest.mark.parametrize("path", COPIES, ids=[p.stem for p in COPIES])
+def test_learner_copy_is_clean_no_outputs_no_execution_counts(path):
+    """The nbgrader / fastbook "clean" convention: a learner sees a result only when they
+    run its cell, so no answer, verdict or "predict first" result shows before its question."""
+    nb = nbformat.read(path, as_version=4)
+    dirty = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
+             and (cell.get("outputs") or cell.get("execution_count") is not None)]
+    assert not dirty, f"{path.name}: code cells with outputs or execution counts: {dirty}"
+    assert "widgets" not in nb.metadata, f"{path.name}: carries the solved run's widget state"
+
+
+@pytest.mark.parametrize("path", COPIES, ids=[p.stem for p in COPIES])
+def test_learner_copy_points_at_the_my_course_workflow(path):
+    text = path.read_text(encoding="utf-8")
+    for stale in ("Save Notebook As", "git pull", "notebooks/learner/", "%%writefile"):
+        assert stale not in text, f"{path.name} still says {stale!r}"
+    assert "solved/" in text

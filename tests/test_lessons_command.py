@@ -51,13 +51,40 @@ def test_refresh_sets_the_learners_copy_aside_and_takes_a_fresh_one(lessons):
         course_copy.copy_lessons(source, dest, refresh=["07_nope"])
 
 
-def test_the_link_to_the_solved_lesson_still_leads_there(lessons):
+def test_the_link_to_the_solved_lesson_leads_there_inside_the_course_folder(lessons):
+    """JupyterLab is rooted at my-course/: the solved lessons are copied into
+    my-course/solved/, and each copy's link points there (no 404 outside the root)."""
     dest = lessons / "my-course"
     course_copy.copy_lessons(lessons / "notebooks" / "learner", dest)
+    course_copy.copy_solved(lessons / "notebooks", dest)
     text = (dest / "01_two.ipynb").read_text()
     link = text[text.index("](") + 2:text.index(")", text.index("]("))]
-    assert link == "../notebooks/01_two.ipynb"
+    assert link == "solved/01_two.ipynb"
     assert (dest / link).resolve().read_text() == "solved"
+    assert (dest / link).resolve().is_relative_to(dest.resolve())
+
+
+def test_refreshing_a_lesson_never_touches_my_engine(lessons):
+    source, dest = lessons / "notebooks" / "learner", lessons / "my-course"
+    course_copy.copy_lessons(source, dest)
+    engine = dest / "my_engine"
+    engine.mkdir()
+    (engine / "static.py").write_text("mine")
+    course_copy.copy_lessons(source, dest, refresh=["all"])
+    course_copy.copy_solved(lessons / "notebooks", dest)
+    assert (engine / "static.py").read_text() == "mine"
+    assert sorted(p.name for p in engine.iterdir()) == ["static.py"]
+
+
+def test_unknown_options_such_as_no_browser_go_to_jupyterlab(monkeypatch, tmp_path):
+    ran = {}
+    monkeypatch.setattr(course_copy, "copy_lessons", lambda refresh=(): [])
+    monkeypatch.setattr(course_copy, "copy_solved", lambda: [])
+    monkeypatch.setattr(os, "execv", lambda path, command: ran.setdefault("command", command))
+    course_copy.main(["--no-browser", "--port", "8899"])
+    assert ran["command"][-3:] == ["--no-browser", "--port", "8899"] or \
+        ran["command"][-4:-1] == ["--no-browser", "--port", "8899"]
+    assert "lab" in ran["command"]
 
 
 def test_the_repositorys_own_learner_lessons_are_found():

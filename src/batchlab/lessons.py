@@ -4,7 +4,11 @@ The learner copies (``notebooks/learner/``) are tracked by git; JupyterLab autos
 working in them would turn the next ``git pull`` into a conflict. So each learner works
 in ``my-course/`` (git-ignored): a lesson is copied there once, when it is missing, and
 never overwritten; ``--refresh LESSON`` sets a copy aside (``*.old-N.ipynb``) and takes a
-fresh one. The solved lessons stay in ``notebooks/``.
+fresh one. Nothing here touches ``my-course/my_engine/``, where the learner's engine lives.
+The solved lessons are copied into ``my-course/solved/`` (refreshed on every start: they are
+ours, not the learner's), so JupyterLab, rooted at ``my-course/``, can open them.
+
+Options this command does not know (``--no-browser``, ``--port 8890``...) go to JupyterLab.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (batchlab is installed with -e)
 LEARNER = ROOT / "notebooks" / "learner"
+SOLVED = ROOT / "notebooks"
 WORKING = ROOT / "my-course"
+SOLVED_DIR = "solved"  # inside WORKING
 
 
 def set_aside(path: Path) -> Path:
@@ -33,7 +39,7 @@ def copy_lessons(source: Path = LEARNER, dest: Path = WORKING,
     stem, or "all") are set aside first, then copied fresh. Returns the names copied.
 
     A copy's link to its solved lesson (``../NAME.ipynb`` next to ``notebooks/learner/``)
-    is pointed at ``notebooks/`` from its new place."""
+    is pointed at ``solved/NAME.ipynb`` (see ``copy_solved``)."""
     lessons = sorted(source.glob("*.ipynb"))
     if not lessons:
         raise FileNotFoundError(f"no learner notebooks in {source}; run this from a clone of "
@@ -44,7 +50,7 @@ def copy_lessons(source: Path = LEARNER, dest: Path = WORKING,
         raise ValueError(f"no lesson named {', '.join(unknown)}; lessons: "
                          f"{', '.join(p.stem for p in lessons)}")
     dest.mkdir(exist_ok=True)
-    solved = os.path.relpath(source.parent, dest).replace(os.sep, "/")
+    solved = SOLVED_DIR
     copied = []
     for lesson in lessons:
         target = dest / lesson.name
@@ -58,11 +64,26 @@ def copy_lessons(source: Path = LEARNER, dest: Path = WORKING,
     return copied
 
 
-def jupyter_command(folder: Path) -> list[str]:
+def copy_solved(source: Path = SOLVED, dest: Path = WORKING) -> list[str]:
+    """Copy the solved lessons into ``dest/solved/`` (overwriting: they are the course's,
+    kept current); return their names."""
+    target = dest / SOLVED_DIR
+    target.mkdir(parents=True, exist_ok=True)
+    names = []
+    for lesson in sorted(source.glob("*.ipynb")):
+        text = lesson.read_text(encoding="utf-8")
+        out = target / lesson.name
+        if not out.exists() or out.read_text(encoding="utf-8") != text:
+            out.write_text(text, encoding="utf-8")
+        names.append(lesson.name)
+    return names
+
+
+def jupyter_command(folder: Path, extra: list[str] = ()) -> list[str]:
     """JupyterLab on ``folder``, local only; as root (containers, some lab machines) it
     needs ``--allow-root`` or it refuses to start."""
-    command = [sys.executable, "-m", "jupyter", "lab", "--ip", "127.0.0.1", str(folder)]
-    if hasattr(os, "getuid") and os.getuid() == 0:
+    command = [sys.executable, "-m", "jupyter", "lab", "--ip", "127.0.0.1", str(folder), *extra]
+    if hasattr(os, "getuid") and os.getuid() == 0 and "--allow-root" not in extra:
         command.append("--allow-root")
     return command
 
@@ -74,16 +95,18 @@ def main(argv: list[str] | None = None) -> int:
                         help='take a fresh copy of these lessons (e.g. 03_the_prefill_stall, or '
                              '"all"); your copy is kept as LESSON.old-N.ipynb')
     parser.add_argument("--no-lab", action="store_true", help="copy only; do not start JupyterLab")
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
     try:
         copied = copy_lessons(refresh=args.refresh)
+        copy_solved()
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"batchlab.lessons: {e}") from None
     print(f"your lessons: {WORKING}/ ({len(copied)} copied now; your edits are never overwritten)")
-    print(f"solved lessons: {ROOT / 'notebooks'}/")
+    print(f"your engine: {WORKING / 'my_engine'}/ (earlier versions in my_engine/.history/)")
+    print(f"solved lessons: {WORKING / SOLVED_DIR}/")
     if args.no_lab:
         return 0
-    command = jupyter_command(WORKING)
+    command = jupyter_command(WORKING, extra)
     os.execv(command[0], command)
 
 

@@ -1,0 +1,119 @@
+"""Work is never lost: the ``%%piece`` cell magic (``course.write_piece``) keeps every
+earlier version, refuses to write an empty exercise over a written piece, and a later
+piece builds on an earlier lesson's (``course.earlier``) or says which reference stands in."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from batchlab import course
+
+WRITTEN = '''from batchlab.scheduler import ContinuousScheduler
+
+
+class MyContinuousScheduler(ContinuousScheduler):
+    def admit(self):
+        return super().admit()
+'''
+STUB = '''from batchlab.scheduler import ContinuousScheduler
+
+
+class MyContinuousScheduler(ContinuousScheduler):
+    def admit(self):
+        # YOUR CODE HERE
+        raise NotImplementedError("admit is not written yet")
+'''
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    course.setup(tmp_path)
+    yield tmp_path
+    for name in [m for m in sys.modules if m == "my_engine" or m.startswith("my_engine.")]:
+        del sys.modules[name]
+
+
+def test_a_new_piece_is_saved(folder):
+    said = course.write_piece("my_engine/continuous.py", WRITTEN)
+    assert said == "Saved my_engine/continuous.py."
+    assert (folder / "my_engine" / "continuous.py").read_text() == WRITTEN
+
+
+def test_writing_a_different_version_keeps_the_old_one_in_history(folder):
+    course.write_piece("my_engine/continuous.py", WRITTEN)
+    second = WRITTEN.replace("return super().admit()", "super().admit()")
+    said = course.write_piece("my_engine/continuous.py", second)
+    kept = folder / "my_engine" / ".history" / "continuous.1.py"
+    assert said == ("Saved my_engine/continuous.py; your previous version is kept as "
+                    "my_engine/.history/continuous.1.py.")
+    assert kept.read_text() == WRITTEN
+    course.write_piece("my_engine/continuous.py", WRITTEN)
+    assert (folder / "my_engine" / ".history" / "continuous.2.py").read_text() == second
+    assert len(said.splitlines()) == 1
+
+
+def test_the_same_version_again_writes_nothing(folder):
+    course.write_piece("my_engine/continuous.py", WRITTEN)
+    assert "unchanged" in course.write_piece("my_engine/continuous.py", WRITTEN)
+    assert not (folder / "my_engine" / ".history").exists()
+
+
+def test_an_empty_exercise_never_replaces_a_written_piece(folder):
+    course.write_piece("my_engine/continuous.py", WRITTEN)
+    said = course.write_piece("my_engine/continuous.py", STUB)
+    assert (folder / "my_engine" / "continuous.py").read_text() == WRITTEN
+    assert "already holds your piece (lesson 2)" in said and "did not replace it" in said
+    assert "%%piece --force my_engine/continuous.py" in said  # how to start over
+    said = course.write_piece("my_engine/continuous.py", STUB, force=True)
+    assert (folder / "my_engine" / "continuous.py").read_text() == STUB
+    assert (folder / "my_engine" / ".history" / "continuous.1.py").read_text() == WRITTEN
+
+
+def test_an_empty_exercise_is_saved_where_nothing_is_written_yet(folder):
+    course.write_piece("my_engine/continuous.py", STUB)
+    assert (folder / "my_engine" / "continuous.py").read_text() == STUB
+
+
+def test_the_cell_magic_is_registered_by_setup_and_writes_through_write_piece(folder, capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        course.setup(folder)
+        shell.run_cell_magic("piece", "my_engine/continuous.py", WRITTEN)
+        assert capsys.readouterr().out.strip() == "Saved my_engine/continuous.py."
+        shell.run_cell_magic("piece", "my_engine/continuous.py", STUB)
+        assert "did not replace it" in capsys.readouterr().out
+        shell.run_cell_magic("piece", "--force my_engine/continuous.py", STUB)
+        assert "previous version is kept" in capsys.readouterr().out
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_a_later_piece_builds_on_the_learners_earlier_one(folder, capsys):
+    course.write_piece("my_engine/continuous.py", WRITTEN)
+    cls = course.earlier("continuous")
+    assert cls.__name__ == "MyContinuousScheduler"
+    assert "Building on your MyContinuousScheduler from lesson 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("source", [None, STUB, "this is not python ("])
+def test_a_missing_earlier_piece_is_the_reference_and_the_lesson_says_which(folder, capsys, source):
+    from batchlab.scheduler import ContinuousScheduler
+
+    if source is not None:
+        (folder / "my_engine" / "continuous.py").write_text(source)
+    assert course.earlier("continuous") is ContinuousScheduler
+    said = capsys.readouterr().out.strip()
+    assert len(said.splitlines()) == 1
+    assert said.startswith("Lesson 2's MyContinuousScheduler (my_engine/continuous.py)")
+    assert "the reference ContinuousScheduler stands in for it" in said
+
+
+def test_not_written_yet_names_the_lesson_and_the_file(folder):
+    missing = course.piece("chunked", "MyChunkedScheduler")
+    assert "my_engine/chunked.py" in missing.missing_reason
+    assert "lesson 4" in missing.missing_reason

@@ -112,3 +112,18 @@ def test_public_names_stay_what_they_name_after_every_submodule_is_imported():
             importlib.import_module(f"batchlab.{path.stem}")
     for name in batchlab.__all__:
         assert not isinstance(getattr(batchlab, name), types.ModuleType), name
+
+
+def test_the_readme_code_map_lists_every_module_once():
+    """The README's "How the code is split" table names every module and package of
+    ``src/batchlab`` exactly once, and nothing that is not there."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("How the code is split"):readme.index("Engine kinds and their options")]
+    listed = re.findall(r"^\| `([\w/]+(?:\.py)?)` \|", table, re.M)
+    tree = {p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"} | \
+        {p.name + "/" for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert len(listed) == len(set(listed)), "a module is listed twice"
+    assert not tree - set(listed), f"not in the README's code map: {sorted(tree - set(listed))}"
+    assert not set(listed) - tree, f"in the code map but not in the tree: {sorted(set(listed) - tree)}"

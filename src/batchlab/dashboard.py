@@ -128,7 +128,7 @@ class Dashboard:
                 "queued": self.engine.queue_depth(), "running": len(running),
                 "users": len({c.user for c in running}),
                 "kv_used": last["kv"] if last else 0,
-                "slots_busy": sum(r is not None for r in self.engine.scheduler.slots), **self.summary()}
+                "slots_busy": self.engine.slots_busy(), **self.summary()}
 
     def summary(self) -> dict:
         """The class's recent requests: how many finished, and the TTFT, time between tokens

@@ -226,6 +226,11 @@ class Engine:
         with self._lock:
             return self._queue_depth()
 
+    def slots_busy(self) -> int:
+        """Decode slots holding a request now (for /metrics and the dashboard)."""
+        with self._lock:
+            return sum(r is not None for r in self.scheduler.slots)
+
     def _queue_depth(self) -> int:
         return sum(not r.finished for r in (*self._inbox, *self.scheduler.queue))
 

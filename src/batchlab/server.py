@@ -381,7 +381,7 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
         stats = engine.stats()
         recent = [s for s in list(engine.trace.steps)[-200:] if s.end_s > engine.clock() - 10]
         tokens = sum(len(t) for s in recent for t in s.emitted.values())
-        busy = sum(r is not None for r in engine.scheduler.slots)
+        busy = engine.slots_busy()
         lines = [
             "# HELP batchlab_queue_depth Requests waiting to be admitted.",
             f"batchlab_queue_depth {engine.queue_depth()}",

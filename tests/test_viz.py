@@ -522,7 +522,11 @@ def test_plot_occupancy_and_tokens_overlay_traces():
 def test_plot_side_by_side_gives_each_trace_its_own_titled_axes():
     traces = {kind: recorded(kind) for kind in RECORDED}
     fig = viz.plot_side_by_side(traces, viz.plot_timeline)
-    assert [ax.get_title(loc="left") for ax in fig.axes] == RECORDED
+    # one title per panel (none drawn over another), the caller's caption, not the kind
+    assert [ax.get_title(loc="left") for ax in fig.axes] == [f"{k} · request timeline" for k in RECORDED]
+    assert all(ax.get_title() == "" for ax in fig.axes)
+    renamed = viz.plot_side_by_side({"whole-prompt prefill": recorded(RECORDED[0])}, viz.plot_tbt)
+    assert renamed.axes[0].get_title(loc="left").startswith("whole-prompt prefill · time between tokens")
     assert all(ax.get_xlabel() == "time since first arrival (s)" for ax in fig.axes)
     grids = viz.plot_side_by_side(traces)
     assert [len(ax.get_yticklabels()) for ax in grids.axes] == [3, 4, 3]
@@ -696,3 +700,10 @@ def test_prefill_lane_survives_json_and_defaults_to_false():
     for kind, lane in [("continuous", True), ("stallfree", False), ("static", False)]:
         engine = batchlab.make_engine(kind, FakeModel(), runner=FakeRunner, max_batch_size=2)
         assert engine.trace.prefill_lane is lane, kind
+
+
+def test_slot_view_slider_shows_no_number_that_could_disagree_with_the_step():
+    view = viz.SlotView(recorded(RECORDED[0]))
+    assert view._slider.readout is False
+    view.show_step(1)
+    assert f"step {view.trace.steps[1].index}" in view.to_html()

@@ -280,7 +280,13 @@ def plot_side_by_side(traces: Mapping[str, Trace], plot: Callable[..., Figure] =
     spans = []
     for ax, (name, trace) in zip(axes[:, 0], named.items()):
         plot(trace, ax=ax, **plot_kw)
-        ax.set_title(name, loc="left", fontweight="bold")
+        # one title per panel, the caller's name for it: the plot's own title names the
+        # scheduler's kind (the same for two runs of one class), and a second title would
+        # be drawn over it
+        own = ax.get_title()
+        what = own.split(": ", 1)[1] if own.startswith(f"{trace.kind}: ") else own
+        ax.set_title("")
+        ax.set_title(f"{name} · {what}" if what else name, loc="left", fontweight="bold")
         spans.append(ax.get_xlim())
     if sharex:  # each plot set its own range; show the widest so no trace is cut off
         axes[0, 0].set_xlim(min(a for a, _ in spans), max(b for _, b in spans))

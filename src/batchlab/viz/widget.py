@@ -174,7 +174,9 @@ class SlotView(widgets.VBox):
         self._play = widgets.Play(min=0, max=0, interval=interval_ms, show_repeat=False,
                                   tooltip="play / pause")
         self._play.add_class("batchlab-play")
-        self._slider = widgets.IntSlider(min=0, max=0, description="step",
+        # no numeric readout: the slider counts positions in the trace, and the frame says
+        # which engine step ("step N") it shows, so the two could not disagree
+        self._slider = widgets.IntSlider(min=0, max=0, description="step", readout=False,
                                          layout=widgets.Layout(width="420px"))
         widgets.jslink((self._play, "value"), (self._slider, "value"))
         back = widgets.Button(icon="step-backward", tooltip="one step back",

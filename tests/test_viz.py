@@ -707,3 +707,25 @@ def test_slot_view_slider_shows_no_number_that_could_disagree_with_the_step():
     assert view._slider.readout is False
     view.show_step(1)
     assert f"step {view.trace.steps[1].index}" in view.to_html()
+
+
+def test_block_map_marks_shared_blocks_with_one_shade_and_their_holder_count():
+    from batchlab.viz.blocks import SHARED_RGB
+
+    engine = batchlab.make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=2,
+                                  kv_block_size=4, num_kv_blocks=32, clock=TickClock(),
+                                  enable_prefix_cache=True)
+    prompt = list(range(1, 13))
+    engine.submit(prompt, max_new_tokens=4, ignore_eos=True, request_id="a")
+    engine.run_until_idle()
+    engine.submit(prompt + [40, 41], max_new_tokens=8, ignore_eos=True, request_id="b")
+    engine.submit(prompt + [50, 51], max_new_tokens=8, ignore_eos=True, request_id="c")
+    engine.run_until_idle()
+    trace = engine.trace
+    shared = [(k, b) for k, s in enumerate(trace.steps) for b, who in viz.blocks.block_owners(s).items()
+              if len(who) > 1]
+    assert shared, "the test workload should share prefix blocks"
+    ax = viz.plot_block_map(trace).axes[0]
+    image = ax.images[0].get_array()
+    assert all(np.allclose(image[b, k], SHARED_RGB) for k, b in shared)
+    assert any(t.get_text().startswith("×") for t in ax.texts)

@@ -18,6 +18,7 @@ from .plots import _axes, _label_width_pt, png_base64
 from .widget import SlotView
 
 FREE, OWNED, SHARED, CACHED = "free", "owned", "shared", "cached"
+SHARED_RGB = np.array([0.22, 0.22, 0.26])  # plot_block_map: every shared block, whoever holds it
 
 
 def block_owners(step: StepRecord) -> dict[int, list[str]]:
@@ -117,11 +118,21 @@ def plot_block_map(trace: Trace, ax=None, palette: Palette | None = None) -> Fig
     for k, step in enumerate(steps):
         for b in step.cached_blocks:
             image[b, k] = 0.85
-        for b, who in owners[k].items():
-            image[b, k] = np.array(rgb(colors.get(who[0], "#4e79a7"))) / 255 * (0.6 if len(who) > 1 else 1.0)
+        for b, who in owners[k].items():  # a shared block: one dark shade whoever holds it
+            image[b, k] = SHARED_RGB if len(who) > 1 else np.array(rgb(colors.get(who[0], "#4e79a7"))) / 255
+    for b in range(n):  # each stretch of a shared block carries its holder count
+        counts = [len(step_owners.get(b, ())) for step_owners in owners]
+        k = 0
+        for count, run in itertools.groupby(counts):
+            length = len(list(run))
+            if count > 1:
+                ax.text(k + length / 2 - 0.5, b, f"×{count}", ha="center", va="center", fontsize=7,
+                        color="white", fontweight="bold", clip_on=True)
+            k += length
     longest: dict[str, tuple[int, int, int]] = {}  # request -> (length, block, first step)
     for b in range(n):
-        holder = [(step_owners.get(b) or [None])[0] for step_owners in owners]
+        holder = [(lambda who: who[0] if len(who) == 1 else None)(step_owners.get(b) or [None])
+                  for step_owners in owners]
         k = 0
         for rid, run in itertools.groupby(holder):
             length = len(list(run))
@@ -143,7 +154,7 @@ def plot_block_map(trace: Trace, ax=None, palette: Palette | None = None) -> Fig
     ax.set_xlabel("engine step")
     ax.set_ylabel("KV block")
     ax.set_title("who holds each KV block (labels: request ids)\n"
-                 "red dashes: a preemption · dark: shared · grey: cached", fontsize=10)
+                 "red dashes: a preemption · dark, ×N: shared by N requests · grey: cached", fontsize=10)
     return fig
 
 

@@ -97,6 +97,8 @@ def test_a_later_piece_builds_on_the_learners_earlier_one(folder, capsys):
     course.write_piece("my_engine/continuous.py", WRITTEN)
     cls = course.earlier("continuous")
     assert cls.__name__ == "MyContinuousScheduler"
+    assert capsys.readouterr().out == ""  # a line only when a reference stands in
+    course.earlier("continuous", quiet=False)
     assert "Building on your MyContinuousScheduler from lesson 2" in capsys.readouterr().out
 
 

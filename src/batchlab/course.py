@@ -186,12 +186,12 @@ def _reference(spec: str):
     return getattr(importlib.import_module(module), name)
 
 
-def earlier(module: str, name: str | None = None, quiet: bool = False):
+def earlier(module: str, name: str | None = None, quiet: bool = True):
     """The class an earlier lesson's piece defines, for a later piece to build on: the
     learner's, read from ``my_engine/<module>.py``, or -- when that file is missing, does
     not import, or is still the empty exercise -- the library's class, with one line
-    naming the lesson and the file. (Whether the learner's piece is *right* is its own
-    lesson's checker's business.)"""
+    naming the lesson and the file (``quiet=False``: a line when the learner's is used,
+    too). Whether the learner's piece is *right* is its own lesson's checker's business."""
     lesson, default_name, reference = PIECES[module]
     name = name or default_name
     if _root is None:

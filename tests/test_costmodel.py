@@ -12,6 +12,7 @@ the engine's pass runs, then runs twice more on the same chunks (rewriting ident
 keys and values), and the fastest run counts. The tokens are those of the first run.
 """
 
+import math
 import time
 
 import numpy as np
@@ -95,3 +96,85 @@ def test_fit_cost_refuses_zero_reps():
 
     with pytest.raises(SystemExit, match="--reps must be >= 1"):
         main(["fit-cost", "--reps", "0"])
+
+
+# --- the token budget from a TBT target, on fake cost models where it is known by arithmetic.
+# Coefficients are powers of two, so every predicted step is exact in floating point.
+from batchlab import costmodel  # noqa: E402
+from batchlab.runner import Chunk  # noqa: E402
+
+
+def fake_cost(passes=1 / 64, tokens=1 / 1024, decode_rows=0.0, decode_context=0.0,
+              prefill_chunks=0.0, prefill_attention=0.0) -> CostModel:
+    return CostModel(dict(passes=passes, tokens=tokens, decode_rows=decode_rows,
+                          decode_context=decode_context, prefill_chunks=prefill_chunks,
+                          prefill_attention=prefill_attention))
+
+
+def test_budget_is_the_largest_that_meets_the_target_linear_costs():
+    cost = fake_cost()
+    # a step of B decodes and n prompt tokens: 1/64 + (B + n)/1024 seconds. At B=8 and a
+    # target of 1/64 + 40/1024, n = 32 tokens fit exactly (budget 40); n = 33 do not
+    assert costmodel.token_budget_for_slo(cost, 8, 1 / 64 + 40 / 1024) == 40
+    assert costmodel.token_budget_for_slo(cost, 8, 1 / 64 + 40 / 1024 - 1e-9) == 39
+    # an explicit per-chunk cost takes its share: 1/64 + (8 + n)/1024 + 8/1024 <= target
+    cost = fake_cost(prefill_chunks=8 / 1024)
+    assert costmodel.token_budget_for_slo(cost, 8, 1 / 64 + 40 / 1024) == 32
+
+
+def test_budget_with_the_quadratic_attention_term_matches_brute_force():
+    cost = fake_cost(decode_context=1 / 2**16, prefill_chunks=1 / 256, prefill_attention=1 / 2**20)
+    B, ctx, target = 16, 256, 0.25
+
+    def step(n):  # written out from the features: n prompt tokens starting at ctx
+        s = 1 / 64 + (B + n) / 1024 + B * (ctx + 1) / 2**16
+        return s + (1 / 256 + n * (ctx + n) / 2**20 if n else 0)
+
+    best = max(n for n in range(0, 4000) if step(n) <= target)
+    assert 0 < best < 3000
+    assert costmodel.token_budget_for_slo(cost, B, target, context=ctx) == B + best
+
+
+def test_default_target_is_the_stated_multiple_of_a_decode_step():
+    cost = fake_cost()
+    B = 16
+    step = 1 / 64 + B / 1024  # one decode step of a full batch
+    assert costmodel.decode_step_s(cost, B) == step
+    assert costmodel.default_tbt_slo(cost, B) == costmodel.DEFAULT_SLO_DECODE_STEPS * step
+    # the default budget: decodes plus the prompt tokens that the rest of the target buys
+    extra = (costmodel.DEFAULT_SLO_DECODE_STEPS - 1) * step  # seconds left for the chunk
+    assert costmodel.token_budget_for_slo(cost, B) == B + math.floor(extra * 1024)
+    # a larger multiple buys a larger budget, a smaller one a smaller budget
+    assert costmodel.token_budget_for_slo(cost, B, 2.5 * step) \
+        > costmodel.token_budget_for_slo(cost, B) > costmodel.token_budget_for_slo(cost, B, 1.2 * step)
+
+
+def test_budget_edges():
+    cost = fake_cost()
+    step = 1 / 64 + 8 / 1024
+    assert costmodel.token_budget_for_slo(cost, 8, step / 2) == 8  # below one decode step: decodes only
+    assert costmodel.token_budget_for_slo(cost, 8, step) == 8
+    assert costmodel.token_budget_for_slo(cost, 8, 1e6, limit=512) == 512  # anything fits: the limit
+    for bad in (0, -1.0, float("nan"), "2", True):
+        with pytest.raises(ValueError, match="tbt_slo"):
+            costmodel.token_budget_for_slo(cost, 8, bad)
+    with pytest.raises(ValueError, match="batch_size"):
+        costmodel.token_budget_for_slo(cost, 0, 1.0)
+    with pytest.raises(ValueError, match="negative"):
+        costmodel.token_budget_for_slo(fake_cost(tokens=-1e-3), 8, 1.0)
+
+
+def test_the_budget_meets_the_target_on_the_packaged_model():
+    """On the shipped fit: the chosen budget's step is within the target, one more token's is
+    not (the property the scheduler relies on), at the batch sizes the bench uses."""
+    cost = CostModel.load()
+    for B in (8, 16):
+        target = costmodel.default_tbt_slo(cost, B)
+        budget = costmodel.token_budget_for_slo(cost, B)
+        assert B < budget < 8192
+        assert costmodel.hybrid_step_s(cost, B, budget - B) <= target
+        assert costmodel.hybrid_step_s(cost, B, budget - B + 1) > target
+        # the step the budget plans, written out as chunks, is the same prediction
+        chunks = [Chunk(f"d{i}", [0], costmodel.TYPICAL_CONTEXT) for i in range(B)]
+        chunks.append(Chunk("p", [0] * (budget - B), costmodel.TYPICAL_CONTEXT))
+        assert cost.predict(chunks) == costmodel.hybrid_step_s(cost, B, budget - B)

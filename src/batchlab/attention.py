@@ -44,6 +44,7 @@ _NUMPY_BLAS.limit(limits=1)
 CORES = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
 _POOL = ThreadPoolExecutor(CORES, thread_name_prefix="batchlab-attention")
 _SCORES_PER_THREAD = 32_768  # below this, handing work to a thread costs more than it saves
+ROW_VIEWS_SCORES_PER_THREAD = 10**9
 
 
 def numpy_blas_threads(threads: int):
@@ -101,13 +102,24 @@ def prefill_chunk(q: mx.array, keys: mx.array, values: mx.array, mask, scale: fl
             mask="causal" if mask is None else mask)
         return out[0].transpose(1, 0, 2).reshape(L, H * D)
     qn, kn, vn = to_numpy(q, keys, values)
+    out = prefill_chunk_np(qn, kn, vn, None if mask is None else np.asarray(mask), scale)
+    return mx.array(out).astype(q.dtype)
+
+
+def prefill_chunk_np(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
+                     mask: np.ndarray | None, scale: float) -> np.ndarray:
+    """``prefill_chunk`` on float32 numpy arrays (the CPU runner's own call): queries
+    ``[L, H, D]``, keys and values ``[S, KH, D]``, additive ``mask`` ``[L, S]`` or None
+    (causal over the chunk's own keys). Returns ``[L, H * D]``."""
+    L, H, D = q.shape
+    S, KH, _ = keys.shape
+    G = H // KH
     if mask is None:  # the keys are the chunk's own: causal
-        mask = additive_mask(np.tril(np.ones((L, S), dtype=bool)))
-    mask = np.asarray(mask)
+        mask = np.where(np.tril(np.ones((L, S), dtype=bool)), np.float32(0), np.float32(-np.inf))
     # [KH, G*L, D]: each KV head's query heads stacked as rows of one matrix; row m is
     # the query at chunk position m % L
-    qg = (qn * np.float32(scale)).reshape(L, KH, G, D).transpose(1, 2, 0, 3).reshape(KH, G * L, D)
-    keys_t, values_h = kn.transpose(1, 2, 0), vn.transpose(1, 0, 2)  # [KH, D, S], [KH, S, D]
+    qg = (q * np.float32(scale)).reshape(L, KH, G, D).transpose(1, 2, 0, 3).reshape(KH, G * L, D)
+    keys_t, values_h = keys.transpose(1, 2, 0), values.transpose(1, 0, 2)  # [KH, D, S], [KH, S, D]
 
     def attend(lo: int, hi: int) -> np.ndarray:
         scores = qg[:, lo:hi] @ keys_t
@@ -115,7 +127,7 @@ def prefill_chunk(q: mx.array, keys: mx.array, values: mx.array, mask, scale: fl
         return softmax_(scores) @ values_h
 
     out = _split_rows(attend, G * L, H * L * S, axis=1)  # [KH, G*L, D]
-    return mx.array(out.reshape(KH, G, L, D).transpose(2, 0, 1, 3).reshape(L, H * D)).astype(q.dtype)
+    return out.reshape(KH, G, L, D).transpose(2, 0, 1, 3).reshape(L, H * D)
 
 
 def decode_rows(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array,
@@ -132,9 +144,19 @@ def decode_rows(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array,
             scale=scale, mask=mask[:, None, None, :])
         return out.reshape(R, H * D)
     qn, kn, vn = to_numpy(q, keys, values)
-    mask = np.asarray(mask)
-    qg = (qn * np.float32(scale)).reshape(R, KH, G, D)
-    keys_t, values_h = kn.transpose(0, 2, 3, 1), vn.transpose(0, 2, 1, 3)  # [R, KH, D|S, S|D]
+    return mx.array(decode_rows_np(qn, kn, vn, np.asarray(mask), scale)).astype(q.dtype)
+
+
+def decode_rows_np(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray,
+                   scale: float) -> np.ndarray:
+    """``decode_rows`` on float32 numpy arrays (the CPU runner's own call): queries
+    ``[R, H, D]``, padded contexts ``[R, S, KH, D]``, additive ``mask`` ``[R, S]``.
+    Returns ``[R, H * D]``."""
+    R, H, D = q.shape
+    _, S, KH, _ = keys.shape
+    G = H // KH
+    qg = (q * np.float32(scale)).reshape(R, KH, G, D)
+    keys_t, values_h = keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3)  # [R, KH, D|S, S|D]
 
     def attend(lo: int, hi: int) -> np.ndarray:
         scores = qg[lo:hi] @ keys_t[lo:hi]  # [rows, KH, G, S]
@@ -142,4 +164,34 @@ def decode_rows(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array,
         return softmax_(scores) @ values_h[lo:hi]
 
     out = _split_rows(attend, R, R * H * S, axis=0)  # [R, KH, G, D]
-    return mx.array(out.reshape(R, H * D)).astype(q.dtype)
+    return out.reshape(R, H * D)
+
+
+def decode_rows_views(q: np.ndarray, contexts: list[tuple[np.ndarray, np.ndarray]],
+                      scale: float) -> np.ndarray:
+    """Attention of ``R`` decode rows ``[R, H, D]`` (float32 numpy), row ``r`` over its own
+    keys and values ``contexts[r]`` (each ``[S_r, KH, D]``, typically views of the KV pool:
+    nothing gathered, nothing padded, no mask). Returns ``[R, H * D]``. Measured here at
+    16 rows of 257 keys a layer: 0.4 ms, against 0.5 ms to gather the padded contexts
+    into one array and 0.4 ms more to attend over it (``decode_rows_np``)."""
+    R, H, D = q.shape
+    KH = contexts[0][0].shape[1] if R else 1
+    G = H // KH
+    qg = (q * np.float32(scale)).reshape(R, KH, G, D)
+    out = np.empty((R, KH, G, D), dtype=np.float32)
+
+    def attend(lo: int, hi: int) -> np.ndarray:
+        for r in range(lo, hi):
+            keys, values = contexts[r]
+            scores = qg[r] @ keys.transpose(1, 2, 0)  # [KH, G, S_r]
+            out[r] = softmax_(scores) @ values.transpose(1, 0, 2)
+        return out[lo:hi]
+
+    scores = sum(k.shape[0] for k, _ in contexts) * H
+    parts = max(1, min(CORES, R, scores // ROW_VIEWS_SCORES_PER_THREAD))
+    if parts == 1:
+        attend(0, R)
+    else:
+        bounds = np.linspace(0, R, parts + 1).astype(int)
+        list(_POOL.map(attend, bounds[:-1], bounds[1:]))
+    return out.reshape(R, H * D)

@@ -17,7 +17,10 @@ The runner decides nothing: which chunks run is the scheduler's job.
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from . import attention
@@ -26,12 +29,26 @@ from .model import LoadedModel
 from .sampling import Sampler, sample_rows
 
 
+NUMPY_MATMUL_MAX_ROWS = 8  # CPU: at most this many rows, a weight matrix multiplies in numpy
+# (measured here, every weight matrix of a step: 1 row 30 ms in numpy's GEMV against 61 ms in
+# MLX, which repacks the weight as for a GEMM; 8 rows 105 against 113; 16 rows about equal;
+# 128 rows MLX twice as fast: its OpenBLAS uses both cores). benchmarks/step_profile.py.
+
+
 class KVPool:
-    """The KV memory itself (MLX arrays): keys and values of every layer, by flat address."""
+    """The KV memory itself: keys and values of every layer, by flat address
+    ``[num_blocks * block_size, kv_heads, head_dim]``. MLX arrays on Metal (and wherever
+    the runner keeps MLX's own path); float32 numpy arrays on the CPU path, written in
+    place, so a step's writes cost its own tokens, never a copy of the pool."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: mx.Dtype):
+                 head_dim: int, dtype: mx.Dtype, numpy: bool = False):
         shape = (num_blocks * block_size, kv_heads, head_dim)
+        self.numpy = numpy
+        if numpy:
+            self.keys = [np.zeros(shape, dtype=np.float32) for _ in range(num_layers)]
+            self.values = [np.zeros(shape, dtype=np.float32) for _ in range(num_layers)]
+            return
         self.keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         mx.eval(self.keys, self.values)
@@ -41,16 +58,40 @@ class KVPool:
         return 2 * num_layers * kv_heads * head_dim * dtype.size
 
 
-def sample(logits: mx.array, samplers: list[Sampler]) -> list[int]:
-    """One token per row of ``logits`` [N, vocab]. All greedy: one argmax on the device;
+def sample(logits, samplers: list[Sampler]) -> list[int]:
+    """One token per row of ``logits`` [N, vocab] (MLX or numpy). All greedy: one argmax;
     otherwise the rows go to numpy and each request's own sampler."""
+    if isinstance(logits, np.ndarray):
+        if all(s.params.greedy for s in samplers):
+            return np.argmax(logits, axis=-1).tolist()
+        return sample_rows(logits, samplers)
     if all(s.params.greedy for s in samplers):
         return mx.argmax(logits, axis=-1).tolist()
     return sample_rows(np.array(logits.astype(mx.float32)), samplers)
 
 
+def cpu_path_applies(lm: LoadedModel) -> bool:
+    """The numpy CPU path runs float32 models with plain RoPE and SwiGLU on the CPU; Metal,
+    float16 and anything else run MLX's own layers (``mx.fast`` attention on Metal)."""
+    if attention.on_gpu():
+        return False
+    model = lm.model.model
+    layer = model.layers[0]
+    return (model.embed_tokens.weight.dtype == mx.float32
+            and type(layer.self_attn.rope) is nn.RoPE
+            and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+            and all(type(n) is nn.RMSNorm for n in (layer.input_layernorm, model.norm))
+            and not any(getattr(m, "bias", None) is not None for m in (
+                layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj)))
+
+
 class ModelRunner(Runner):
-    def __init__(self, lm: LoadedModel, num_blocks: int, block_size: int):
+    """``profile``: set it to a dict and every forward pass adds its seconds by operation
+    (``benchmarks/step_profile.py``); None (the default) costs nothing. ``cpu_path``:
+    None chooses (``cpu_path_applies``); False forces MLX's own layers, as Metal runs them."""
+
+    def __init__(self, lm: LoadedModel, num_blocks: int, block_size: int,
+                 cpu_path: bool | None = None):
         self.lm, self.block_size = lm, block_size
         model = lm.model
         self.layers = model.model.layers
@@ -62,20 +103,57 @@ class ModelRunner(Runner):
         self.dtype = model.model.embed_tokens.weight.dtype
         if self.dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized models
             self.dtype = mx.float16
+        self.cpu_path = cpu_path_applies(lm) if cpu_path is None else cpu_path and cpu_path_applies(lm)
         self.pool = KVPool(len(self.layers), num_blocks, block_size, self.n_kv_heads,
-                           self.head_dim, self.dtype)
+                           self.head_dim, self.dtype, numpy=self.cpu_path)
+        self.profile: dict[str, float] | None = None
+        self._head_rows: list[int] | None = None
+        if self.cpu_path:
+            self._np = _NumpyWeights(lm, max(lm.max_seq_len, num_blocks * block_size))
 
-    def sample(self, logits: mx.array, rows: list[int], samplers: list[Sampler]) -> list[int]:
+    def sample(self, logits, rows: list[int], samplers: list[Sampler]) -> list[int]:
+        if isinstance(logits, np.ndarray):
+            return sample(logits[rows], samplers)
         return sample(logits[mx.array(rows)], samplers)
 
-    def forward(self, chunks: list[Chunk]) -> mx.array:
+    def run(self, chunks: list[Chunk]) -> list[int | None]:
+        """One pass; the LM head runs only on the chunks that sample (a prefill chunk in the
+        middle of its prompt needs no logits)."""
+        rows = [i for i, c in enumerate(chunks) if c.sampler is not None]
+        tokens: list[int | None] = [None] * len(chunks)
+        self._head_rows = rows
+        try:
+            logits = self.forward(chunks)  # [len(rows), vocab]
+        finally:
+            self._head_rows = None
+        if rows:
+            for i, token in zip(rows, self.sample(logits, list(range(len(rows))),
+                                                  [chunks[i].sampler for i in rows])):
+                tokens[i] = token
+        return tokens
+
+    def _tick(self, name: str) -> None:
+        if self.profile is not None:
+            now = time.perf_counter()
+            self.profile[name] = self.profile.get(name, 0.0) + now - self._t
+            self._t = now
+
+    def forward(self, chunks: list[Chunk]):
         """Run all ``chunks`` in one pass; return logits ``[len(chunks), vocab]`` for the
-        last token of each chunk (the distribution of the token that comes next)."""
+        last token of each chunk (the distribution of the token that comes next). Inside
+        ``run``, only the rows that sample, in their order."""
+        self._t = time.perf_counter()
+        head = list(range(len(chunks))) if self._head_rows is None else self._head_rows
         # Decode rows first, then prefill chunks: each group's attention is done together.
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].tokens) > 1)
+        where = np.argsort(order)  # caller's chunk i sits at where[i] in the packed order
         chunks = [chunks[i] for i in order]
         rows = [c for c in chunks if len(c.tokens) == 1]
         prefills = [c for c in chunks if len(c.tokens) > 1]
+        ends = np.cumsum([len(c.tokens) for c in chunks]) - 1
+        last = ends[where[head]] if head else np.zeros(0, dtype=np.int64)
+        if self.cpu_path:
+            return self._forward_numpy(chunks, rows, prefills, last)
 
         tokens = mx.array([t for c in chunks for t in c.tokens])
         positions = mx.array(np.concatenate(
@@ -93,15 +171,119 @@ class ModelRunner(Runner):
                 prefills, prefill_context))
             h = h + mlp(layer.mlp, layer.post_attention_layernorm(h))
 
-        last = mx.array(np.cumsum([len(c.tokens) for c in chunks]) - 1)
-        logits = self._lm_head(self.lm.model.model.norm(h[0, last]))
-        logits = logits[mx.array(np.argsort(order))]  # back to the caller's order
+        if len(last) == 0:
+            logits = mx.zeros((0, self.lm.args.vocab_size), dtype=h.dtype)
+        else:
+            logits = self._lm_head(self.lm.model.model.norm(h[0, mx.array(last)]))
         mx.eval(logits, self.pool.keys, self.pool.values)
+        self._tick("mlx graph (all of it)")
         return logits
+
+    # -- the CPU path: numpy around MLX's (or numpy's) matrix multiplies -----------------
+    def _forward_numpy(self, chunks, rows, prefills, last) -> np.ndarray:
+        w, bs = self._np, self.block_size
+        H, KH, D = self.n_heads, self.n_kv_heads, self.head_dim
+        tokens = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64)
+        T = tokens.size
+        positions = np.concatenate([np.arange(c.start, c.end) for c in chunks])
+        writes = np.concatenate([c.kv_addresses(c.start, c.end, bs) for c in chunks])
+        cos, sin = w.cos[positions][:, None, :], w.sin[positions][:, None, :]  # [T, 1, D/2]
+        R = len(rows)
+        row_spans = [self._span(c.block_table, c.start + 1) for c in rows]
+        spans = []  # each prefill chunk's context: a slice of the pool or its blocks
+        for c in prefills:
+            if c.start == 0:
+                spans.append(None)
+                continue
+            allowed = np.arange(c.end)[None, :] <= (c.start + np.arange(len(c.tokens)))[:, None]
+            spans.append((self._span(c.block_table, c.end),
+                          np.where(allowed, np.float32(0), np.float32(-np.inf))))
+        self._tick("prepare (numpy indices, masks)")
+
+        h = w.embed[tokens]  # [T, hidden], float32
+        self._tick("embedding")
+        for i, lw in enumerate(w.layers):
+            x = _rms_norm(h, lw.attn_norm, w.eps)
+            self._tick("norms")
+            q, k, v = self._matmuls(x, lw.q, lw.k, lw.v)
+            self._tick("linears: q k v")
+            q = _rope(q.reshape(T, H, D), cos, sin)
+            k = _rope(k.reshape(T, KH, D), cos, sin)
+            v = v.reshape(T, KH, D)
+            self._tick("rope")
+            pk, pv = self.pool.keys[i], self.pool.values[i]
+            pk[writes], pv[writes] = k, v
+            self._tick("kv write")
+            out = np.empty((T, H * D), dtype=np.float32)
+            if R:  # each row over its own context: a view of the pool where its blocks are consecutive
+                contexts = [self._context(pk, pv, span) for span in row_spans]
+                self._tick("context gather")
+                out[:R] = attention.decode_rows_views(q[:R], contexts, self.scale)
+                self._tick("attention")
+            offset = R
+            for c, span in zip(prefills, spans):
+                L = len(c.tokens)
+                if span is None:  # first chunk of a prompt: its own keys are the whole context
+                    kc, vc, mask = k[offset:offset + L], v[offset:offset + L], None
+                else:
+                    kc, vc = self._context(pk, pv, span[0])
+                    mask = span[1]
+                self._tick("context gather")
+                out[offset:offset + L] = attention.prefill_chunk_np(
+                    q[offset:offset + L], kc, vc, mask, self.scale)
+                self._tick("attention")
+                offset += L
+            (o,) = self._matmuls(out, lw.o)
+            self._tick("linears: o")
+            h += o
+            self._tick("residuals")
+            x = _rms_norm(h, lw.mlp_norm, w.eps)
+            self._tick("norms")
+            gate, up = self._matmuls(x, lw.gate, lw.up)
+            self._tick("linears: gate up")
+            act = _silu_mul(gate, up)
+            self._tick("silu")
+            (down,) = self._matmuls(act, lw.down)
+            self._tick("linears: down")
+            h += down
+            self._tick("residuals")
+        x = _rms_norm(h[last], w.final_norm, w.eps)
+        (logits,) = self._matmuls(x, w.head)
+        self._tick("lm head")
+        return logits
+
+    def _span(self, block_table: list[int], length: int):
+        """Where a context of ``length`` tokens lives: ("slice", first address) when its
+        blocks are consecutive in the pool (the usual case), else ("blocks", their ids)."""
+        bs = self.block_size
+        blocks = np.asarray(block_table[:-(-length // bs)])
+        if blocks.size == 1 or bool(np.all(np.diff(blocks) == 1)):
+            return "slice", int(blocks[0]) * bs, length
+        return "blocks", blocks, length
+
+    def _context(self, pk: np.ndarray, pv: np.ndarray, span) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values ``[length, KH, D]`` of one context: views of the pool for a slice,
+        copies of the blocks (one copy a block) otherwise."""
+        kind, where, length = span
+        if kind == "slice":
+            return pk[where:where + length], pv[where:where + length]
+        shape = (-1, self.block_size) + pk.shape[1:]
+        return (pk.reshape(shape)[where].reshape((-1,) + pk.shape[1:])[:length],
+                pv.reshape(shape)[where].reshape((-1,) + pv.shape[1:])[:length])
+
+    def _matmuls(self, x: np.ndarray, *weights) -> list[np.ndarray]:
+        """``x @ W.T`` for each weight (float32 numpy results): numpy for a few rows (GEMV
+        reads the weight once), MLX with both cores' OpenBLAS for more, evaluated together."""
+        if x.shape[0] <= NUMPY_MATMUL_MAX_ROWS:
+            return [x @ wn.T for wn, _ in weights]
+        xm = mx.array(x)
+        outs = [xm @ wm.T for _, wm in weights]
+        mx.eval(*outs)
+        return [np.asarray(o) for o in outs]
 
     def _attention(self, i, attn, x, positions, writes, num_rows, row_context,
                    prefills, prefill_context) -> mx.array:
-        """Self-attention of layer ``i`` for the packed tokens ``x`` [1, T, hidden]."""
+        """Self-attention of layer ``i`` for the packed tokens ``x`` [1, T, hidden] (MLX's path)."""
         T, H, KH, D = x.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
         # Rotary embeddings per token at its own position: treat each token as a batch item.
         q = attn.rope(attn.q_proj(x).reshape(T, H, 1, D), offset=positions).reshape(T, H, D)
@@ -154,6 +336,65 @@ class ModelRunner(Runner):
         if hasattr(model, "lm_head"):
             return model.lm_head(h)
         return model.model.embed_tokens.as_linear(h)
+
+
+class _LayerWeights:
+    """One layer's weights for the CPU path: each matrix as (numpy view, MLX array), the
+    same memory (no copy)."""
+
+    def __init__(self, layer):
+        def pair(linear):
+            return np.asarray(linear.weight), linear.weight
+
+        a, m = layer.self_attn, layer.mlp
+        self.q, self.k, self.v, self.o = pair(a.q_proj), pair(a.k_proj), pair(a.v_proj), pair(a.o_proj)
+        self.gate, self.up, self.down = pair(m.gate_proj), pair(m.up_proj), pair(m.down_proj)
+        self.attn_norm = np.asarray(layer.input_layernorm.weight)
+        self.mlp_norm = np.asarray(layer.post_attention_layernorm.weight)
+
+
+class _NumpyWeights:
+    """The model's weights as numpy views, and the rotary tables of every position."""
+
+    def __init__(self, lm: LoadedModel, positions: int):
+        model = lm.model
+        self.layers = [_LayerWeights(layer) for layer in model.model.layers]
+        self.embed = np.asarray(model.model.embed_tokens.weight)
+        head = model.lm_head.weight if hasattr(model, "lm_head") else model.model.embed_tokens.weight
+        self.head = (np.asarray(head), head)
+        self.final_norm = np.asarray(model.model.norm.weight)
+        self.eps = np.float32(model.model.norm.eps)
+        rope = model.model.layers[0].self_attn.rope
+        # nn.RoPE(traditional=True): pairs (2i, 2i+1) turn by position * scale * base^(-2i/dims)
+        dims = rope.dims
+        inv = rope.base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
+        angles = np.arange(positions, dtype=np.float64)[:, None] * rope.scale * inv[None, :]
+        self.cos, self.sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+        self.rope_dims, self.traditional = dims, rope.traditional
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
+    ms = np.einsum("ij,ij->i", x, x) / np.float32(x.shape[1])
+    return x * (1 / np.sqrt(ms + eps))[:, None] * weight
+
+
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Interleaved ("traditional") rotary embedding of ``x`` [T, heads, D] over all D dims."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out
+
+
+def _silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``silu(gate) * up`` in numpy, in place on ``gate``'s own buffer when it is ours."""
+    with np.errstate(over="ignore"):  # exp(-gate) -> inf where silu(gate) is -0: fine
+        act = np.exp(-gate)
+    act += 1.0
+    np.divide(gate, act, out=act)
+    act *= up
+    return act
 
 
 def mlp(block, x: mx.array) -> mx.array:

@@ -20,11 +20,15 @@ from batchlab.workloads import Workload, WorkloadRequest
 NEW_FIGURES = ("sgemm_gflops", "copy_gbps", "prefill_fraction_of_sgemm_bound",
                "decode_fraction_of_bandwidth_bound", "chunk_1k_over_chunk_0",
                "no_waste_over_static_tokps", "one_row_linears_share_of_decode_step",
-               "one_row_linears_mlx_over_numpy")
+               "one_row_linears_mlx_over_numpy", "chat_continuous_over_static_tokps",
+               "chat_no_waste_over_static_tokps", "chat_ours_over_mlxlm_tokps",
+               "decode_b1_over_roofline", "decode_b8_over_roofline", "decode_b16_over_roofline")
+FRACTIONS = [f"{w}_fraction_of_no_waste_{e}" for w in ("chat", "high_variance")
+             for e in ("static", "continuous", "chunked", "stallfree", "mlx_lm")]
 
 
 def test_schedule_interleaves_the_engines_within_each_repetition():
-    experiments = [("high_variance", None, [8, 16]), ("interference", None, [8])]
+    experiments = [("chat", None, [16]), ("high_variance", None, [8, 16]), ("interference", None, [8])]
     order = bench.schedule(experiments, repetitions=3)
     ours = list(engines(8)) + ["mlx-lm"]
     hv = [(r, w, b, e) for r, w, b, e in order if w == "high_variance"]
@@ -36,6 +40,30 @@ def test_schedule_interleaves_the_engines_within_each_repetition():
         assert [e for *_, e in block] == ["sequential"] + ours + ours
     inter = [(r, e) for r, w, b, e in order if w == "interference"]
     assert inter == [(rep, e) for rep in range(3) for e in ours]
+    chat = [(r, b, e) for r, w, b, e in order if w == "chat"]  # no sequential baseline there
+    assert chat == [(rep, 16, e) for rep in range(3) for e in ours]
+    # a learner's engine runs beside ours, before mlx-lm, in every repetition
+    extra = bench.schedule(experiments, 2, ["mine"])
+    assert [e for r, w, b, e in extra if w == "interference"] == 2 * (ours[:-1] + ["mine", "mlx-lm"])
+
+
+def test_stallfree_gets_the_budget_its_target_implies():
+    from batchlab import costmodel
+    from batchlab.costmodel import CostModel
+
+    cost = CostModel.load()
+    for b in (8, 16):
+        assert "token_budget" not in engines(b)["stallfree"]  # no hand rule
+        assert bench.stallfree_token_budget(b) == costmodel.token_budget_for_slo(cost, b)
+        assert bench.stallfree_token_budget(b, 10.0) > bench.stallfree_token_budget(b) > b
+    args = bench.engine_args(engines(8)["stallfree"], tbt_slo=0.5)
+    if "tbt_slo" in args:  # the scheduler picks its budget from the target itself
+        assert args["tbt_slo"] == 0.5 and "token_budget" not in args
+    else:
+        assert args["token_budget"] == costmodel.token_budget_for_slo(cost, 8, 0.5)
+    # an explicit budget wins; engines without a target get nothing added
+    assert bench.engine_args(dict(kind="stallfree", max_batch_size=8, token_budget=99))["token_budget"] == 99
+    assert bench.engine_args(engines(8)["continuous"], tbt_slo=0.5) == engines(8)["continuous"]
 
 
 def test_median_spread_and_aggregate():
@@ -89,6 +117,9 @@ class Model(FakeModel):
 
 def fake_workloads():
     rng = random.Random(0)
+    chat = Workload("chat", "fake", [
+        WorkloadRequest(f"c-{i}", [rng.randrange(1, 64) for _ in range(rng.randrange(4, 20))],
+                        rng.choice([8, 30, 60])) for i in range(16)])
     hv = Workload("high_variance", "fake", [
         WorkloadRequest(f"hv-{i}", [rng.randrange(1, 64) for _ in range(rng.randrange(4, 40))],
                         rng.choice([2, 4, 30])) for i in range(32)])
@@ -96,7 +127,7 @@ def fake_workloads():
              for i in range(7)]
     inter = Workload("interference", "fake", short + [
         WorkloadRequest("long", [rng.randrange(1, 64) for _ in range(300)], 8, arrival_s=0.01)])
-    return [("high_variance", hv, [8, 16]), ("interference", inter, [8])]
+    return [("chat", chat, [16]), ("high_variance", hv, [8, 16]), ("interference", inter, [8])]
 
 
 def fake_machine(lm):
@@ -104,14 +135,27 @@ def fake_machine(lm):
     return {
         "limits": {"sgemm_gflops": 100.0, "copy_gbps": 10.0, "linear_flops_per_token": 2e8,
                    "weight_bytes": 5e8, "prefill_bound_tokens_per_s": 500.0,
-                   "decode_bound_step_s": 0.05},
+                   "decode_bound_step_s": 0.05,
+                   "decode_roofline_s": {1: 0.05, 8: 0.05, 16: 0.08}},
         "fused_step": {"chunk": 128, "chunk_alone_s": 0.512, "fused_over_chunk_alone": 1.2},
         "chunk_context": {"chunk_1k_over_chunk_0": 1.4},
         "one_row_linears": {"mlx_s": 0.06, "numpy_s": 0.03, "mlx_over_numpy": 2.0},
         "decode_scaling": {1: {"step_s": 0.1, "tokens_per_s": 10.0},
+                           8: {"step_s": 0.16, "tokens_per_s": 50.0},
                            16: {"step_s": 0.2, "tokens_per_s": 80.0}},
         "microbench_loads": {"limits": record(0.01, load=0.5)},
     }
+
+
+def stand_in(calls=None):
+    """mlx-lm's stand-in: our continuous engine."""
+    def run(lm, wl, b, engine_name, progress, runner, tbt_slo=None, extra_engines=None):
+        if calls is not None:
+            calls.append((wl.name, b, engine_name))
+        name = "continuous" if engine_name == "mlx-lm" else engine_name
+        return bench.run_engine(lm, wl, b, name, progress, runner=runner, tbt_slo=tbt_slo,
+                                extra_engines=extra_engines)
+    return run
 
 
 def test_bench_on_the_fake_model(monkeypatch, tmp_path):
@@ -126,23 +170,18 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
 
     monkeypatch.setattr(bench, "cpu_seconds", cpu_seconds)
     calls = []
-
-    def run(lm, wl, b, engine_name, progress, runner):
-        calls.append((wl.name, b, engine_name))  # mlx-lm's stand-in: our continuous engine
-        name = "continuous" if engine_name == "mlx-lm" else engine_name
-        return bench.run_engine(lm, wl, b, name, progress, runner=runner)
-
     out = tmp_path / "bench.json"
     result = run_bench(Model(), json_out=str(out), progress=False, repetitions=3,
-                       runner=FakeRunner, run=run, measure=fake_machine)
+                       runner=FakeRunner, run=stand_in(calls), measure=fake_machine)
     table = format_table(result)
     saved = json.loads(out.read_text())
     assert calls == [(w, b, e) for _, w, b, e in bench.schedule(fake_workloads(), 3)]
     assert saved["repetitions"] == 3 and len(saved["runs"]) == len(calls)
     for run_ in saved["runs"]:
         assert run_["load_before"] > 0 and run_["load_after"] > 0
-        assert run_["completed"] == (32 if run_["workload"] == "high_variance" else 8)
+        assert run_["completed"] == {"chat": 16, "high_variance": 32}.get(run_["workload"], 8)
     assert [i for i, r in enumerate(saved["runs"]) if r["others_cpu_share"] > 0.1] == [5]
+    assert saved["runs"][5]["workload"] == "chat" and "UNDER LOAD" not in table.split("\n")[2]
     assert saved["under_load"] and saved["max_load"] == 1.9
     assert table.startswith("UNDER LOAD (other processes took up to")
     assert "0.3-1.9" in table  # the row of the run that ended at a high load average shows it
@@ -155,8 +194,13 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     figures = saved["figures"]
     for key in ("continuous_over_static_tokps", "ours_over_mlxlm_tokps",
                 "stallfree_p99_tbt_over_decode_step", "fused_over_chunk_alone",
-                "b16_over_b1_decode", "scheduler_overhead_share") + NEW_FIGURES:
+                "b16_over_b1_decode", "scheduler_overhead_share") + NEW_FIGURES + tuple(FRACTIONS):
         assert isinstance(figures[key], float) and math.isfinite(figures[key]), key
+    assert figures["decode_b1_over_roofline"] == pytest.approx(0.1 / 0.05)
+    assert figures["decode_b8_over_roofline"] == pytest.approx(0.16 / 0.05)
+    assert figures["decode_b16_over_roofline"] == pytest.approx(0.2 / 0.08)
+    assert figures["batch_sizes"] == {"chat": 16, "high_variance": 16, "interference": 8}
+    assert figures["stallfree_token_budget"] == {str(b): bench.stallfree_token_budget(b) for b in (8, 16)}
     assert figures["sgemm_gflops"] == 100.0 and figures["copy_gbps"] == 10.0
     assert figures["prefill_fraction_of_sgemm_bound"] == pytest.approx(128 / 0.512 / 500.0)
     assert figures["decode_fraction_of_bandwidth_bound"] == pytest.approx(0.05 / 0.1)
@@ -166,23 +210,42 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     spread = saved["figure_spreads"]["continuous_over_static_tokps"]
     assert spread[0] <= figures["continuous_over_static_tokps"] <= spread[1]
     # no waste: every prompt token at the fused benchmark's chunk rate, then full B=16 steps
-    hv = fake_workloads()[0][1].summary()
-    no_waste_s = hv["prompt_tokens"] * 0.512 / 128 + math.ceil((hv["output_tokens"] - 32) / 16) * 0.2
-    static = next(r for r in saved["medians"] if (r["workload"], r["batch_size"], r["engine"])
-                  == ("high_variance", 16, "static"))["output_tokens_per_s"]
-    assert figures["no_waste_over_static_tokps"] == pytest.approx(hv["output_tokens"] / no_waste_s / static)
+    # (old names for the prefill-heavy workload, chat_ for the chat one)
+    for prefix, (name, wl, _) in (("", fake_workloads()[1]), ("chat_", fake_workloads()[0])):
+        summary = wl.summary()
+        no_waste = summary["output_tokens"] / (summary["prompt_tokens"] * 0.512 / 128 + math.ceil(
+            (summary["output_tokens"] - summary["requests"]) / 16) * 0.2)
+        med = {r["engine"]: r["output_tokens_per_s"] for r in saved["medians"]
+               if (r["workload"], r["batch_size"]) == (name, 16)}
+        assert figures[f"{prefix}no_waste_over_static_tokps"] == pytest.approx(no_waste / med["static"])
+        for e in ("static", "continuous", "stallfree"):
+            assert figures[f"{name}_fraction_of_no_waste_{e}"] == pytest.approx(med[e] / no_waste, rel=0.5)
+
+
+def test_a_learners_engine_runs_beside_ours(monkeypatch):
+    from batchlab.scheduler import ContinuousScheduler
+
+    class Mine(ContinuousScheduler):
+        kind = "mine"
+
+    monkeypatch.setattr(bench, "plan", lambda lm, quick: fake_workloads())
+    result = run_bench(Model(), quick=True, progress=False, runner=FakeRunner, run=stand_in(),
+                       measure=fake_machine, extra_engines={"mine": dict(kind=Mine)})
+    mine = [r for r in result["runs"] if r["engine"] == "mine"]
+    assert {(r["workload"], r["batch_size"]) for r in mine} == \
+        {("chat", 16), ("high_variance", 8), ("high_variance", 16), ("interference", 8)}
+    assert all(r["completed"] == {"chat": 16, "high_variance": 32}.get(r["workload"], 8) for r in mine)
+    assert "chat_fraction_of_no_waste_mine" in result["figures"]
+    with pytest.raises(ValueError, match="differ from ours"):
+        run_bench(Model(), quick=True, progress=False, runner=FakeRunner, run=stand_in(),
+                  measure=fake_machine, extra_engines={"static": dict(kind=Mine)})
 
 
 def test_quiet_run_has_no_load_warning(monkeypatch):
     monkeypatch.setattr(bench, "plan", lambda lm, quick: fake_workloads())
     monkeypatch.setattr(os, "getloadavg", lambda: (2.4, 0.0, 0.0))  # our own threads
     monkeypatch.setattr(bench, "cpu_seconds", lambda: (1.0, 1.0))  # nobody else ran
-
-    def run(lm, wl, b, engine_name, progress, runner):
-        name = "continuous" if engine_name == "mlx-lm" else engine_name
-        return bench.run_engine(lm, wl, b, name, progress, runner=runner)
-
-    result = run_bench(Model(), quick=True, progress=False, runner=FakeRunner, run=run,
+    result = run_bench(Model(), quick=True, progress=False, runner=FakeRunner, run=stand_in(),
                        measure=fake_machine)
     assert not result["under_load"] and result["repetitions"] == 1
     assert format_table(result).startswith("median of 1 interleaved repetition(s)")
@@ -214,11 +277,12 @@ def test_quick_bench_runs_every_engine_and_reports_the_figures(lm, tmp_path):
     for b in (8, 16):
         for engine in list(engines(b)) + ["mlx-lm"]:
             assert ("high_variance", b, engine) in runs
+            assert b == 16 or ("chat", b, engine) in runs
     assert ("high_variance", 1, "sequential") in runs
     for key in ("continuous_over_static_tokps", "ours_over_mlxlm_tokps",
                 "stallfree_p99_tbt_over_decode_step", "naive_p99_tbt_over_decode_step",
                 "mlxlm_p99_tbt_over_decode_step", "fused_over_chunk_alone", "b16_over_b1_decode",
-                "scheduler_overhead_share") + NEW_FIGURES:
+                "scheduler_overhead_share") + NEW_FIGURES + tuple(FRACTIONS):
         value = saved["figures"][key]
         assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
     assert (tmp_path / "bench_throughput.png").stat().st_size > 10_000

@@ -379,3 +379,21 @@ def test_speeds_measure_times_prefill_at_the_length_asked(tok, monkeypatch, leng
     last = [s for s in prefill.steps if s.prefill][-1]
     assert [n for _, _, n in last.prefill] == [length]
     assert sp.prefill_tokens_per_s == pytest.approx(length / last.forward_s)
+
+
+# -- chat: the decode-heavy standard workload ------------------------------------------------
+def test_chat_is_deterministic_real_prompts_and_long_high_variance_outputs(tok):
+    a, b, c = W.chat(tok, seed=0), W.chat(tok, seed=0), W.make_workload("chat", tok, seed=1)
+    assert fingerprint(a) == fingerprint(b) and a.prompt_lens != c.prompt_lens
+    assert len(a) == 32 and len(W.chat(tok, size="full")) == 128
+    for r in a:
+        assert r.prompt_ids == tok.encode_chat(r.messages), r.id
+        assert 40 <= len(r.prompt_ids) <= 128
+    o = np.array(W.chat(tok, size="full").output_lens)
+    assert o.min() >= 1 and o.max() <= 256
+    # ceil(Exponential(72)) clipped at 256: mean about 71; over 128 draws within 20 %
+    assert abs(o.mean() - 71) < 0.2 * 71
+    assert 0.7 < o.std() / o.mean() < 1.3  # high variance: coefficient of variation near 1
+    assert np.mean(a.output_lens) >= 64  # the bench's seed: answers average >= 64 tokens
+    with pytest.raises(ValueError, match="size"):
+        W.chat(tok, size="huge")

@@ -25,29 +25,48 @@ from pathlib import Path
 from mlx.utils import tree_flatten
 
 from . import driver, metrics, microbench, workloads
-from .engine import make_engine
+from .costmodel import CostModel, token_budget_for_slo
+from .engine import make_engine, scheduler_class
 from .model import LoadedModel
 from .peers import run_mlxlm_workload
 from .trace import Trace
 
 CHUNK = 128  # the chunked continuous engine's prefill_step
-
-
-def stallfree_budget(batch_size: int) -> int:
-    """Decodes plus a prefill chunk of ~2 decode steps' worth of tokens: on a 2-core CPU a
-    prefill token costs about what a decode row does, so a step stays near 2x a decode step."""
-    return batch_size + 2 * batch_size
+PREFILL_HEAVY = "high_variance"  # the workload whose figures keep their old, unprefixed names
 
 
 def engines(batch_size: int) -> dict[str, dict]:
-    """Our engine configurations at one batch size (name -> make_engine arguments)."""
+    """Our engine configurations at one batch size (name -> make_engine arguments). The
+    stall-free engine gets no token budget: it takes the one its TBT target implies
+    (``stallfree_token_budget``)."""
     return {
         "static": dict(kind="static", max_batch_size=batch_size),
         "continuous": dict(kind="continuous", max_batch_size=batch_size),
         "chunked": dict(kind="continuous", max_batch_size=batch_size, prefill_step=CHUNK),
-        "stallfree": dict(kind="stallfree", max_batch_size=batch_size,
-                          token_budget=stallfree_budget(batch_size)),
+        "stallfree": dict(kind="stallfree", max_batch_size=batch_size),
     }
+
+
+def stallfree_token_budget(batch_size: int, tbt_slo: float | None = None) -> int:
+    """The stall-free engine's budget at this batch size: the largest whose step the packaged
+    cost model predicts within ``tbt_slo`` (None: the default target, a stated multiple of
+    a decode step; ``costmodel.DEFAULT_SLO_DECODE_STEPS``)."""
+    return token_budget_for_slo(CostModel.load(), batch_size, tbt_slo)
+
+
+def engine_args(config: dict, tbt_slo: float | None = None) -> dict:
+    """make_engine arguments for one configuration: ``tbt_slo`` goes to every scheduler that
+    takes it; a stall-free scheduler that takes no target but needs a budget gets the
+    budget the target implies."""
+    args = dict(config)
+    options = scheduler_class(args["kind"]).option_defaults()
+    if "tbt_slo" in options:
+        if tbt_slo is not None:
+            args.setdefault("tbt_slo", tbt_slo)
+    elif "token_budget" in options and args.get("token_budget") is None \
+            and args["kind"] == "stallfree":
+        args["token_budget"] = stallfree_token_budget(args["max_batch_size"], tbt_slo)
+    return args
 
 
 LOAD_THRESHOLD = 1.5  # without /proc/stat: a load average above this marks the bench
@@ -55,38 +74,44 @@ OTHERS_THRESHOLD = 0.10  # other processes taking more of the CPUs during a run 
 
 
 def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, list[int]]]:
-    """(name, workload, batch sizes) of every experiment. The standard workloads have >= 32
-    requests, so static batching at B=16 runs several batches, not one."""
+    """(name, workload, batch sizes) of every experiment: the chat-shaped workload (answers
+    longer than questions: decode-bound), the prefill-heavy one (short answers) and the
+    interference one (long prompts arriving while short ones decode). The standard workloads
+    have >= 32 requests, so static batching at B=16 runs several batches, not one."""
     tok = lm.tokenizer
     if quick:
         return [
-            ("high_variance", workloads.high_variance(tok, num_requests=12, mean_output=16,
-                                                       max_output=64), [8, 16]),
+            ("chat", workloads.chat(tok, num_requests=8, mean_output=48, max_output=96), [8]),
+            (PREFILL_HEAVY, workloads.high_variance(tok, num_requests=12, mean_output=16,
+                                                     max_output=64), [8, 16]),
             ("interference", workloads.interference(tok, batch_size=8, num_long=1,
                                                      long_range=(512, 640)), [8]),
         ]
-    # Sized for <= 20 minutes on a quiet 2-core CPU with three repetitions: 48 short-answer
-    # requests are three static batches at B=16; ShareGPT's arrivals span over a minute a
-    # run, so it is left to `batchlab run` and the serving benchmark.
+    # Sized for <= 25 minutes on a quiet 2-core CPU with three repetitions: 32 chat requests
+    # (answers averaging 70 tokens) are two static batches at B=16, 48 short-answer requests
+    # three; ShareGPT's arrivals span over a minute a run, so it is left to `batchlab run`
+    # and the serving benchmark.
     return [
-        ("high_variance", workloads.high_variance(tok, num_requests=48, mean_output=16,
-                                                   max_output=64), [16]),
+        ("chat", workloads.chat(tok, num_requests=32), [16]),
+        (PREFILL_HEAVY, workloads.high_variance(tok, num_requests=48, mean_output=16,
+                                                 max_output=64), [16]),
         ("interference", workloads.interference(tok, batch_size=8, num_long=2,
                                                  long_range=(512, 1024)), [8]),
     ]
 
 
-def schedule(experiments, repetitions: int) -> list[tuple[int, str, int, str]]:
+def schedule(experiments, repetitions: int, extra: list[str] = ()) -> list[tuple[int, str, int, str]]:
     """Every run as (repetition, workload, batch size, engine), engines interleaved: each
     repetition runs every engine once (A B C A B C ...), so a slow minute of a shared machine
-    spreads over all engines instead of landing on one."""
+    spreads over all engines instead of landing on one. ``extra``: more engines' names (a
+    learner's), run after ours."""
     order = []
     for name, _, batch_sizes in experiments:
         for rep in range(repetitions):
-            if name == "high_variance":  # the baseline: it has no batch size
+            if name == PREFILL_HEAVY:  # the baseline: it has no batch size
                 order.append((rep, name, 1, "sequential"))
             for b in batch_sizes:
-                order += [(rep, name, b, e) for e in list(engines(b)) + ["mlx-lm"]]
+                order += [(rep, name, b, e) for e in list(engines(b)) + list(extra) + ["mlx-lm"]]
     return order
 
 
@@ -165,13 +190,25 @@ def under_load(records: list[dict]) -> bool:
 
 
 def run_engine(lm, wl: workloads.Workload, batch_size: int, engine_name: str, progress: bool,
-               runner=None) -> Trace:
-    """One run of one engine on one workload (a fresh engine: no state carries over)."""
+               runner=None, tbt_slo: float | None = None,
+               extra_engines: dict[str, dict] | None = None) -> Trace:
+    """One run of one engine on one workload (a fresh engine: no state carries over).
+    ``extra_engines``: name -> make_engine arguments (with ``kind``, a name or a Scheduler
+    subclass) of engines beside ours; ``max_batch_size`` defaults to the run's."""
     if engine_name == "mlx-lm":
         return run_mlxlm_workload(lm, wl, batch_size, progress=progress)
-    args = dict(kind="sequential") if engine_name == "sequential" else dict(engines(batch_size)[engine_name])
+    if engine_name == "sequential":
+        config = dict(kind="sequential")
+    elif extra_engines and engine_name in extra_engines:
+        config = {"max_batch_size": batch_size, **extra_engines[engine_name]}
+    else:
+        config = engines(batch_size)[engine_name]
+    args = engine_args(config, tbt_slo)
     return driver.run_workload(make_engine(args.pop("kind"), lm, runner=runner, **args), wl,
-                                  progress=progress)
+                               progress=progress)
+
+
+DECODE_BATCHES = (1, 8, 16)  # decode steps timed on our runner, each against its roofline
 
 
 def measure_machine(lm: LoadedModel) -> dict:
@@ -180,7 +217,7 @@ def measure_machine(lm: LoadedModel) -> dict:
     for key, measure in [("limits", machine_limits), ("fused_step", microbench.fused_step_ratio),
                          ("chunk_context", microbench.chunk_context_ratio),
                          ("one_row_linears", microbench.one_row_linears),
-                         ("decode_scaling", lambda lm: microbench.decode_scaling(lm, [1, 16]))]:
+                         ("decode_scaling", lambda lm: microbench.decode_scaling(lm, list(DECODE_BATCHES)))]:
         out[key], out["microbench_loads"][key] = watched(measure, lm)
     return out
 
@@ -196,39 +233,59 @@ def linear_flops_per_token(args) -> int:
     return 2 * args.num_hidden_layers * per_layer
 
 
+def head_flops_per_token(args) -> int:
+    """FLOPs of the LM head for one sampled row: 2 per weight of the vocab x hidden matrix."""
+    return 2 * args.vocab_size * args.hidden_size
+
+
 def machine_limits(lm: LoadedModel) -> dict:
     """What this machine can do at best: sgemm GFLOP/s and memory copy GB/s, and from them
-    the model's bounds: prefill tokens/s if every linear layer ran at the sgemm rate, and
-    the B=1 decode step if reading every weight once ran at the copy rate."""
+    the model's bounds: prefill tokens/s if every linear layer ran at the sgemm rate, the
+    B=1 decode step if reading every weight once ran at the copy rate, and each timed decode
+    step's roofline: max(its linear + LM-head FLOPs / sgemm, the weights' bytes / copy)."""
     flops_per_token = linear_flops_per_token(lm.args)
+    head = head_flops_per_token(lm.args)
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))
     sgemm = microbench.sgemm_gflops()
     copy = microbench.copy_gbps()
     return {"sgemm_gflops": sgemm, "copy_gbps": copy, "linear_flops_per_token": flops_per_token,
-            "weight_bytes": weight_bytes,
+            "head_flops_per_token": head, "weight_bytes": weight_bytes,
             "prefill_bound_tokens_per_s": sgemm * 1e9 / flops_per_token,
-            "decode_bound_step_s": weight_bytes / (copy * 1e9)}
+            "decode_bound_step_s": weight_bytes / (copy * 1e9),
+            "decode_roofline_s": {b: max(b * (flops_per_token + head) / (sgemm * 1e9),
+                                         weight_bytes / (copy * 1e9)) for b in DECODE_BATCHES}}
 
 
 def run_bench(lm: LoadedModel, quick: bool = False, json_out: str | None = None,
               progress: bool = True, repetitions: int | None = None, runner=None,
-              run=run_engine, measure=measure_machine) -> dict:
+              run=run_engine, measure=measure_machine, tbt_slo: float | None = None,
+              extra_engines: dict[str, dict] | None = None) -> dict:
     """Every engine on every workload, interleaved, ``repetitions`` times (1 with ``quick``,
     else 3); ``run`` and ``measure`` are the run of one engine and the micro-benchmarks
-    (tests pass stand-ins)."""
+    (tests pass stand-ins). ``tbt_slo`` (seconds) goes to every engine that takes a TBT
+    target (the stall-free one picks its budget from it; None: its default target);
+    ``extra_engines`` (name -> make_engine arguments, ``kind`` a name or a Scheduler
+    subclass) run beside ours in every repetition, e.g. a learner's engine."""
     started = time.time()
     repetitions = repetitions or (1 if quick else 3)
+    extra_engines = dict(extra_engines or {})
+    clash = set(extra_engines) & {"sequential", "mlx-lm", *engines(1)}
+    if clash:
+        raise ValueError(f"extra engine names must differ from ours: {', '.join(sorted(clash))}")
     experiments = plan(lm, quick)
     by_name = {name: wl for name, wl, _ in experiments}
     runs: list[dict] = []
     traces: list[dict[tuple[str, int, str], Trace]] = [{} for _ in range(repetitions)]
-    for rep, name, b, engine_name in schedule(experiments, repetitions):
-        trace, load = watched(run, lm, by_name[name], b, engine_name, progress, runner)
+    for rep, name, b, engine_name in schedule(experiments, repetitions, list(extra_engines)):
+        trace, load = watched(run, lm, by_name[name], b, engine_name, progress, runner,
+                              tbt_slo, extra_engines)
         traces[rep][(name, b, engine_name)] = trace
         runs.append({"workload": name, "batch_size": b, "engine": engine_name, "repetition": rep,
                      **load, **metrics.summarize(trace)})
     machine = measure(lm)
-    per_rep = [headline_figures(t, experiments, machine) for t in traces]
+    budgets = {str(b): stallfree_token_budget(b, tbt_slo)
+               for b in sorted({b for _, _, bs in experiments for b in bs})}
+    per_rep = [headline_figures(t, experiments, machine, list(extra_engines)) for t in traces]
     figures, spreads = {}, {}
     for key, value in per_rep[0].items():
         if isinstance(value, float) or value is None:
@@ -238,6 +295,7 @@ def run_bench(lm: LoadedModel, quick: bool = False, json_out: str | None = None,
         else:  # a name or a setting: the most common one
             values = [json.dumps(f[key]) for f in per_rep]
             figures[key] = json.loads(max(set(values), key=values.count))
+    figures["stallfree_token_budget"] = budgets
     records = runs + list(machine.get("microbench_loads", {}).values())
     shares = [r["others_cpu_share"] for r in records if r.get("others_cpu_share") is not None]
     result = {
@@ -251,6 +309,7 @@ def run_bench(lm: LoadedModel, quick: bool = False, json_out: str | None = None,
         "max_others_cpu_share": max(shares) if shares else None,
         "under_load": under_load(records),
         "workloads": {name: wl.summary() for name, wl, _ in experiments},
+        "tbt_slo": tbt_slo, "extra_engines": sorted(extra_engines),
         "runs": runs, "medians": aggregate(runs), **machine,
         "figures": figures, "figure_spreads": spreads,
     }
@@ -262,19 +321,47 @@ def run_bench(lm: LoadedModel, quick: bool = False, json_out: str | None = None,
     return result
 
 
-def headline_figures(traces, experiments, machine: dict) -> dict:
+def headline_figures(traces, experiments, machine: dict, extra: list[str] = ()) -> dict:
     """The ratios the README quotes, from one repetition's runs and the micro-benchmarks
-    (``measure_machine``) of this same invocation."""
+    (``measure_machine``) of this same invocation. The batching figures come for every
+    workload that is not the interference one, named by workload (``chat_...``), except the
+    prefill-heavy workload's, which keep their old, unprefixed names."""
     fused, scaling, limits = machine["fused_step"], machine["decode_scaling"], machine["limits"]
+    scaling = {int(b): v for b, v in scaling.items()}
+    roofline = {int(b): v for b, v in limits.get("decode_roofline_s", {}).items()}
+
     def tokps(key):
         return metrics.output_tokens_per_s(traces[key]) if key in traces else None
 
     def ratio(a, b):
         return a / b if a is not None and b else None
 
-    hv_b = max(b for name, _, bs in experiments if name == "high_variance" for b in bs)
-    ours = {e: tokps(("high_variance", hv_b, e)) for e in engines(hv_b)}
-    best = max(ours, key=lambda e: ours[e] or 0)
+    figures = {}
+    for name, wl, batch_sizes in experiments:
+        if name.startswith("interference"):
+            continue
+        prefix = "" if name == PREFILL_HEAVY else f"{name}_"
+        b = max(batch_sizes)
+        ours = {e: tokps((name, b, e)) for e in engines(b)}
+        best = max(ours, key=lambda e: ours[e] or 0)
+        # What an engine with no padding and every slot full would reach: each prompt token
+        # at the measured prefill rate, then full-batch decode steps. An estimate of the
+        # ceiling for any batching engine (a fused step's decode rows ride a little
+        # cheaper), so every engine can be read as a fraction of it.
+        summary = wl.summary()
+        full_step = scaling.get(b, {}).get("step_s")
+        no_waste_s = (summary["prompt_tokens"] * fused["chunk_alone_s"] / fused["chunk"]
+                      + math.ceil((summary["output_tokens"] - summary["requests"]) / b) * full_step
+                      if full_step else None)
+        no_waste = ratio(summary["output_tokens"], no_waste_s)
+        figures[f"{prefix}continuous_over_static_tokps"] = ratio(ours["continuous"], ours["static"])
+        figures[f"{prefix}no_waste_over_static_tokps"] = ratio(no_waste, ours["static"])
+        figures[f"{prefix}ours_over_mlxlm_tokps"] = ratio(ours[best], tokps((name, b, "mlx-lm")))
+        figures[f"{prefix}ours_best_engine"] = best
+        for e in list(engines(b)) + list(extra) + ["mlx-lm"]:
+            figures[f"{name}_fraction_of_no_waste_{e.replace('-', '_')}"] = \
+                ratio(tokps((name, b, e)), no_waste)
+
     name_if, _, (b_if, *_) = next(x for x in experiments if x[0].startswith("interference"))
     naive = traces[(name_if, b_if, "continuous")]
     # decode step: median decode-only step of the naive engine with every short request decoding
@@ -283,21 +370,7 @@ def headline_figures(traces, experiments, machine: dict) -> dict:
     def p99_over_step(engine):
         return ratio(metrics.percentile(metrics.tbt_values(traces[(name_if, b_if, engine)]), 99), step)
 
-    # What an engine with no padding and every slot full would reach on the high-variance
-    # workload: each prompt token at the measured prefill rate, then full-batch decode steps.
-    # An estimate of the ceiling for any batching engine (a fused step's decode rows ride a
-    # little cheaper), so continuous / static can be read against it.
-    hv = next(wl for name, wl, _ in experiments if name == "high_variance").summary()
-    full_step = scaling.get(hv_b, {}).get("step_s")
-    no_waste_s = (hv["prompt_tokens"] * fused["chunk_alone_s"] / fused["chunk"]
-                  + math.ceil((hv["output_tokens"] - hv["requests"]) / hv_b) * full_step
-                  if full_step else None)
-
-    return {
-        "continuous_over_static_tokps": ratio(ours["continuous"], ours["static"]),
-        "no_waste_over_static_tokps": ratio(ratio(hv["output_tokens"], no_waste_s), ours["static"]),
-        "ours_over_mlxlm_tokps": ratio(ours[best], tokps(("high_variance", hv_b, "mlx-lm"))),
-        "ours_best_engine": best,
+    figures.update({
         "stallfree_p99_tbt_over_decode_step": p99_over_step("stallfree"),
         "naive_p99_tbt_over_decode_step": p99_over_step("continuous"),
         "mlxlm_p99_tbt_over_decode_step": p99_over_step("mlx-lm"),
@@ -318,10 +391,16 @@ def headline_figures(traces, experiments, machine: dict) -> dict:
         "one_row_linears_share_of_decode_step": ratio(machine["one_row_linears"]["mlx_s"],
                                                       scaling[1]["step_s"]),
         "one_row_linears_mlx_over_numpy": machine["one_row_linears"]["mlx_over_numpy"],
-        "scheduler_overhead_share": metrics.scheduler_share(traces[("high_variance", hv_b, "stallfree")]),
+        "scheduler_overhead_share": metrics.scheduler_share(
+            traces[(PREFILL_HEAVY, max(next(bs for n, _, bs in experiments if n == PREFILL_HEAVY)),
+                    "stallfree")]),
         "decode_step_s": step,
-        "batch_sizes": {"high_variance": hv_b, "interference": b_if},
-    }
+    })
+    for b in sorted(roofline):  # each decode step of our runner as a multiple of its roofline
+        if b in scaling:
+            figures[f"decode_b{b}_over_roofline"] = ratio(scaling[b]["step_s"], roofline[b])
+    figures["batch_sizes"] = {name: max(bs) for name, _, bs in experiments}
+    return figures
 
 
 def format_table(result: dict) -> str:

@@ -11,7 +11,6 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 from . import attention
 from .kv import BlockManager
@@ -89,27 +88,30 @@ def _interleaved_medians(runner: ModelRunner, variants: dict[str, list[Chunk]],
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def decode_scaling(lm: LoadedModel, batch_sizes: list[int], prompt_len: int = 64, warmup: int = 3,
-                   steps: int = 20) -> dict[int, dict]:
-    """Decode step time and tokens/s at each batch size, with mlx-lm's own model and dense
-    KV cache (so it measures the model, not our scheduler): B prompts of ``prompt_len``
-    tokens, one prefill, ``warmup`` untimed steps, then the median of ``steps`` timed ones."""
-    text = [(i * 7919) % 20000 + 100 for i in range(prompt_len + max(batch_sizes))]
+def decode_scaling(lm: LoadedModel, batch_sizes: list[int], context: int = 256, warmup: int = 3,
+                   steps: int = 15) -> dict[int, dict]:
+    """Decode step time and tokens/s at each batch size, on our runner (the engine's own
+    forward pass, paged KV): B decode rows, each at ``context`` tokens of cache, ``warmup``
+    untimed steps, then the median of ``steps`` timed ones. The rows' KV blocks are handed
+    out, not filled by a prefill first: attention costs the same whatever the cache holds."""
+    blocks = BlockManager(BlockManager.blocks_needed(context + 1, 16) * max(batch_sizes), 16)
+    runner = ModelRunner(lm, blocks.num_blocks, blocks.block_size)
+    rows = []
+    for d in range(max(batch_sizes)):
+        blocks.reserve(f"r{d}", context + 1)
+        rows.append(Chunk(f"r{d}", [(d * 7919) % 20000 + 100], context,
+                          list(blocks.ensure(f"r{d}", context + 1))))
     out = {}
     for batch in batch_sizes:
-        cache = make_prompt_cache(lm.model)
-        rows = mx.array([text[i:i + prompt_len] for i in range(batch)])  # differing rows
-        token = mx.argmax(lm.model(rows, cache=cache)[:, -1, :], axis=-1, keepdims=True)
-        mx.eval(token)
         times = []
         for step in range(warmup + steps):
             start = time.perf_counter()
-            token = mx.argmax(lm.model(token, cache=cache)[:, -1, :], axis=-1, keepdims=True)
-            mx.eval(token)
+            runner.forward(rows[:batch])
             if step >= warmup:
                 times.append(time.perf_counter() - start)
         step_s = statistics.median(times)
-        out[batch] = {"batch": batch, "step_s": step_s, "tokens_per_s": batch / step_s,
+        out[batch] = {"batch": batch, "context": context, "step_s": step_s,
+                      "tokens_per_s": batch / step_s,
                       "step_min_s": min(times), "step_max_s": max(times)}
     return out
 

@@ -487,3 +487,33 @@ def make_workload(name: str, tokenizer, **kwargs) -> Workload:
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     return WORKLOADS[name](tokenizer, **kwargs)
+
+
+def chat(tokenizer, size: str = "quick", seed: int = 0, num_requests: int | None = None,
+         mean_output: float = 72.0, max_output: int = 256,
+         prompt_range: tuple[int, int] = (40, 128), arrivals: str = "all",
+         rate: float | None = None, cv: float | None = None) -> Workload:
+    """Chat-shaped traffic: the answers are longer than the questions, as in real chat
+    (ShareGPT's outputs run to hundreds of tokens). Prompts as ``high_variance``'s (real
+    text, uniform over ``prompt_range`` tokens); output lengths exponential with mean
+    ``mean_output`` (rounded up, at most ``max_output``: high variance, a coefficient of
+    variation near 1), so decoding, not prefill, dominates the work. ``size``: "quick"
+    32 requests, "full" 128."""
+    sizes = {"quick": 32, "full": 128}
+    if size not in sizes:
+        raise ValueError(f"size must be one of {', '.join(sizes)}, not {size!r}")
+    n = num_requests if num_requests is not None else sizes[size]
+    rng = np.random.default_rng(seed)
+    p = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
+    o = np.clip(np.ceil(rng.exponential(mean_output, n)), 1, max_output).astype(int)
+    t = arrival_times(n, arrivals, rate, cv, rng)
+    reqs = _requests(tokenizer, "chat", p, o, t, rng)
+    return Workload("chat", f"{n} chat requests; outputs exponential, mean {mean_output:g} "
+                    f"tokens (max {max_output}); prompts {prompt_range[0]}-{prompt_range[1]} "
+                    f"tokens; arrivals {_arrivals_text(arrivals, rate, cv)}", reqs, seed,
+                    dict(size=size, num_requests=n, mean_output=mean_output,
+                         max_output=max_output, prompt_range=prompt_range, arrivals=arrivals,
+                         rate=rate, cv=cv))
+
+
+WORKLOADS["chat"] = chat

@@ -9,8 +9,9 @@ import pytest
 
 from batchlab import checks
 from batchlab.batch import Batch
-from batchlab.request import State
-from batchlab.scheduler import Scheduler, StaticScheduler
+from batchlab.scheduler import StaticScheduler
+
+import learner_pieces
 
 
 def checker_quiet(checker: str, solution):
@@ -21,107 +22,169 @@ def checker_quiet(checker: str, solution):
 
 def start_batch(self) -> bool:
     """The right way to start a batch (shared by the wrong solutions below)."""
-    while self.queue and len(self.batch) < self.max_batch_size and self.reserve(self.queue[0]):
-        req = self.queue.popleft()
+    while self.queue and len(self.running) < self.max_batch_size and self.reserve(self.queue[0]):
+        req = self.queue[0]
+        self.begin(req)
         self.take_slot(req)
-        req.set_state(State.PREFILLING, self.clock())
-        self.batch.append(req)
-    return bool(self.batch)
+    return bool(self.running)
+
+
+def prefill(self):
+    longest = max(r.prompt_len for r in self.running)
+    return Batch(prefill=[(r, r.prompt_len) for r in self.running],
+                 padding_tokens=sum(longest - r.prompt_len for r in self.running))
+
+
+def end_batch(self):
+    if all(r.finished for r in self.running):
+        for r in list(self.running):
+            self.release(r)
 
 
 class JoinsMidBatch(StaticScheduler):
     """Tops the batch up whenever a request finishes: continuous batching, not static."""
 
+    rectangular = False  # finished rows leave at once
+
     def batches(self):
-        new = [r for r in self.queue][: self.max_batch_size - len(self.batch)]
         fresh = []
-        for req in new:
-            if self.free_slot() is None or not self.reserve(req):
-                break
-            self.queue.remove(req)
+        while self.queue and self.free_slot() is not None and self.reserve(self.queue[0]):
+            req = self.queue[0]
+            self.begin(req)
             self.take_slot(req)
-            req.set_state(State.PREFILLING, self.clock())
-            self.batch.append(req)
             fresh.append(req)
         if fresh:
-            longest = max(r.prompt_len for r in fresh)
-            yield Batch(prefill=[(r, r.prompt_len) for r in fresh],
-                        padding_tokens=sum(longest - r.prompt_len for r in fresh))
-            for r in fresh:
-                if not r.finished:
-                    r.set_state(State.DECODING, self.clock())
-        live = [r for r in self.batch if not r.finished]
+            yield Batch(prefill=[(r, r.prompt_len) for r in fresh])
+        live = [r for r in self.running if not r.finished and r not in fresh]
         if live:
             yield Batch(decode=live)
-        for r in [r for r in self.batch if r.finished]:
-            Scheduler.remove(self, r)
-            self.batch.remove(r)
 
 
 class NeverFreesTheBatch(StaticScheduler):
     """Forgets to end the batch: it keeps saying it has work and yields nothing."""
 
     def batches(self):
-        if not self.batch:
+        if not self.running:
             if not start_batch(self):
                 return
-            yield Batch(prefill=[(r, r.prompt_len) for r in self.batch])
-            for r in self.batch:
-                if not r.finished:
-                    r.set_state(State.DECODING, self.clock())
-        live = [r for r in self.batch if not r.finished]
+            yield prefill(self)
+        live = [r for r in self.running if not r.finished]
         if live:
-            yield Batch(decode=live, padding=[r for r in self.batch if r.finished])
+            yield Batch(decode=live, padding=[r for r in self.running if r.finished])
+
+
+class StartsOverAFullBatch(StaticScheduler):
+    """Starts the next batch when every row is done, but never frees the old rows: their
+    slots are still taken (take_slot raises a RuntimeError)."""
+
+    def batches(self):
+        if not self.running or all(r.finished for r in self.running):
+            fresh = []
+            while self.queue and len(fresh) < self.max_batch_size and self.reserve(self.queue[0]):
+                req = self.queue[0]
+                self.begin(req)
+                self.take_slot(req)
+                fresh.append(req)
+            if not fresh:
+                return
+            yield Batch(prefill=[(r, r.prompt_len) for r in fresh])
+        live = [r for r in self.running if not r.finished]
+        if live:
+            yield Batch(decode=live, padding=[r for r in self.running if r.finished])
 
 
 class NoPaddingRows(StaticScheduler):
     """Drops finished rows from the decode step instead of keeping them as padding rows."""
 
     def batches(self):
-        if not self.batch:
+        if not self.running:
             if not start_batch(self):
                 return
-            longest = max(r.prompt_len for r in self.batch)
-            yield Batch(prefill=[(r, r.prompt_len) for r in self.batch],
-                        padding_tokens=sum(longest - r.prompt_len for r in self.batch))
-            for r in self.batch:
-                if not r.finished:
-                    r.set_state(State.DECODING, self.clock())
-        live = [r for r in self.batch if not r.finished]
+            yield prefill(self)
+        live = [r for r in self.running if not r.finished]
         if live:
             yield Batch(decode=live)
-        if not live:
-            for r in self.batch:
-                Scheduler.remove(self, r)
-            self.batch = []
+        end_batch(self)
 
 
-@pytest.mark.parametrize("wrong, names", [
-    (JoinsMidBatch, "nobody joins until every request of the batch is done"),
-    (NeverFreesTheBatch, "kept stepping without running anything"),
-    (NoPaddingRows, "stays in the batch as a padding row"),
+class NeverReserves(StaticScheduler):
+    """Takes B requests without reserving their KV memory: fine in a big pool, a MemoryError
+    in a small one."""
+
+    def batches(self):
+        if not self.running:
+            while self.queue and len(self.running) < self.max_batch_size:
+                req = self.queue[0]
+                self.begin(req)
+                self.take_slot(req)
+            if not self.running:
+                return
+            yield prefill(self)
+        live = [r for r in self.running if not r.finished]
+        if live:
+            yield Batch(decode=live, padding=[r for r in self.running if r.finished])
+        end_batch(self)
+
+
+class NeverBegins(StaticScheduler):
+    """Moves requests into the batch by hand without ``begin``: they never become PREFILLING,
+    so the engine never moves them on to DECODING."""
+
+    def batches(self):
+        if not self.running:
+            while self.queue and len(self.running) < self.max_batch_size and self.reserve(self.queue[0]):
+                req = self.queue.popleft()
+                self.running.append(req)
+                self.take_slot(req)
+            if not self.running:
+                return
+            yield prefill(self)
+        live = [r for r in self.running if not r.finished]
+        if live:
+            yield Batch(decode=live, padding=[r for r in self.running if r.finished])
+        end_batch(self)
+
+
+@pytest.mark.parametrize("wrong, first_case, names", [
+    (JoinsMidBatch, 1, "in static batching nobody joins a running batch"),
+    (NeverFreesTheBatch, 1, "stepped 50 times in a row without running anything"),
+    (NeverFreesTheBatch, 1, "free them all (self.release(req))"),
+    (StartsOverAFullBatch, 1, "RuntimeError: take_slot"),
+    (StartsOverAFullBatch, 1, "free each with self.release(req) before the next batch starts"),
+    (NoPaddingRows, 1, "stays in its batch as a padding row"),
+    (NeverReserves, 8, "the KV pool ran out (16 blocks): MemoryError"),
+    (NeverReserves, 8, "only if self.reserve(req) promises its whole KV memory"),
+    (NeverBegins, 1, "its state was never set to DECODING"),
+    (NeverBegins, 1, "self.begin(req)"),
 ])
-def test_static_scheduler_rejects(wrong, names):
+def test_static_scheduler_rejects(wrong, first_case, names):
     verdict = checker_quiet("static_scheduler", wrong)
     assert not verdict and not verdict.not_written
+    assert f"The first that does not:\n  case {first_case} of 8" in verdict.message, verdict.message
     assert names in verdict.message, verdict.message
 
 
-def test_static_scheduler_whole_workload_reports_a_stuck_engine():
-    """On a whole workload the one driver stops a stuck scheduler; the case fails, no hang."""
-    verdict = checker_quiet("static_scheduler", NeverFreesTheBatch)
-    assert any(label.startswith("whole workload") for label in verdict.failed)
+@pytest.mark.parametrize("solution", [StaticScheduler, learner_pieces.MyStaticScheduler])
+def test_static_scheduler_passes_the_reference_and_the_lessons_piece(solution):
+    verdict = checker_quiet("static_scheduler", solution)
+    assert verdict, verdict.message
+
+
+def test_a_piece_that_never_reserves_passes_every_case_but_the_small_pool():
+    """The memory case is what catches it: the other cases' pool holds everybody."""
+    verdict = checker_quiet("static_scheduler", NeverReserves)
+    assert verdict.passed == verdict.total - 1 and verdict.failed[0].startswith("memory")
 
 
 def test_static_scheduler_whole_workload_checks_the_rules():
     """The invariants on a whole trace name a request that joined a running batch."""
-    from batchlab.checks.lesson01 import fake_workload, run_whole, static_invariants
-    from batchlab.fake import FakeModel
-    wl = fake_workload("w", [3, 9, 2, 5, 4, 7], [5] * 6, 1)
-    run = run_whole(JoinsMidBatch, 3, wl, FakeModel())
-    problem = static_invariants(run.trace, 3)
+    from batchlab.checks._pieces import fake_workload, run_piece
+    from batchlab.checks.lesson01 import static_invariants
+    wl = fake_workload("w", [(5, o) for o in [3, 9, 2, 5, 4, 7]], 1)
+    trace = run_piece(JoinsMidBatch, wl, max_batch_size=3).trace
+    problem = static_invariants(trace, 3)
     assert problem and "nobody joins a running batch" in problem
-    assert static_invariants(run_whole(StaticScheduler, 3, wl, FakeModel()).trace, 3) is None
+    assert static_invariants(run_piece(StaticScheduler, wl, max_batch_size=3).trace, 3) is None
 
 
 def test_static_scheduler_asks_for_a_class():

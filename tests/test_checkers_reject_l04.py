@@ -12,6 +12,7 @@ from batchlab import course
 from batchlab.batch import Batch
 from batchlab.request import State
 from batchlab.scheduler import ContinuousScheduler
+from learner_pieces import MyChunkedScheduler, MyContinuousScheduler
 
 
 def assert_rejected(verdict, first_case: str, *says: str) -> None:
@@ -23,98 +24,72 @@ def assert_rejected(verdict, first_case: str, *says: str) -> None:
         assert words in verdict.message, f"{words!r} not in:\n{verdict.message}"
 
 
-def wait_for_a_slot(self, req):
-    self.prefilling = None
-    if not req.finished:
-        req.set_state(State.AWAITING_SLOT, self.clock())
-        self.awaiting.append(req)
-
-
-class WholePrompt(ContinuousScheduler):
-    """Ignores prefill_step: the whole rest of the prompt in one chunk."""
-
-    def prefill_chunk(self):
-        req = self.prefilling
-        if req is None:
-            return
-        yield Batch(prefill=[(req, req.prefill_left)])
-        wait_for_a_slot(self, req)
-
-
-class NoLastChunk(ContinuousScheduler):
+class NoLastChunk(MyChunkedScheduler):
     """Sends the request to wait for a slot when only the last chunk is left, so that chunk
     (the one that samples the first token) never runs."""
 
     def prefill_chunk(self):
-        req = self.prefilling
-        if req is None:
-            return
-        n = min(self.prefill_step, req.prefill_left)
-        if n == req.prefill_left and req.num_computed > 0:
-            wait_for_a_slot(self, req)
-            return
-        yield Batch(prefill=[(req, n)])
-        if req.prefill_left == 0:
-            wait_for_a_slot(self, req)
+        for req in self.in_state(State.PREFILLING)[:1]:
+            n = min(self.prefill_step, req.prefill_left)
+            if n == req.prefill_left and req.num_computed > 0:
+                req.set_state(State.AWAITING_SLOT, self.clock())
+                return
+            if self.make_room(req, n):
+                yield Batch(prefill=[(req, n)])
 
 
-class FinishedTakesASlot(ContinuousScheduler):
-    """Sends every request whose prompt is done to wait for a slot, finished or not."""
-
-    def prefill_chunk(self):
-        req = self.prefilling
-        if req is None:
-            return
-        n = min(self.prefill_step, req.prefill_left)
-        yield Batch(prefill=[(req, n)])
-        if req.prefill_left == 0:
-            self.prefilling = None
-            req.set_state(State.AWAITING_SLOT, self.clock())
-            self.awaiting.append(req)
-
-
-class ChunkWithTheDecodes(ContinuousScheduler):
+class ChunkWithTheDecodes(MyChunkedScheduler):
     """Runs the chunk and the decode rows as one pass (lesson 5's idea, not this engine's)."""
 
-    def batches(self):
-        self.admit()
-        self.place()
-        req = self.prefilling
-        chunk = [(req, min(self.prefill_step, req.prefill_left))] if req else []
-        rows = [r for r in self.slots if r is not None]
-        if chunk or rows:
-            yield Batch(decode=rows, prefill=chunk)
-        if req is not None and req.prefill_left == 0:
-            wait_for_a_slot(self, req)
+    def prefill_chunk(self):
+        for req in self.in_state(State.PREFILLING)[:1]:
+            n = min(self.prefill_step, req.prefill_left)
+            if self.make_room(req, n):
+                yield Batch(decode=[r for r in self.slots if r is not None], prefill=[(req, n)])
 
 
-class NotWritten(ContinuousScheduler):
+class NoMakeRoom(MyChunkedScheduler):
+    """Yields each chunk without taking its blocks: fine in a big pool, a MemoryError in a
+    small one."""
+
+    def prefill_chunk(self):
+        for req in self.in_state(State.PREFILLING)[:1]:
+            yield Batch(prefill=[(req, min(self.prefill_step, req.prefill_left))])
+
+
+class NotWritten(MyContinuousScheduler):
     def prefill_chunk(self):
         raise NotImplementedError("write prefill_chunk")
 
 
-def test_the_reference_passes():
-    assert check.chunked_scheduler(ContinuousScheduler)
+@pytest.mark.parametrize("solution", [ContinuousScheduler, MyChunkedScheduler])
+def test_the_reference_and_the_lessons_piece_pass(solution):
+    verdict = check.chunked_scheduler(solution)
+    assert verdict, verdict.message
 
 
 def test_a_chunk_that_ignores_prefill_step_is_rejected():
-    assert_rejected(check.chunked_scheduler(WholePrompt), "1 of 9",
+    """The lesson-2 piece, not extended: its whole-prompt prefill_chunk ignores prefill_step."""
+    assert_rejected(check.chunked_scheduler(MyContinuousScheduler), "1 of 10",
                     "more than prefill_step=128", "min(prefill_step, tokens left)")
 
 
 def test_a_last_chunk_that_never_runs_is_rejected():
-    assert_rejected(check.chunked_scheduler(NoLastChunk), "1 of 9", "r2 went on to awaiting a slot with only 256 of its 300 prompt tokens", "last chunk never ran")
     verdict = check.chunked_scheduler(NoLastChunk)
+    assert_rejected(verdict, "1 of 10", "r2 went on to awaiting a slot with only 256 of its 300 prompt tokens",
+                    "last chunk never ran")
     assert "fails too: a whole workload" in verdict.message
 
 
-def test_a_finished_request_in_a_slot_is_rejected_not_a_hang():
-    verdict = check.chunked_scheduler(FinishedTakesASlot)
-    assert_rejected(verdict, "6 of 9", "never takes a slot", "a finished request went on decoding")
-
-
 def test_a_chunk_fused_with_the_decodes_is_rejected():
-    assert_rejected(check.chunked_scheduler(ChunkWithTheDecodes), "1 of 9", "a pass of its own")
+    assert_rejected(check.chunked_scheduler(ChunkWithTheDecodes), "1 of 10", "a pass of its own")
+
+
+def test_a_chunk_without_make_room_is_rejected_in_the_small_pool():
+    verdict = check.chunked_scheduler(NoMakeRoom)
+    assert_rejected(verdict, "10 of 10", "the KV pool ran out (16 blocks): MemoryError",
+                    "self.make_room(req, n) before yielding it")
+    assert verdict.passed == 9
 
 
 @pytest.mark.parametrize("piece", [NotWritten, course.Missing("MyChunkedScheduler", "my_engine/chunked.py does not exist yet")])

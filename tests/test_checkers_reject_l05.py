@@ -10,7 +10,9 @@ import pytest
 from batchlab import checks as check
 from batchlab import course
 from batchlab.batch import Batch
+from batchlab.request import State
 from batchlab.scheduler import StallFreeScheduler
+from learner_pieces import MyStallFreeScheduler
 
 
 def assert_rejected(verdict, first_case: str, *says: str) -> None:
@@ -27,7 +29,7 @@ class PrefillFirst(StallFreeScheduler):
 
     def plan(self):
         prefill = self.continue_prefills(self.token_budget)
-        prefill += self.admit(self.token_budget - sum(n for _, n in prefill))
+        prefill += self.admit_within(self.token_budget - sum(n for _, n in prefill))
         left = self.token_budget - sum(n for _, n in prefill)
         return Batch(decode=self.decodes()[:max(left, 0)], prefill=prefill)
 
@@ -38,7 +40,7 @@ class OverBudget(StallFreeScheduler):
     def plan(self):
         decode = self.decodes()
         prefill = self.continue_prefills(self.token_budget)
-        prefill += self.admit(self.token_budget - sum(n for _, n in prefill))
+        prefill += self.admit_within(self.token_budget - sum(n for _, n in prefill))
         return Batch(decode=decode, prefill=prefill)
 
 
@@ -57,7 +59,30 @@ class OneAdmissionAStep(StallFreeScheduler):
         decode = self.decodes()
         prefill = self.continue_prefills(self.token_budget - len(decode))
         if not prefill:
-            prefill = self.admit(self.token_budget - len(decode))[:1]
+            prefill = self.admit_within(self.token_budget - len(decode))[:1]
+        return Batch(decode=decode, prefill=prefill)
+
+
+class PlanWithoutMakeRoom(MyStallFreeScheduler):
+    """The lesson's plan with every block left to luck: no make_room for decodes or chunks."""
+
+    def plan(self):
+        decode = self.in_state(State.DECODING)
+        budget = self.token_budget - len(decode)
+        prefill = []
+        for req in self.in_state(State.PREFILLING):
+            n = min(budget, req.prefill_left)
+            if n > 0:
+                prefill.append((req, n))
+                budget -= n
+        while budget > 0 and self.queue and self.free_slot() is not None:
+            req = self.queue[0]
+            if not self.fits(req, budget):
+                break
+            n = self.start(req, budget)
+            self.take_slot(req)
+            prefill.append((req, n))
+            budget -= n
         return Batch(decode=decode, prefill=prefill)
 
 
@@ -66,25 +91,34 @@ class NotWritten(StallFreeScheduler):
         raise NotImplementedError("write plan")
 
 
-def test_the_reference_passes():
-    assert check.stallfree_planner(StallFreeScheduler)
+@pytest.mark.parametrize("solution", [StallFreeScheduler, MyStallFreeScheduler])
+def test_the_reference_and_the_lessons_piece_pass(solution):
+    verdict = check.stallfree_planner(solution)
+    assert verdict, verdict.message
+
+
+def test_a_plan_without_make_room_is_rejected_in_the_small_pool():
+    verdict = check.stallfree_planner(PlanWithoutMakeRoom)
+    assert_rejected(verdict, "9 of 9", "the KV pool ran out (16 blocks): MemoryError",
+                    "self.make_room(req, 1) for each decode")
+    assert verdict.passed == 8
 
 
 def test_prefill_before_the_decodes_is_rejected():
-    assert_rejected(check.stallfree_planner(PrefillFirst), "1 of 8",
+    assert_rejected(check.stallfree_planner(PrefillFirst), "1 of 9",
                     "was decoding but got no decode row", "before any prefill")
 
 
 def test_a_plan_over_the_budget_is_rejected():
-    assert_rejected(check.stallfree_planner(OverBudget), "1 of 8", "over the token budget of 16")
+    assert_rejected(check.stallfree_planner(OverBudget), "1 of 9", "over the token budget of 16")
 
 
 def test_a_planner_that_never_admits_is_reported_stuck_not_a_hang():
-    assert_rejected(check.stallfree_planner(NeverAdmits), "1 of 8", "the engine got stuck")
+    assert_rejected(check.stallfree_planner(NeverAdmits), "1 of 9", "the engine got stuck")
 
 
 def test_unused_budget_while_requests_wait_is_rejected():
-    assert_rejected(check.stallfree_planner(OneAdmissionAStep), "1 of 8",
+    assert_rejected(check.stallfree_planner(OneAdmissionAStep), "1 of 9",
                     "the stall-free rule gives", "admissions while budget and slots remain")
 
 

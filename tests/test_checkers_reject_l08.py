@@ -14,7 +14,7 @@ def _headroom(scheduler):
 
 class RightFits(StallFreeScheduler):
     def fits(self, req, max_tokens):
-        hits, cached, n = self._first_chunk(req, max_tokens)
+        hits, cached, n = self.first_chunk(req, max_tokens)
         taken = self.blocks.blocks_for(cached + n) - len(hits) \
             + sum(self.blocks.ref_counts[b] == 0 for b in hits)
         return taken + _headroom(self) <= self.blocks.num_free
@@ -22,7 +22,7 @@ class RightFits(StallFreeScheduler):
 
 class NoHeadroom(StallFreeScheduler):
     def fits(self, req, max_tokens):
-        hits, cached, n = self._first_chunk(req, max_tokens)
+        hits, cached, n = self.first_chunk(req, max_tokens)
         taken = self.blocks.blocks_for(cached + n) - len(hits) \
             + sum(self.blocks.ref_counts[b] == 0 for b in hits)
         return taken <= self.blocks.num_free
@@ -51,6 +51,11 @@ class MostImportantVictim(PriorityPolicy):
 
 def test_the_reference_pieces_pass():
     assert checks.memory_scheduler(RightFits, PriorityPolicy)
+
+
+def test_the_lessons_pieces_pass():
+    from learner_pieces import MyMemoryScheduler, MyVictimPolicy
+    assert checks.memory_scheduler(MyMemoryScheduler, MyVictimPolicy)
 
 
 def test_fits_without_headroom_is_rejected():

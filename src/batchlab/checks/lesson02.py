@@ -1,13 +1,15 @@
 """Checkers for lesson 2 (continuous batching).
 
 - ``continuous_scheduler(MyContinuousScheduler)``: a ``ContinuousScheduler`` subclass whose
-  phases ``admit()`` and ``place()`` the learner wrote (``my_engine/continuous.py``); the
-  library's ``batches()`` runs admit -> prefill_chunk -> place -> decode_rows around them;
+  phases ``admit()``, ``prefill_chunk()`` (the whole prompt as one pass) and ``place()``
+  the learner wrote (``my_engine/continuous.py``); the library's ``batches()`` runs
+  admit -> prefill_chunk -> place -> decode_rows around them;
 - ``continuous_steps(fn)``: ``fn(output_lens, B)``, the steps continuous batching takes.
 
-The scheduler runs in the real ``Engine`` on the fake model, on small workloads and whole
-ones, through ``run_workload``; the trace must keep the rules of continuous batching, every
-request must get its reference tokens, and the schedule must be the library's.
+The scheduler runs on the fake model through the one harness (``_pieces``), on small
+workloads, whole ones, and in KV pools small enough to force preemption; the trace must
+keep the rules of continuous batching, every request must get its reference tokens, every
+block must come back, and the schedule must be the library's.
 """
 
 from __future__ import annotations
@@ -16,16 +18,27 @@ from typing import Callable
 
 import numpy as np
 
-from ..fake import FakeModel
 from ..scheduler import ContinuousScheduler
 from ._core import Verdict, run_cases
-from .lesson01 import (MIXED_OUTPUTS, Req, fake_engine, fake_prompt, fake_workload, output_lens_cases,
-                       run_requests, static_step_count, whole_case)
+from ._pieces import (blocks_problem, early_decode_problem, fake_workload, gap_problem, needs_subclass,
+                      output_problem, piece_case, pressure_case, run_piece, schedule_problem,
+                      slot_problem, state_problem)
+from .lesson01 import MIXED_OUTPUTS, output_lens_cases, static_step_count
 
 __all__ = ["continuous_scheduler", "continuous_steps"]
 
+HINTS = {
+    "memory": ("admit only a request that self.fits(req, self.prefill_step), and take each "
+               "chunk's blocks with self.make_room(req, n) before yielding it (it preempts when "
+               "the pool is short)"),
+    "stuck": ("nothing stood in the way of the next queued request: admit it (self.start) "
+              "when nobody prefills or awaits a slot and it fits"),
+}
+PLACED = ("place() must set every request it puts into a slot DECODING "
+          "(req.set_state(State.DECODING, self.clock()))")
 
-def continuous_invariants(trace, B: int) -> str | None:
+
+def continuous_invariants(trace, B: int, workload=None) -> str | None:
     """The rules of continuous batching, read off a trace, step by step:
 
     - one request prefills at a time, and nobody is admitted while a prefilled request
@@ -61,7 +74,7 @@ def continuous_invariants(trace, B: int) -> str | None:
             return (f"step {k}: {placed[0]} was placed before {awaiting[0]}, which had waited "
                     f"longer: the first prefilled request takes the first free slot")
         awaiting = awaiting[len(placed):]
-        if awaiting and len(step.decoded) < B:
+        if awaiting and len(step.decoded) < B and not step.preempted:
             return (f"step {k}: {awaiting[0]} awaited a slot while only {len(step.decoded)} of "
                     f"the {B} slots decoded: place() must fill every free slot")
         for rid in step.decoded:
@@ -74,34 +87,58 @@ def continuous_invariants(trace, B: int) -> str | None:
         for rid in step.slots:
             if rid is not None and rid not in step.decoded and rid not in step.finished:
                 return f"after step {k}: {rid} holds a slot but made no token"
+        for rid in step.preempted:  # it gave everything back and starts over from the queue
+            slot_of.pop(rid, None)
+            awaiting = [r for r in awaiting if r != rid]
+            prefilling = None if prefilling == rid else prefilling
     return None
 
 
-def _schedule_problem(got, expected) -> str | None:
-    """The first step where two continuous traces differ, in words."""
-    def words(s):
-        pre = ", ".join(f"{rid} ({n} tokens)" for rid, _, n in s.prefill) or "none"
-        slots = ", ".join(r or "free" for r in s.slots)
-        return f"prefill {pre}; decode rows {', '.join(s.decoded) or 'none'}; slots after [{slots}]"
-    for g, e in zip(got.steps, expected.steps):
-        if (g.prefill, g.decoded, g.slots) != (e.prefill, e.decoded, e.slots):
-            hint = ""
-            if g.slots != e.slots and set(filter(None, g.slots)) == set(filter(None, e.slots)):
-                hint = "\n    the first waiting request takes the LOWEST free slot (self.take_slot)"
-            elif e.prefill and not g.prefill:
-                hint = ("\n    nothing stood in the way here: admit the next queued request "
-                        "(self.policy.next_queued) when it fits")
-            return (f"step {g.index} differs.\n      expected: {words(e)}\n      got:      "
-                    f"{words(g)}{hint}")
+def _key(s):
+    return (s.prefill, s.decoded, s.slots)
+
+
+def _words(s, other=None) -> str:
+    pre = ", ".join(f"{rid} ({n} tokens)" for rid, _, n in s.prefill) or "none"
+    slots = ", ".join(r or "free" for r in s.slots)
+    return f"prefill {pre}; decode rows {', '.join(s.decoded) or 'none'}; slots after [{slots}]"
+
+
+def _hint(g, e) -> str | None:
+    if g.slots != e.slots and set(filter(None, g.slots)) == set(filter(None, e.slots)):
+        return "the first waiting request takes the LOWEST free slot (self.take_slot)"
+    if e.prefill and not g.prefill:
+        return ("nothing stood in the way here: admit the next queued request "
+                "(self.policy.next_queued) when it fits")
     return None
+
+
+def continuous_judge(reference, rules, hints, placed, rows, B, seed=0, max_seq_len=None, **options):
+    """A judge for ``piece_case`` shared by the continuous kinds (lessons 2 and 4): ``rows``
+    on the learner's class and on ``reference`` with ``options``; ``rules(trace, B,
+    workload)`` are the kind's own. The first thing wrong, in words."""
+    workload = fake_workload("req", rows, seed)
+    ref = run_piece(reference, workload, max_seq_len=max_seq_len, max_batch_size=B, **options).trace
+
+    def judge(cls):
+        run = run_piece(cls, workload, max_seq_len=max_seq_len, max_batch_size=B, hints=hints, **options)
+        trace = run.trace
+        if run.problem:
+            return (trace and (state_problem(trace, placed) or early_decode_problem(trace, workload))
+                    or run.problem)
+        return (state_problem(trace, placed) or early_decode_problem(trace, workload)
+                or gap_problem(trace, workload) or rules(trace, B, workload) or slot_problem(trace, B)
+                or output_problem(trace, workload, max_seq_len or 4096)
+                or schedule_problem(trace, ref, _key, _words, _hint) or blocks_problem(run))
+    return needs_subclass(ContinuousScheduler, judge)
 
 
 def continuous_scheduler(cls) -> Verdict:
-    """Check ``MyContinuousScheduler`` (a ``ContinuousScheduler`` subclass whose ``admit()``
-    and ``place()`` the learner wrote): small and whole workloads on the fake model, through
-    ``run_workload``; the rules of continuous batching are checked on every trace, then the
-    tokens, then the schedule step by step against the library's scheduler."""
-    fake = FakeModel()
+    """Check ``MyContinuousScheduler`` (a ``ContinuousScheduler`` subclass whose ``admit()``,
+    ``prefill_chunk()`` and ``place()`` the learner wrote): small and whole workloads on the
+    fake model, then two in KV pools small enough to force preemption; the rules of
+    continuous batching are checked on every trace, then the tokens, then the schedule step
+    by step against the library's scheduler, then that every block came back."""
     rng = np.random.default_rng(2)
     rows = [
         ("5 requests, B=2, outputs [4, 6, 2, 5, 3]", 2, [4, 6, 2, 5, 3], [5, 6, 7, 8, 9]),
@@ -117,16 +154,29 @@ def continuous_scheduler(cls) -> Verdict:
          MIXED_OUTPUTS, [int(p) for p in rng.integers(40, 120, 16)]),
     ]
     hint = ("admit(): only when nobody is prefilling and nobody awaits a slot, start the next "
-            "queued request (self.start) if it fits; place(): while somebody awaits and a slot "
-            "is free, move the first of self.awaiting into it (self.take_slot) and set it DECODING")
+            "queued request (self.start) if it fits; prefill_chunk(): the whole prompt of the "
+            "prefilling request as one pass; place(): while somebody awaits and a slot is free, "
+            "move the first awaiting request into it (self.take_slot) and set it DECODING")
 
-    def case(label, B, outputs, prompts, seed):
-        return whole_case(label, B, fake_workload("req", outputs, prompts, seed), fake,
-                          ContinuousScheduler, ContinuousScheduler, continuous_invariants, hint,
-                          _schedule_problem)
+    def judge(B, rows, seed, **options):
+        return continuous_judge(ContinuousScheduler, continuous_invariants, HINTS, PLACED, rows, B,
+                                seed, **options)
 
-    cases = [case(*row, seed=100 * i) for i, row in enumerate(rows)]
+    cases = [piece_case(label, judge(B, list(zip(prompts, outputs)), 100 * i), hint)
+             for i, (label, B, outputs, prompts) in enumerate(rows)]
+    for label, rows, B, blocks in PRESSURE:
+        cases.append(pressure_case(label, judge(B, rows, 9, num_kv_blocks=blocks), ContinuousScheduler,
+                                   fake_workload("req", rows, 9), True, hint,
+                                   max_batch_size=B, num_kv_blocks=blocks))
     return run_cases("continuous_scheduler", cls, cases)
+
+
+PRESSURE = [  # (label, rows, B, KV blocks of 16 tokens): the reference preempts in each
+    ("memory: 10 requests growing to 60-110 tokens each on a KV pool of 16 blocks, B=4 "
+     "(preemptions must happen)", [(20 + 9 * i % 40, 40 + 7 * i % 30) for i in range(10)], 4, 16),
+    ("memory: 12 requests, prompts up to 120 tokens, on 24 blocks, B=6 (preemptions must happen)",
+     [(30 + 23 * i % 90, 30 + 11 * i % 40) for i in range(12)], 6, 24),
+]
 
 
 # ---------------------------------------------------------------------------------------
@@ -136,12 +186,9 @@ def continuous_steps(fn: Callable) -> Verdict:
     """Check ``fn(output_lens, B) -> int``: the steps a continuous engine with ``B`` slots
     (whole-prompt prefill) takes for requests that all arrive at once and generate
     ``output_lens`` tokens each."""
-    fake = FakeModel()
-
     def truth(lens, B):
-        run = run_requests(fake_engine(ContinuousScheduler, B, fake),
-                           [Req(fake_prompt(5, 400 + i), o) for i, o in enumerate(lens)])
-        return len(run.steps)
+        return len(run_piece(ContinuousScheduler, fake_workload("req", [(5, o) for o in lens], 400),
+                             max_batch_size=B).trace.steps)
 
     def diagnose_for(lens, B):
         def diagnose(got, expected):

@@ -17,8 +17,8 @@ from typing import Callable
 
 from ..scheduler import ContinuousScheduler
 from ._core import Case, Verdict, close, number_compare, optional_compare, run_cases, whole_number_compare
-from ._pieces import early_decode_problem, fake_workload, gap_problem, output_problem, piece_case, prefill_chunks, random_rows, \
-    run_piece, slot_problem
+from ._pieces import fake_workload, piece_case, prefill_chunks, pressure_case, random_rows
+from .lesson02 import continuous_judge
 
 __all__ = ["chunked_scheduler", "predict_long_ttft", "largest_chunk"]
 
@@ -30,18 +30,19 @@ def _n_chunks(prompt_len: int, prefill_step: int | None) -> int:
 # ---------------------------------------------------------------------------------------
 # Exercise 1: your chunked scheduler.
 
-def _judge(rows, prefill_step, batch=3, max_seq_len=None, chunks_of=None, seed=0):
-    """A judge for ``piece_case``: run ``rows`` (prompt length, new tokens) on the learner's
-    class and on the reference, and name the first thing that is not as it should be.
-    ``chunks_of=(request id, [(start, length), ...])`` also checks that request's chunks."""
-    workload = fake_workload("chunked", rows, seed)
+HINTS = {
+    "memory": ("take each chunk's blocks with self.make_room(req, n) before yielding it (it "
+               "preempts when the pool is short; if it returns False, the request gave way: "
+               "yield nothing)"),
+}
+PLACED = "a request whose prompt is done awaits a slot, then place() sets it DECODING"
+
+
+def _chunk_rules(prefill_step, chunks_of=None):
+    """The rules of chunked prefill, read off a trace."""
     limit = prefill_step or math.inf
 
-    def judge(cls):
-        run = run_piece(cls, workload, max_seq_len, max_batch_size=batch, prefill_step=prefill_step)
-        if run.problem:
-            return (run.trace and early_decode_problem(run.trace, workload)) or run.problem
-        trace = run.trace
+    def rules(trace, B, workload):
         chunks = prefill_chunks(trace)
         for rid, mine in chunks.items():
             for index, start, n in mine:
@@ -53,13 +54,11 @@ def _judge(rows, prefill_step, batch=3, max_seq_len=None, chunks_of=None, seed=0
             got = [(start, n) for _, start, n in chunks.get(rid, [])]
             if got != want:
                 return f"{rid}'s chunks (start, length) were {got}, expected {want}"
-        problem = early_decode_problem(trace, workload) or gap_problem(trace, workload)
-        if problem:
-            return problem
         for step in trace.steps:
             if len(step.prefill) > 1:
                 return f"step {step.index} prefilled {len(step.prefill)} chunks: one chunk a step"
-            if step.passes != bool(step.prefill) + bool(step.decoded):
+            if (step.passes != bool(step.prefill) + bool(step.decoded)
+                    or len(step.decoded) != len(set(step.decoded))):
                 return (f"step {step.index} ran {step.passes} forward pass(es) for "
                         f"{'a chunk and decode rows' if step.prefill and step.decoded else 'its work'}: "
                         f"the chunk is a pass of its own (yield a Batch with only the chunk), then "
@@ -67,31 +66,31 @@ def _judge(rows, prefill_step, batch=3, max_seq_len=None, chunks_of=None, seed=0
         for rid, mine in chunks.items():
             last = mine[-1][0]
             first = next((s.index for s in trace.steps if rid in s.emitted), None)
-            if first != last:
-                return (f"{rid}'s last chunk ran in step {last} but its first token came "
-                        f"{'never' if first is None else f'in step {first}'}: the chunk that ends "
-                        f"the prompt samples the first token")
-        problem = slot_problem(trace) or output_problem(trace, workload, max_seq_len or 4096)
-        if problem:
-            return problem
-        ref = run_piece(ContinuousScheduler, workload, max_seq_len, max_batch_size=batch,
-                        prefill_step=prefill_step).trace
-        order = [rid for s in trace.steps for rid in s.finished]
-        want = [rid for s in ref.steps for rid in s.finished]
-        if order != want:
-            return (f"the requests finished in the order {order}, the reference's order is {want}: "
-                    f"a request that has its first token waits in self.awaiting for a free slot")
+            if first is not None and first > last:
+                return (f"{rid}'s last chunk ran in step {last} but its first token came in step "
+                        f"{first}: the chunk that ends the prompt samples the first token")
         return None
-    return judge
+    return rules
+
+
+def _judge(rows, prefill_step, batch=3, max_seq_len=None, chunks_of=None, seed=0, **pool):
+    """A judge for ``piece_case``: run ``rows`` (prompt length, new tokens) on the learner's
+    class and on the reference, and name the first thing that is not as it should be.
+    ``chunks_of=(request id, [(start, length), ...])`` also checks that request's chunks."""
+    return continuous_judge(ContinuousScheduler, _chunk_rules(prefill_step, chunks_of), HINTS, PLACED,
+                            rows, batch, seed, max_seq_len=max_seq_len, prefill_step=prefill_step, **pool)
 
 
 def chunked_scheduler(cls) -> Verdict:
     """Check a ``ContinuousScheduler`` subclass whose ``prefill_chunk()`` runs one chunk of
-    at most ``prefill_step`` tokens of the prefilling request as a pass of its own, the
-    chunk that ends the prompt sampling the first token; then the request waits for a slot.
-    Every case runs the class in a fake-model engine and reads the trace."""
+    at most ``prefill_step`` tokens of the prefilling request as a pass of its own (its
+    blocks taken with ``make_room``), the chunk that ends the prompt sampling the first
+    token; then the request waits for a slot. Every case runs the class in a fake-model
+    engine and reads the trace; the last in a KV pool small enough to force preemption."""
     two = [(5, 12), (5, 12)]  # two short requests that decode while the long prompt prefills
-    hint = "n = min(self.prefill_step, req.prefill_left); yield Batch(prefill=[(req, n)])"
+    hint = ("n = min(self.prefill_step, req.prefill_left); if self.make_room(req, n): "
+            "yield Batch(prefill=[(req, n)])")
+    tight = random_rows(5, 10, (20, 120), (20, 50))
     cases = [
         piece_case("a 300-token prompt in chunks of 128 while two requests decode: "
                    "(0, 128), (128, 128), (256, 44)",
@@ -118,6 +117,11 @@ def chunked_scheduler(cls) -> Verdict:
                    _judge(random_rows(1, 12, (1, 90), (1, 12)), 16, batch=4, seed=1)),
         piece_case("a whole workload: 10 requests, 3 slots, chunks of 7 tokens",
                    _judge(random_rows(2, 10, (1, 60), (1, 9)), 7, batch=3, seed=2)),
+        pressure_case("memory: 10 requests (prompts 20-120 tokens) in chunks of 16 on a KV pool of "
+                      "16 blocks, 4 slots (preemptions must happen)",
+                      _judge(tight, 16, batch=4, seed=5, num_kv_blocks=16), ContinuousScheduler,
+                      fake_workload("req", tight, 5), True, hint, max_batch_size=4,
+                      prefill_step=16, num_kv_blocks=16),
     ]
     return run_cases("chunked_scheduler", cls, cases)
 

@@ -15,11 +15,11 @@ from typing import Callable
 
 from ..batch import Batch
 from ..runner import Chunk
-from ..scheduler import StallFreeScheduler
+from ..scheduler import ContinuousScheduler, StallFreeScheduler
 from ..trace import StepRecord, Trace
 from ._core import Case, Verdict, close, number_compare, run_cases, show
-from ._pieces import early_decode_problem, fake_workload, gap_problem, output_problem, piece_case, \
-    random_rows, run_piece, slot_problem
+from ._pieces import (blocks_problem, early_decode_problem, fake_workload, gap_problem, needs_subclass,
+                      output_problem, piece_case, pressure_case, random_rows, run_piece, slot_problem)
 
 __all__ = ["stallfree_planner", "pack_chunks", "skipped_decodes"]
 
@@ -42,13 +42,21 @@ def _plan(step) -> tuple[list[str], list[tuple[str, int]]]:
     return list(step.decoded), [(rid, n) for rid, _, n in step.prefill]
 
 
-def _planner_judge(rows, batch, budget, seed=0):
+HINTS = {
+    "memory": ("take the blocks of every token you plan before planning it: self.make_room(req, 1) "
+               "for each decode (most important first; drop those it preempts), "
+               "self.make_room(req, n) for each continuing chunk, and admit only what self.fits"),
+    "slot": "admit only while self.free_slot() is not None",
+}
+
+
+def _planner_judge(rows, batch, budget, seed=0, **pool):
     """A judge for ``piece_case``: ``rows`` on the learner's class and on the reference;
     the first broken rule, or the first step planned differently."""
     workload = fake_workload("stall-free", rows, seed)
 
     def judge(cls):
-        run = run_piece(cls, workload, max_batch_size=batch, token_budget=budget)
+        run = run_piece(cls, workload, max_batch_size=batch, token_budget=budget, hints=HINTS, **pool)
         if run.problem:
             return (run.trace and early_decode_problem(run.trace, workload)) or run.problem
         trace = run.trace
@@ -60,16 +68,17 @@ def _planner_judge(rows, batch, budget, seed=0):
                 return (f"step {step.index} ran {step.num_tokens} tokens, over the token budget of "
                         f"{budget} ({len(step.decoded)} decode rows + prefill chunks "
                         f"{[(rid, n) for rid, _, n in step.prefill]})")
-        skipped = _skipped(trace)
+        preempted = {rid for s in trace.steps for rid in s.preempted}  # they wait their turn again
+        skipped = [(k, rid) for k, rid in _skipped(trace) if rid not in preempted]
         if skipped:
             index, rid = skipped[0]
             return (f"step {index}: {rid} was decoding but got no decode row: every decoding request "
                     f"takes one token of the budget first, before any prefill")
         problem = (early_decode_problem(trace, workload) or gap_problem(trace, workload)
-                   or slot_problem(trace) or output_problem(trace, workload))
+                   or slot_problem(trace, batch) or output_problem(trace, workload))
         if problem:
             return problem
-        ref = run_piece(StallFreeScheduler, workload, max_batch_size=batch, token_budget=budget).trace
+        ref = run_piece(StallFreeScheduler, workload, max_batch_size=batch, token_budget=budget, **pool).trace
         for mine, want in zip(trace.steps, ref.steps):
             if _plan(mine) != _plan(want):
                 (d1, p1), (d2, p2) = _plan(mine), _plan(want)
@@ -78,8 +87,11 @@ def _planner_judge(rows, batch, budget, seed=0):
                         f"prefills in admission order, then admissions while budget and slots remain)")
         if len(trace.steps) != len(ref.steps):
             return f"your run took {len(trace.steps)} steps, the stall-free rule {len(ref.steps)}"
-        return None
-    return judge
+        return blocks_problem(run)
+    return needs_subclass(ContinuousScheduler, judge)
+
+
+TIGHT = random_rows(5, 10, (20, 120), (20, 50))
 
 
 def stallfree_planner(cls) -> Verdict:
@@ -110,6 +122,11 @@ def stallfree_planner(cls) -> Verdict:
                    "budget 24", _planner_judge(random_rows(3, 12, (1, 90), (1, 12)), 4, 24, seed=3)),
         piece_case("a whole workload: 10 requests, 3 slots, budget 5 (decodes leave little for prefill)",
                    _planner_judge(random_rows(4, 10, (1, 40), (1, 9)), 3, 5, seed=4)),
+        pressure_case("memory: 10 requests (prompts 20-120 tokens) on a KV pool of 16 blocks, 4 slots, "
+                      "budget 24 (preemptions must happen)",
+                      _planner_judge(TIGHT, 4, 24, seed=5, num_kv_blocks=16), StallFreeScheduler,
+                      fake_workload("stall-free", TIGHT, 5), True, hint, max_batch_size=4,
+                      token_budget=24, num_kv_blocks=16),
     ]
     return run_cases("stallfree_planner", cls, cases)
 
@@ -184,7 +201,7 @@ class _PrefillFirst(StallFreeScheduler):
 
     def plan(self) -> Batch:
         prefill = self.continue_prefills(self.token_budget)
-        prefill += self.admit(self.token_budget - sum(n for _, n in prefill))
+        prefill += self.admit_within(self.token_budget - sum(n for _, n in prefill))
         budget = self.token_budget - sum(n for _, n in prefill)
         return Batch(decode=self.decodes()[:max(budget, 0)], prefill=prefill)
 

@@ -189,7 +189,7 @@ SCENARIOS = {
 def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
     """A sentence naming the likely mistake when the learner's fits disagrees."""
     blocks = sched.blocks
-    hits, cached, n = sched._first_chunk(req, max_tokens)
+    hits, cached, n = sched.first_chunk(req, max_tokens)
     decoding = sum(r.state is State.DECODING for r in sched.running)
     need = blocks.blocks_for(cached + n) - len(hits) + sum(blocks.ref_counts[b] == 0 for b in hits)
     situation = (f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, "
@@ -198,7 +198,7 @@ def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
                  f"{not got}")
     free = blocks.num_free
     if hits and got == (blocks.blocks_for(min(max_tokens, req.prefill_len)) + decoding <= free):
-        return (f"{situation}: cached prefix blocks (self.blocks.lookup, or self._first_chunk) "
+        return (f"{situation}: cached prefix blocks (self.blocks.lookup, or self.first_chunk) "
                 f"are shared, not taken: they cost no free block (unless evictable, ref count 0)")
     if got == (need <= free):
         return (f"{situation}: you left no headroom; keep one free block for every DECODING "

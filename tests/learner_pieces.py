@@ -1,0 +1,125 @@
+"""The learner's pieces as the lessons have them write (the lineage of ``my_engine/``), in
+their simplest right form: what the checkers must accept. The wrong pieces of
+``test_checkers_reject*`` are these with one mistake each."""
+
+from __future__ import annotations
+
+from batchlab.batch import Batch
+from batchlab.policies import PriorityPolicy
+from batchlab.request import State
+from batchlab.scheduler import ContinuousScheduler, StaticScheduler
+
+
+class MyStaticScheduler(StaticScheduler):
+    """Lesson 1: start a batch (reserve + begin + take_slot, up to B from the queue front),
+    one prefill pass, decode passes with finished rows as padding, release at the end."""
+
+    def batches(self):
+        if not self.running:
+            while self.queue and len(self.running) < self.max_batch_size and self.reserve(self.queue[0]):
+                req = self.queue[0]
+                self.begin(req)
+                self.take_slot(req)
+            if not self.running:
+                return
+            longest = max(r.prompt_len for r in self.running)
+            yield Batch(prefill=[(r, r.prompt_len) for r in self.running],
+                        padding_tokens=sum(longest - r.prompt_len for r in self.running))
+        live = [r for r in self.running if not r.finished]
+        if live:
+            yield Batch(decode=live, padding=[r for r in self.running if r.finished])
+        if all(r.finished for r in self.running):
+            for r in list(self.running):
+                self.release(r)
+
+
+class MyContinuousScheduler(ContinuousScheduler):
+    """Lesson 2: one admission at a time (only if it fits), the whole prompt as one pass,
+    awaiting requests into free slots in order."""
+
+    def admit(self):
+        if self.queue and not self.in_state(State.PREFILLING, State.AWAITING_SLOT):
+            req = self.policy.next_queued(self.queue)
+            if self.fits(req, self.prefill_step):
+                self.start(req, self.prefill_step)
+
+    def prefill_chunk(self):
+        for req in self.in_state(State.PREFILLING)[:1]:
+            n = req.prefill_left
+            if self.make_room(req, n):
+                yield Batch(prefill=[(req, n)])
+
+    def place(self):
+        for req in self.in_state(State.AWAITING_SLOT):
+            if self.free_slot() is None:
+                break
+            self.take_slot(req)
+            req.set_state(State.DECODING, self.clock())
+
+
+class MyChunkedScheduler(MyContinuousScheduler):
+    """Lesson 4: at most ``prefill_step`` tokens of the prefilling request a step."""
+
+    def prefill_chunk(self):
+        for req in self.in_state(State.PREFILLING)[:1]:
+            n = min(self.prefill_step, req.prefill_left)
+            if self.make_room(req, n):
+                yield Batch(prefill=[(req, n)])
+
+
+class MyStallFreeScheduler(MyChunkedScheduler):
+    """Lesson 5a: the token-budget planner, written whole (no library helpers)."""
+
+    prefill_lane = False
+
+    def __init__(self, blocks, clock, max_batch_size=8, token_budget=64, policy=None):
+        super().__init__(blocks, clock, max_batch_size, policy=policy)
+        self.token_budget = token_budget
+
+    def batches(self):
+        batch = self.plan()
+        if batch.decode or batch.prefill:
+            yield batch
+
+    def plan(self):
+        decode = self.in_state(State.DECODING)
+        for req in sorted(decode, key=self.policy.importance):
+            if req.slot is not None:
+                self.make_room(req, 1)
+        decode = [r for r in decode if r.slot is not None]
+        budget = self.token_budget - len(decode)
+        prefill = []
+        for req in self.in_state(State.PREFILLING):
+            n = min(budget, req.prefill_left)
+            if n > 0 and req.state is State.PREFILLING and self.make_room(req, n):
+                prefill.append((req, n))
+                budget -= n
+        while budget > 0 and self.queue and self.free_slot() is not None:
+            req = self.policy.next_queued(self.queue)
+            if req.id in self.preempted or not self.fits(req, budget):
+                break
+            n = self.start(req, budget)
+            self.take_slot(req)
+            prefill.append((req, n))
+            budget -= n
+        held = set(map(id, self.running))
+        return Batch(decode=[r for r in decode if id(r) in held],
+                     prefill=[(r, n) for r, n in prefill if id(r) in held])
+
+
+class MyMemoryScheduler(MyStallFreeScheduler):
+    """Lesson 8: admission by free blocks."""
+
+    def fits(self, req, max_tokens):
+        hits, cached, n = self.first_chunk(req, max_tokens)
+        taken = self.blocks.blocks_for(cached + n) - len(hits) \
+            + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        headroom = sum(r.state is State.DECODING for r in self.running)
+        return taken + headroom <= self.blocks.num_free
+
+
+class MyVictimPolicy(PriorityPolicy):
+    """Lesson 8: the least important, the newest among equals, the last admitted on a tie."""
+
+    def victim(self, running):
+        return max(reversed(running), key=lambda r: (r.priority, r.arrival_s))

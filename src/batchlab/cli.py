@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .engine import KINDS, scheduler_class
+from .scheduler import Option
 
 
 def _cmd_info(args) -> int:
@@ -82,8 +83,10 @@ def scheduler_flags(classes) -> dict[str, tuple[type, str]]:
     flags: dict[str, tuple[type, str, list[str]]] = {}
     for cls in classes:
         for name, (default, option) in cls.option_specs().items():
-            if option is None:
-                continue
+            if option is None:  # undescribed (a learner's own): a flag if its default is a number
+                if isinstance(default, bool) or not isinstance(default, (int, float)):
+                    continue
+                option = Option(type(default), f"an option of {cls.__name__} (default {default})")
             kinds = flags.setdefault(name, (option.type, option.help, []))[2]
             kinds.append(cls.kind)
     return {name: (t, f"{h} [{', '.join(kinds)}]") for name, (t, h, kinds) in flags.items()}

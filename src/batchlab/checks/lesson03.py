@@ -27,15 +27,12 @@ __all__ = ["time_between_tokens", "percentile_linear", "predict_stall"]
 # Exercise 1: the gaps between one request's tokens.
 
 def _fake_token_times() -> list[float]:
-    """The token times of one request from a real engine run on the fake model."""
-    from ..engine import make_engine
-    from ..fake import FakeModel, FakeRunner
+    """The token times of one request from an engine run on the fake model (the harness's
+    clock ticks once a reading, so the gaps are uneven whole numbers)."""
+    from ._pieces import fake_workload, run_piece
 
-    eng = make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=2)
-    a = eng.submit([3, 1, 4, 1, 5], max_new_tokens=6, ignore_eos=True)
-    eng.submit(list(range(1, 40)), max_new_tokens=2, ignore_eos=True)
-    eng.run_until_idle()
-    return list(eng.trace.requests[a].token_times_s)
+    trace = run_piece("continuous", fake_workload("tbt", [(5, 6), (39, 2)]), max_batch_size=2).trace
+    return list(trace.requests["r0"].token_times_s)
 
 
 def _show_gaps(value: Any) -> str:

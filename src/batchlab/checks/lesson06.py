@@ -104,6 +104,290 @@ def _poll_triple(got):
     return (list(tokens), status, reason), None
 
 
+# The cases of engine_front, one function each: actions on a fresh engine built as the
+# learner's class, and how to judge what came back.
+
+def poll_case(label, actions, hint="", slots=1):
+    """The same calls on the library's Engine give the expected poll."""
+    def call(f):
+        return actions(_front(f, max_batch_size=slots))
+    return Case(label, call, call(Engine), answer_compare(_poll_triple, _diagnose_poll), hint)
+
+def run_steps(engine, n):
+    for _ in range(n):
+        engine.step()
+
+def fresh(e):
+    _submit(e, "a")
+    return e.poll("a")
+
+def after_steps(e):
+    _submit(e, "a")
+    run_steps(e, 3)
+    return e.poll("a")
+
+def twice(e):
+    _submit(e, "a")
+    run_steps(e, 3)
+    e.poll("a")
+    return e.poll("a")
+
+def finished(e):
+    _submit(e, "a", 4)
+    e.run_until_idle()
+    return e.poll("a")
+
+def forgotten(e):
+    _submit(e, "a", 4)
+    e.run_until_idle()
+    e.poll("a")
+    return e.poll("a")
+
+def unknown(e):
+    _submit(e, "a")
+    return e.poll("zzz")
+
+def others(e):
+    _submit(e, "a")
+    _submit(e, "b")
+    run_steps(e, 2)
+    return e.poll("b")
+
+def once_locked(f):
+    engine = _front(f)
+    _submit(engine, "a")
+    run_steps(engine, 2)
+    engine._lock.acquisitions = 0
+    engine.poll("a")
+    return engine._lock.acquisitions
+
+def lock_compare(got, expected):
+    if got == expected:
+        return None
+    if got == 0:
+        return ("your poll never takes self._lock: the engine thread can change the "
+                "request while you read it")
+    return (f"your poll takes self._lock {got} times: the engine can run a step between "
+            f"two of them (next case); drain the tokens and read the status in ONE "
+            f"`with self._lock:` block")
+
+def interleaved(f):
+    """The engine runs a step every time the client lets go of the lock; the client
+    polls until 'done'. Requests of 1 to 6 tokens, so the last token lands at every
+    point of a poll."""
+    for n in range(1, 7):
+        engine = _front(f)
+        _submit(engine, "a", n)
+        engine._lock.after_release = engine.step
+        got = []
+        for _ in range(60):
+            result, problem = _poll_triple(engine.poll("a"))
+            if problem:
+                return problem
+            got += result[0]
+            if result[1] != "running":
+                break
+        if got != _right("a", n):
+            return n, got
+    return "all right"
+
+def interleave_compare(got, expected):
+    if got == expected:
+        return None
+    if isinstance(got, str):
+        return got
+    n, received = got
+    if len(received) < n:
+        return (f"with {n} token(s) to make, the client received {received}, "
+                f"{n - len(received)} short: a step made the last token(s) and finished "
+                f"the request between your drain and your status read, so the client saw "
+                f"'done' without them")
+    return f"with {n} token(s), the client received {received}: tokens twice or out of order"
+
+def threaded(f):
+    """An EngineLoop on the fake model; 6 client threads, 5 requests each, polling
+    every millisecond until 'done'."""
+    from ..loop import EngineLoop
+    from ..fake import FakeModel, reference_output
+
+    fake = FakeModel()
+    engine = _front(f, max_batch_size=4)
+    errors, wrong = [], []
+    with EngineLoop(engine) as loop:
+        def client(c):
+            for j in range(5):
+                prompt = [1 + (7 * c + j) % 60, 2, 3]
+                rid = loop.submit(prompt, max_new_tokens=8, ignore_eos=True,
+                                  request_id=f"c{c}-{j}")
+                got, deadline = [], time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    try:
+                        tokens, status, _ = loop.poll(rid)
+                    except Exception as e:  # report, never hang
+                        errors.append(f"{type(e).__name__}: {e}")
+                        return
+                    got += tokens
+                    if status != "running":
+                        break
+                    time.sleep(0.001)
+                else:
+                    errors.append(f"client {c} never saw 'done' for {rid}")
+                    return
+                if got != reference_output(prompt, 8, fake.vocab_size, frozenset()):
+                    wrong.append((rid, len(got)))
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if loop.error is not None:
+        return f"the engine thread died: {type(loop.error).__name__}: {loop.error}"
+    if errors:
+        return errors[0]
+    return "all right" if not wrong else wrong
+
+def threaded_compare(got, expected):
+    if got == expected:
+        return None
+    if isinstance(got, str):
+        return got
+    rid, n = got[0]
+    return (f"{len(got)} of 30 requests came out wrong, e.g. {rid}: {n} tokens received of "
+            f"8 (tokens lost or handed out twice between a drain and a status read)")
+
+# -- cancel ---------------------------------------------------------------------------
+def cancel_running(f):
+    """a decodes in the only slot, b waits; cancel a; one more step."""
+    engine = _front(f)
+    _submit(engine, "a", 50)
+    _submit(engine, "b", 3)
+    run_steps(engine, 3)
+    made = list(engine.trace.requests["a"].output_ids)
+    first = engine.cancel("a")
+    second = engine.cancel("a")
+    polled = engine.poll("a")
+    engine.step()
+    slots = [r.id if r is not None else None for r in engine.scheduler.slots]
+    engine.run_until_idle()
+    b = engine.poll("b")
+    return {"cancel": first, "again": second, "poll": polled, "made": made,
+            "slots after a step": slots, "b": b,
+            "free blocks at the end": engine.scheduler.blocks.num_free}
+
+def cancel_expected():
+    return {"cancel": True, "again": False, "poll": "tokens made so far, 'done', 'cancelled'",
+            "slots after a step": ["b"], "b": (_right("b", 3), "done", "length"),
+            "free blocks at the end": 16}
+
+def cancel_compare(got, expected):
+    if not isinstance(got["cancel"], bool) or not isinstance(got["again"], bool):
+        return f"cancel returns True or False, not {show(got['cancel'])} / {show(got['again'])}"
+    if got["cancel"] is not True:
+        return "cancel of a decoding request must return True: this call stopped it"
+    if got["again"] is not False:
+        return ("the second cancel returned True: only the call that stopped the request "
+                "returns True; a request already finished (cancelled) gives False")
+    want_poll = (got["made"], "done", "cancelled")
+    if tuple(got["poll"]) != want_poll:
+        return (f"after cancel, poll should hand out the tokens made so far with 'done' and "
+                f"'cancelled': expected {show(want_poll)}, got {show(got['poll'])} (finish "
+                f"the request with self._finish(req, 'cancelled'))")
+    if got["slots after a step"] != expected["slots after a step"]:
+        return ("after the next step the cancelled request's slot should hold b: put the "
+                "request on self._cancelled, so the next step's sweep frees its slot")
+    if tuple(got["b"]) != expected["b"]:
+        return f"b, served after the cancel, should finish with {show(expected['b'])}"
+    if got["free blocks at the end"] != expected["free blocks at the end"]:
+        return (f"{16 - got['free blocks at the end']} KV block(s) never came back: "
+                f"a cancelled request's blocks are freed by the next step's sweep")
+    return None
+
+def cancel_queued(f):
+    """a decodes, b is still queued: cancel b; it must never run."""
+    engine = _front(f)
+    _submit(engine, "a", 4)
+    _submit(engine, "b", 4)
+    engine.step()
+    said = engine.cancel("b")
+    polled = engine.poll("b")
+    engine.run_until_idle()
+    ran = any("b" in s.decoded or any(p[0] == "b" for p in s.prefill)
+              for s in engine.trace.steps)
+    return said, tuple(polled), ran, tuple(engine.poll("a"))
+
+def queued_compare(got, expected):
+    if got == expected:
+        return None
+    said, polled, ran, a = got
+    if said is not True:
+        return "cancel of a queued request must return True: it was waiting to run"
+    if polled != expected[1]:
+        return f"poll after cancelling a queued request: expected {show(expected[1])}"
+    if ran:
+        return "b ran after it was cancelled: a cancelled request must never be scheduled"
+    return "a, the other request, should still finish normally"
+
+def cancel_done(f):
+    engine = _front(f)
+    _submit(engine, "a", 3)
+    engine.run_until_idle()
+    before = engine.cancel("a")  # finished, "done" not yet polled
+    engine.poll("a")
+    return before, engine.cancel("a"), engine.cancel("zzz")
+
+def done_compare(got, expected):
+    if got == expected:
+        return None
+    labels = ["a finished request (not polled yet)", "a request already reported done",
+              "an id the engine never had"]
+    k = next(i for i, (g, e) in enumerate(zip(got, expected)) if g != e)
+    return f"cancel of {labels[k]} must return False (nothing was running), got {show(got[k])}"
+
+def cancel_mid_pass(f):
+    """The client cancels a while a forward pass that computes it is running (the
+    engine's lock is free then). Its blocks and slot must stay until the pass ends."""
+    from ..fake import FakeRunner
+
+    holder = {}
+
+    class CancellingRunner(FakeRunner):
+        def run(self, chunks):
+            engine = holder["engine"]
+            if holder.get("armed") and any(c.req_id == "a" for c in chunks):
+                holder["armed"] = False
+                holder["said"] = engine.cancel("a")
+                holder["blocks"] = list(engine.scheduler.blocks.tables.get("a", []))
+                holder["slot"] = any(r is not None and r.id == "a" for r in engine.scheduler.slots)
+            return super().run(chunks)
+
+    engine = _front(f, max_batch_size=2, runner=CancellingRunner)
+    holder["engine"] = engine
+    _submit(engine, "a", 20)
+    _submit(engine, "b", 6)
+    run_steps(engine, 3)
+    holder["armed"] = True
+    engine.run_until_idle()
+    return {"cancel": holder.get("said"), "held during the pass": bool(holder.get("blocks"))
+            and holder.get("slot"), "b": tuple(engine.poll("b")),
+            "free blocks at the end": engine.scheduler.blocks.num_free}
+
+def mid_pass_compare(got, expected):
+    if got == expected:
+        return None
+    if got["cancel"] is not True:
+        return "cancel of a request in the middle of a pass must return True"
+    if not got["held during the pass"]:
+        return ("your cancel freed the request's slot or KV blocks while a forward pass was "
+                "still computing it (the runner writes into those blocks; another request "
+                "could be given them): only mark it cancelled and put it on "
+                "self._cancelled; the next step's sweep frees it")
+    if got["b"] != expected["b"]:
+        return f"b should still finish normally: expected {show(expected['b'])}"
+    return "KV blocks were not all returned at the end"
+
+
+
 def engine_front(cls: Any) -> Verdict:
     """Check ``MyEngine``, an ``Engine`` subclass with its own ``poll(rid) -> (new_tokens,
     status, finish_reason)`` (drain and status in ONE hold of ``self._lock``; forget a
@@ -111,286 +395,6 @@ def engine_front(cls: Any) -> Verdict:
     (True only if this call stopped a running request; its slot and blocks are freed by
     the next step's sweep, never during a pass), on a fake-model engine: single steps, a
     forced interleaving, cancels mid-pass, and real threads on an ``EngineLoop``."""
-
-    def poll_case(label, actions, hint="", slots=1):
-        """The same calls on the library's Engine give the expected poll."""
-        def call(f):
-            return actions(_front(f, max_batch_size=slots))
-        return Case(label, call, call(Engine), answer_compare(_poll_triple, _diagnose_poll), hint)
-
-    def run_steps(engine, n):
-        for _ in range(n):
-            engine.step()
-
-    def fresh(e):
-        _submit(e, "a")
-        return e.poll("a")
-
-    def after_steps(e):
-        _submit(e, "a")
-        run_steps(e, 3)
-        return e.poll("a")
-
-    def twice(e):
-        _submit(e, "a")
-        run_steps(e, 3)
-        e.poll("a")
-        return e.poll("a")
-
-    def finished(e):
-        _submit(e, "a", 4)
-        e.run_until_idle()
-        return e.poll("a")
-
-    def forgotten(e):
-        _submit(e, "a", 4)
-        e.run_until_idle()
-        e.poll("a")
-        return e.poll("a")
-
-    def unknown(e):
-        _submit(e, "a")
-        return e.poll("zzz")
-
-    def others(e):
-        _submit(e, "a")
-        _submit(e, "b")
-        run_steps(e, 2)
-        return e.poll("b")
-
-    def once_locked(f):
-        engine = _front(f)
-        _submit(engine, "a")
-        run_steps(engine, 2)
-        engine._lock.acquisitions = 0
-        engine.poll("a")
-        return engine._lock.acquisitions
-
-    def lock_compare(got, expected):
-        if got == expected:
-            return None
-        if got == 0:
-            return ("your poll never takes self._lock: the engine thread can change the "
-                    "request while you read it")
-        return (f"your poll takes self._lock {got} times: the engine can run a step between "
-                f"two of them (next case); drain the tokens and read the status in ONE "
-                f"`with self._lock:` block")
-
-    def interleaved(f):
-        """The engine runs a step every time the client lets go of the lock; the client
-        polls until 'done'. Requests of 1 to 6 tokens, so the last token lands at every
-        point of a poll."""
-        for n in range(1, 7):
-            engine = _front(f)
-            _submit(engine, "a", n)
-            engine._lock.after_release = engine.step
-            got = []
-            for _ in range(60):
-                result, problem = _poll_triple(engine.poll("a"))
-                if problem:
-                    return problem
-                got += result[0]
-                if result[1] != "running":
-                    break
-            if got != _right("a", n):
-                return n, got
-        return "all right"
-
-    def interleave_compare(got, expected):
-        if got == expected:
-            return None
-        if isinstance(got, str):
-            return got
-        n, received = got
-        if len(received) < n:
-            return (f"with {n} token(s) to make, the client received {received}, "
-                    f"{n - len(received)} short: a step made the last token(s) and finished "
-                    f"the request between your drain and your status read, so the client saw "
-                    f"'done' without them")
-        return f"with {n} token(s), the client received {received}: tokens twice or out of order"
-
-    def threaded(f):
-        """An EngineLoop on the fake model; 6 client threads, 5 requests each, polling
-        every millisecond until 'done'."""
-        from ..loop import EngineLoop
-        from ..fake import FakeModel, reference_output
-
-        fake = FakeModel()
-        engine = _front(f, max_batch_size=4)
-        errors, wrong = [], []
-        with EngineLoop(engine) as loop:
-            def client(c):
-                for j in range(5):
-                    prompt = [1 + (7 * c + j) % 60, 2, 3]
-                    rid = loop.submit(prompt, max_new_tokens=8, ignore_eos=True,
-                                      request_id=f"c{c}-{j}")
-                    got, deadline = [], time.monotonic() + 20
-                    while time.monotonic() < deadline:
-                        try:
-                            tokens, status, _ = loop.poll(rid)
-                        except Exception as e:  # report, never hang
-                            errors.append(f"{type(e).__name__}: {e}")
-                            return
-                        got += tokens
-                        if status != "running":
-                            break
-                        time.sleep(0.001)
-                    else:
-                        errors.append(f"client {c} never saw 'done' for {rid}")
-                        return
-                    if got != reference_output(prompt, 8, fake.vocab_size, frozenset()):
-                        wrong.append((rid, len(got)))
-
-            threads = [threading.Thread(target=client, args=(c,)) for c in range(6)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        if loop.error is not None:
-            return f"the engine thread died: {type(loop.error).__name__}: {loop.error}"
-        if errors:
-            return errors[0]
-        return "all right" if not wrong else wrong
-
-    def threaded_compare(got, expected):
-        if got == expected:
-            return None
-        if isinstance(got, str):
-            return got
-        rid, n = got[0]
-        return (f"{len(got)} of 30 requests came out wrong, e.g. {rid}: {n} tokens received of "
-                f"8 (tokens lost or handed out twice between a drain and a status read)")
-
-    # -- cancel ---------------------------------------------------------------------------
-    def cancel_running(f):
-        """a decodes in the only slot, b waits; cancel a; one more step."""
-        engine = _front(f)
-        _submit(engine, "a", 50)
-        _submit(engine, "b", 3)
-        run_steps(engine, 3)
-        made = list(engine.trace.requests["a"].output_ids)
-        first = engine.cancel("a")
-        second = engine.cancel("a")
-        polled = engine.poll("a")
-        engine.step()
-        slots = [r.id if r is not None else None for r in engine.scheduler.slots]
-        engine.run_until_idle()
-        b = engine.poll("b")
-        return {"cancel": first, "again": second, "poll": polled, "made": made,
-                "slots after a step": slots, "b": b,
-                "free blocks at the end": engine.scheduler.blocks.num_free}
-
-    def cancel_expected():
-        return {"cancel": True, "again": False, "poll": "tokens made so far, 'done', 'cancelled'",
-                "slots after a step": ["b"], "b": (_right("b", 3), "done", "length"),
-                "free blocks at the end": 16}
-
-    def cancel_compare(got, expected):
-        if not isinstance(got["cancel"], bool) or not isinstance(got["again"], bool):
-            return f"cancel returns True or False, not {show(got['cancel'])} / {show(got['again'])}"
-        if got["cancel"] is not True:
-            return "cancel of a decoding request must return True: this call stopped it"
-        if got["again"] is not False:
-            return ("the second cancel returned True: only the call that stopped the request "
-                    "returns True; a request already finished (cancelled) gives False")
-        want_poll = (got["made"], "done", "cancelled")
-        if tuple(got["poll"]) != want_poll:
-            return (f"after cancel, poll should hand out the tokens made so far with 'done' and "
-                    f"'cancelled': expected {show(want_poll)}, got {show(got['poll'])} (finish "
-                    f"the request with self._finish(req, 'cancelled'))")
-        if got["slots after a step"] != expected["slots after a step"]:
-            return ("after the next step the cancelled request's slot should hold b: put the "
-                    "request on self._cancelled, so the next step's sweep frees its slot")
-        if tuple(got["b"]) != expected["b"]:
-            return f"b, served after the cancel, should finish with {show(expected['b'])}"
-        if got["free blocks at the end"] != expected["free blocks at the end"]:
-            return (f"{16 - got['free blocks at the end']} KV block(s) never came back: "
-                    f"a cancelled request's blocks are freed by the next step's sweep")
-        return None
-
-    def cancel_queued(f):
-        """a decodes, b is still queued: cancel b; it must never run."""
-        engine = _front(f)
-        _submit(engine, "a", 4)
-        _submit(engine, "b", 4)
-        engine.step()
-        said = engine.cancel("b")
-        polled = engine.poll("b")
-        engine.run_until_idle()
-        ran = any("b" in s.decoded or any(p[0] == "b" for p in s.prefill)
-                  for s in engine.trace.steps)
-        return said, tuple(polled), ran, tuple(engine.poll("a"))
-
-    def queued_compare(got, expected):
-        if got == expected:
-            return None
-        said, polled, ran, a = got
-        if said is not True:
-            return "cancel of a queued request must return True: it was waiting to run"
-        if polled != expected[1]:
-            return f"poll after cancelling a queued request: expected {show(expected[1])}"
-        if ran:
-            return "b ran after it was cancelled: a cancelled request must never be scheduled"
-        return "a, the other request, should still finish normally"
-
-    def cancel_done(f):
-        engine = _front(f)
-        _submit(engine, "a", 3)
-        engine.run_until_idle()
-        before = engine.cancel("a")  # finished, "done" not yet polled
-        engine.poll("a")
-        return before, engine.cancel("a"), engine.cancel("zzz")
-
-    def done_compare(got, expected):
-        if got == expected:
-            return None
-        labels = ["a finished request (not polled yet)", "a request already reported done",
-                  "an id the engine never had"]
-        k = next(i for i, (g, e) in enumerate(zip(got, expected)) if g != e)
-        return f"cancel of {labels[k]} must return False (nothing was running), got {show(got[k])}"
-
-    def cancel_mid_pass(f):
-        """The client cancels a while a forward pass that computes it is running (the
-        engine's lock is free then). Its blocks and slot must stay until the pass ends."""
-        from ..fake import FakeRunner
-
-        holder = {}
-
-        class CancellingRunner(FakeRunner):
-            def run(self, chunks):
-                engine = holder["engine"]
-                if holder.get("armed") and any(c.req_id == "a" for c in chunks):
-                    holder["armed"] = False
-                    holder["said"] = engine.cancel("a")
-                    holder["blocks"] = list(engine.scheduler.blocks.tables.get("a", []))
-                    holder["slot"] = any(r is not None and r.id == "a" for r in engine.scheduler.slots)
-                return super().run(chunks)
-
-        engine = _front(f, max_batch_size=2, runner=CancellingRunner)
-        holder["engine"] = engine
-        _submit(engine, "a", 20)
-        _submit(engine, "b", 6)
-        run_steps(engine, 3)
-        holder["armed"] = True
-        engine.run_until_idle()
-        return {"cancel": holder.get("said"), "held during the pass": bool(holder.get("blocks"))
-                and holder.get("slot"), "b": tuple(engine.poll("b")),
-                "free blocks at the end": engine.scheduler.blocks.num_free}
-
-    def mid_pass_compare(got, expected):
-        if got == expected:
-            return None
-        if got["cancel"] is not True:
-            return "cancel of a request in the middle of a pass must return True"
-        if not got["held during the pass"]:
-            return ("your cancel freed the request's slot or KV blocks while a forward pass was "
-                    "still computing it (the runner writes into those blocks; another request "
-                    "could be given them): only mark it cancelled and put it on "
-                    "self._cancelled; the next step's sweep frees it")
-        if got["b"] != expected["b"]:
-            return f"b should still finish normally: expected {show(expected['b'])}"
-        return "KV blocks were not all returned at the end"
-
     cases = [
         poll_case("a request just submitted, no step yet: ([], 'running', None)", fresh),
         poll_case("after 3 steps, one poll hands out every token made so far", after_steps,

@@ -15,16 +15,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Callable
 
-from ..runner import Chunk
-from ..engine import make_engine
-from ..fake import FakeModel, FakeRunner, TickClock, reference_output
+from ..fake import reference_output
 from ..kv import BlockManager
 from ..policies import PriorityPolicy
 from ..request import State
+from ..runner import Chunk
 from ..scheduler import Scheduler
-from ..driver import EngineStuck, run_workload
 from ..workloads import Workload, WorkloadRequest
 from ._core import Case, Verdict, answer_compare, run_cases, show
+from ._pieces import VOCAB, run_piece
 
 __all__ = ["kv_slots", "cached_prefix", "memory_scheduler"]
 
@@ -187,25 +186,24 @@ SCENARIOS = {
 
 
 def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
-    """A sentence naming the likely mistake when the learner's fits disagrees."""
-    blocks = sched.blocks
-    hits, cached, n = sched.first_chunk(req, max_tokens)
-    decoding = sum(r.state is State.DECODING for r in sched.running)
-    need = blocks.blocks_for(cached + n) - len(hits) + sum(blocks.ref_counts[b] == 0 for b in hits)
+    """A sentence naming the likely mistake when the learner's fits disagrees with the
+    reference's (``Scheduler.fits``), from the situation only: which way it erred, and
+    whether a cached prefix, decoding requests or a prompt longer than the chunk were in play."""
+    hits, _, _ = sched.first_chunk(req, max_tokens)
+    decoding = len(sched.in_state(State.DECODING))
     situation = (f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, "
                  f"{len(hits)} cached block(s), {decoding} request(s) decoding, "
-                 f"{blocks.num_free} free block(s)) your fits said {got}, the reference "
+                 f"{sched.blocks.num_free} free block(s)) your fits said {got}, the reference "
                  f"{not got}")
-    free = blocks.num_free
-    if hits and got == (blocks.blocks_for(min(max_tokens, req.prefill_len)) + decoding <= free):
+    if not got and hits:
         return (f"{situation}: cached prefix blocks (self.blocks.lookup, or self.first_chunk) "
                 f"are shared, not taken: they cost no free block (unless evictable, ref count 0)")
-    if got == (need <= free):
-        return (f"{situation}: you left no headroom; keep one free block for every DECODING "
-                f"request, so admitting does not force a preemption at once")
-    if got == (blocks.blocks_for(req.prefill_len) + decoding <= free):
+    if not got and req.prefill_len > max_tokens:
         return (f"{situation}: count only the first chunk (at most max_tokens tokens after "
                 f"the cached prefix), not the whole prompt: later chunks take blocks as they come")
+    if got and decoding:
+        return (f"{situation}: you left no headroom; keep one free block for every DECODING "
+                f"request, so admitting does not force a preemption at once")
     return situation
 
 
@@ -234,21 +232,15 @@ def _whole_run(scheduler_cls, policy_cls, name):
                 raise RuntimeError(f"victim returned {show(got)}, not one of the running requests")
             return got
 
-    options = dict(options)
-    cache = options.pop("enable_prefix_cache", False)
-    engine = make_engine(Probe, FakeModel(), runner=FakeRunner, kv_block_size=4, clock=TickClock(),
-                         enable_prefix_cache=cache, policy=PolicyProbe(), **options)
-    try:
-        trace = run_workload(engine, Workload(name, name, reqs), progress=False,
-                             priorities=priorities)
-    except EngineStuck as e:
-        return {"problem": f"the engine got stuck: {e} (does your fits ever say True?)"}
-    fake = FakeModel()
+    run = run_piece(Probe, Workload(name, name, reqs), kv_block_size=4, policy=PolicyProbe(),
+                    priorities=priorities, hints={"stuck": "does your fits ever say True?"}, **options)
+    if run.problem:
+        return {"problem": run.problem}
+    trace = run.trace
     wrong = [r.id for r in reqs if trace.requests[r.id].output_ids !=
-             reference_output(r.prompt_ids, r.max_new_tokens, fake.vocab_size, frozenset())]
-    held = engine.scheduler.blocks.num_blocks - engine.scheduler.blocks.num_free  # cached blocks count as free
-    return {"problem": None, "notes": notes, "wrong": wrong, "held at the end": held,
-            "preemptions": sum(len(s.preempted) for s in trace.steps),
+             reference_output(r.prompt_ids, r.max_new_tokens, VOCAB, frozenset())]
+    return {"problem": None, "notes": notes, "wrong": wrong, "held at the end": run.blocks_held,
+            "preemptions": run.preemptions,
             "over budget": [s.index for s in trace.steps if s.num_tokens > options["token_budget"]]}
 
 

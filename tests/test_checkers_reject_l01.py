@@ -145,6 +145,22 @@ class NeverBegins(StaticScheduler):
         end_batch(self)
 
 
+class ForgetsTheBlocks(StaticScheduler):
+    """Ends the batch by emptying its slots by hand: the rows' KV blocks are never given back."""
+
+    def batches(self):
+        if not self.running:
+            if not start_batch(self):
+                return
+            yield prefill(self)
+        live = [r for r in self.running if not r.finished]
+        if live:
+            yield Batch(decode=live, padding=[r for r in self.running if r.finished])
+        if all(r.finished for r in self.running):
+            self.slots = [None] * self.max_batch_size
+            self.running.clear()
+
+
 @pytest.mark.parametrize("wrong, first_case, names", [
     (JoinsMidBatch, 1, "in static batching nobody joins a running batch"),
     (NeverFreesTheBatch, 1, "stepped 50 times in a row without running anything"),
@@ -156,6 +172,7 @@ class NeverBegins(StaticScheduler):
     (NeverReserves, 8, "only if self.reserve(req) promises its whole KV memory"),
     (NeverBegins, 1, "its state was never set to DECODING"),
     (NeverBegins, 1, "self.begin(req)"),
+    (ForgetsTheBlocks, 1, "KV block(s) were still held"),
 ])
 def test_static_scheduler_rejects(wrong, first_case, names):
     verdict = checker_quiet("static_scheduler", wrong)

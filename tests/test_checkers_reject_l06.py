@@ -39,7 +39,7 @@ class NeverForgets(Engine):
 class UnknownRaises(Engine):
     def poll(self, req_id):
         with self._lock:
-            req = self._requests[req_id]  # KeyError for an id it does not know
+            self._requests[req_id]  # KeyError for an id it does not know
         return super().poll(req_id)
 
 

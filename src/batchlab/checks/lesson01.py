@@ -191,7 +191,7 @@ def output_lens_cases(rows, truth: Callable[[list[int], int], int],
                       diagnose_for: Callable[[list[int], int], Callable], hint: str) -> list[Case]:
     """Cases for a count ``fn(output_lens, B) -> int``, from rows of (label, output_lens, B):
     the right count is ``truth(lens, B)``, a wrong one is explained by ``diagnose_for(lens, B)``."""
-    return [Case(label, lambda f, l=lens, b=B: f(list(l), b), truth(lens, B),
+    return [Case(label, lambda f, ls=lens, b=B: f(list(ls), b), truth(lens, B),
                  whole_number_compare(diagnose_for(lens, B)), hint=hint)
             for label, lens, B in rows]
 

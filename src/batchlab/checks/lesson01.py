@@ -19,8 +19,8 @@ import numpy as np
 
 from ..scheduler import StaticScheduler
 from ..trace import Trace
-from ._core import Case, Verdict, run_cases, whole_number_compare
-from ._pieces import (blocks_problem, fake_workload, needs_subclass, output_problem, piece_case,
+from ._core import Verdict, run_cases
+from ._pieces import (MIXED_OUTPUTS, blocks_problem, fake_workload, output_lens_cases, needs_subclass, output_problem, piece_case,
                       pressure_case, run_piece, schedule_problem, slot_problem, state_problem)
 
 __all__ = ["static_scheduler", "wasted_slot_steps", "static_steps"]
@@ -182,18 +182,6 @@ def _static_trace(output_lens: list[int], B: int) -> Trace:
 def static_step_count(output_lens: list[int], B: int) -> int:
     """The engine steps static batching takes for these output lengths, all arriving at once."""
     return len(_static_trace(output_lens, B).steps)
-
-
-MIXED_OUTPUTS = [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14]  # the mixed workload's
-
-
-def output_lens_cases(rows, truth: Callable[[list[int], int], int],
-                      diagnose_for: Callable[[list[int], int], Callable], hint: str) -> list[Case]:
-    """Cases for a count ``fn(output_lens, B) -> int``, from rows of (label, output_lens, B):
-    the right count is ``truth(lens, B)``, a wrong one is explained by ``diagnose_for(lens, B)``."""
-    return [Case(label, lambda f, ls=lens, b=B: f(list(ls), b), truth(lens, B),
-                 whole_number_compare(diagnose_for(lens, B)), hint=hint)
-            for label, lens, B in rows]
 
 
 # ---------------------------------------------------------------------------------------

@@ -20,10 +20,10 @@ import numpy as np
 
 from ..scheduler import ContinuousScheduler
 from ._core import Verdict, run_cases
-from ._pieces import (blocks_problem, early_decode_problem, fake_workload, gap_problem, needs_subclass,
+from ._pieces import (MIXED_OUTPUTS, blocks_problem, early_decode_problem, fake_workload, gap_problem, needs_subclass,
                       output_problem, piece_case, pressure_case, run_piece, schedule_problem,
-                      slot_problem, state_problem)
-from .lesson01 import MIXED_OUTPUTS, output_lens_cases, static_step_count
+                      output_lens_cases, slot_problem, state_problem)
+from .lesson01 import static_step_count
 
 __all__ = ["continuous_scheduler", "continuous_steps"]
 

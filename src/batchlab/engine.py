@@ -44,7 +44,8 @@ log = logging.getLogger("batchlab")
 
 class Engine:
     def __init__(self, lm: LoadedModel, scheduler: Scheduler, runner: Runner, max_seq_len: int,
-                 trace_limit: int | None = None, admission: Admission | None = None):
+                 trace_limit: int | None = None, admission: Admission | None = None,
+                 lock=None):
         self.lm, self.scheduler, self.runner = lm, scheduler, runner
         self.admission = admission or Admission()  # default: admit everything, shed nothing
         self.max_seq_len = max_seq_len
@@ -57,7 +58,9 @@ class Engine:
         if trace_limit is not None:
             self.trace.steps = collections.deque(maxlen=trace_limit)
         self.clock = scheduler.clock  # seconds since the engine was made; every timestamp uses it
-        self._lock = threading.Lock()
+        # The one lock of the thread discipline above. ``lock`` (anything with the context
+        # manager protocol) lets a checker count how often a front takes it.
+        self._lock = lock if lock is not None else threading.Lock()
         self._requests: dict[str, Request] = {}  # every request not yet reported done by poll
         self._inbox: list[Request] = []  # submitted, not yet in the scheduler's queue
         self._cancelled: list[Request] = []  # cancelled, not yet swept out of the scheduler
@@ -256,7 +259,7 @@ def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
                 kv_block_size: int = 16, num_kv_blocks: int | None = None,
                 max_seq_len: int | None = None, trace_limit: int | None = None,
                 enable_prefix_cache: bool = False, admission: Admission | None = None,
-                clock=None, engine_class: type[Engine] = Engine, **options) -> Engine:
+                clock=None, engine_class: type[Engine] = Engine, lock=None, **options) -> Engine:
     """Build an engine around a scheduler: a kind name (``scheduler.KINDS``), a scheduler
     class of your own (a subclass of ``Scheduler``), or ``"module:Class"`` naming one.
 
@@ -269,7 +272,8 @@ def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
     ``admission`` bounds the queue and sheds stale requests (default: neither).
     ``clock()`` gives every timestamp in seconds (default: real time since the engine
     was made; the simulator passes its virtual clock). ``engine_class`` (an ``Engine``
-    subclass, e.g. a learner's own submit/poll/cancel front) is what gets built.
+    subclass, e.g. a learner's own submit/poll/cancel front) is what gets built; ``lock``
+    replaces its lock (a checker's counting one).
     """
     if not (isinstance(engine_class, type) and issubclass(engine_class, Engine)):
         raise ValueError(f"engine_class must be a subclass of Engine, got {engine_class!r}")
@@ -302,7 +306,7 @@ def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
         from .model_runner import ModelRunner
         runner = ModelRunner
     return engine_class(lm, scheduler, runner(lm, num_kv_blocks, kv_block_size), max_seq_len,
-                        trace_limit, admission)
+                        trace_limit, admission, lock)
 
 
 def scheduler_class(kind: str | type[Scheduler]) -> type[Scheduler]:

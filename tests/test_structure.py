@@ -127,3 +127,24 @@ def test_the_readme_code_map_lists_every_module_once():
     assert len(listed) == len(set(listed)), "a module is listed twice"
     assert not tree - set(listed), f"not in the README's code map: {sorted(tree - set(listed))}"
     assert not set(listed) - tree, f"in the code map but not in the tree: {sorted(set(listed) - tree)}"
+
+
+def test_a_kind_writes_planning_only():
+    """One flow: the shipped kinds override none of the shared steps of a pass (preparing
+    it, its result, leaving), and keep no containers of requests of their own -- who is
+    prefilling, awaiting or decoding is read from the requests."""
+    from batchlab.fake import TickClock
+    from batchlab.kv import BlockManager
+    from batchlab.scheduler import KINDS, Scheduler
+
+    shared = ("passes", "prepare", "postprocess", "fail", "remove", "release", "begin", "add", "has_work")
+    base = set(vars(Scheduler(BlockManager(4, 4), TickClock())))
+    for kind, cls in KINDS.items():
+        for klass in cls.__mro__[:cls.__mro__.index(Scheduler)]:
+            overridden = [name for name in shared if name in vars(klass)]
+            assert not overridden, f"{kind}: {klass.__name__} overrides {overridden}"
+        sched = cls(BlockManager(4, 4), TickClock())
+        extra = {k: v for k, v in vars(sched).items() if k not in base}
+        containers = [k for k, v in extra.items() if isinstance(v, (list, dict, set, tuple))
+                      or hasattr(v, "popleft")]
+        assert not containers, f"{kind} keeps its own containers: {containers}"

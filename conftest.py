@@ -17,8 +17,7 @@ collect_ignore = ["notebooks/learner"]
 
 # Tests that need the real model (or a browser, a server process, a notebook) are "slow";
 # `pytest -m "not slow"` runs the rest (fake model, pure logic) in about a minute.
-REAL_MODEL_FIXTURES = {"lm", "hf_model", "hf_gguf", "hf_tokenizer", "gguf_reader", "gguf_meta",
-                       "gguf_file"}
+REAL_MODEL_FIXTURES = {"lm", "hf_model", "hf_gguf", "hf_tokenizer", "gguf_reader", "gguf_meta", "gguf_file"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -31,10 +30,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: needs the real model, a browser, a server "
-                            "process or a notebook run (deselect with -m 'not slow')")
+    config.addinivalue_line(
+        "markers",
+        "slow: needs the real model, a browser, a server "
+        "process or a notebook run (deselect with -m 'not slow')",
+    )
     # nbval opens its sanitize file relative to the working directory; an absolute path
     # lets pytest start anywhere. An explicit --nbval-sanitize-with still wins.
-    if getattr(config.option, "nbval_sanitize_with", "unset") is None \
-            and not getattr(config.option, "sanitize_with", None):
+    if getattr(config.option, "nbval_sanitize_with", "unset") is None and not getattr(
+        config.option, "sanitize_with", None
+    ):
         config.option.nbval_sanitize_with = str(NBVAL_SANITIZE)

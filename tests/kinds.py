@@ -26,7 +26,10 @@ def kind_configs(exclude: tuple[str, ...] = (), per_kind: int | None = None) -> 
         mine = [dict(zip(names, combo)) for combo in itertools.product(*values)]
         mine = [o for o in mine if o.get("token_budget", math.inf) >= o.get("max_batch_size", 1)]
         if per_kind is not None and len(mine) > per_kind:
-            mine = [mine[round(i * (len(mine) - 1) / (per_kind - 1))] for i in range(per_kind)] \
-                if per_kind > 1 else mine[-1:]
+            mine = (
+                [mine[round(i * (len(mine) - 1) / (per_kind - 1))] for i in range(per_kind)]
+                if per_kind > 1
+                else mine[-1:]
+            )
         configs += [(kind, o) for o in mine]
     return configs

@@ -15,14 +15,25 @@ from batchlab.server import check_exposure, serve_in_thread
 KEY = "class-key-7f3a"
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 3, "temperature": 0}
 COMPLETION = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
-COUNTING = {"prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "max_tokens": 400, "temperature": 0,
-            "stream": True}  # runs long: a request that stays unfinished while the test looks
+COUNTING = {
+    "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "max_tokens": 400,
+    "temperature": 0,
+    "stream": True,
+}  # runs long: a request that stays unfinished while the test looks
 
 
 @pytest.fixture(scope="module")
 def server(lm):
-    with serve_in_thread(lm, "stallfree", model_id="smollm2", api_key=KEY, max_running_per_user=1,
-                         max_batch_size=4, token_budget=64) as handle:
+    with serve_in_thread(
+        lm,
+        "stallfree",
+        model_id="smollm2",
+        api_key=KEY,
+        max_running_per_user=1,
+        max_batch_size=4,
+        token_budget=64,
+    ) as handle:
         yield handle
 
 
@@ -30,14 +41,20 @@ def bearer(key):
     return {"Authorization": f"Bearer {key}"}
 
 
-ROUTES = [("GET", "/v1/models", None), ("POST", "/v1/chat/completions", CHAT),
-          ("POST", "/v1/completions", COMPLETION), ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
-          ("POST", "/v1/completions", {**COMPLETION, "stream": True})]
+ROUTES = [
+    ("GET", "/v1/models", None),
+    ("POST", "/v1/chat/completions", CHAT),
+    ("POST", "/v1/completions", COMPLETION),
+    ("POST", "/v1/chat/completions", {**CHAT, "stream": True}),
+    ("POST", "/v1/completions", {**COMPLETION, "stream": True}),
+]
 
 
-@pytest.mark.parametrize("headers", [{}, bearer("wrong-key"), bearer(KEY + "x"), {"Authorization": KEY},
-                                     {"Authorization": f"Basic {KEY}"}],
-                         ids=["none", "wrong", "longer", "no-scheme", "basic"])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, bearer("wrong-key"), bearer(KEY + "x"), {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}],
+    ids=["none", "wrong", "longer", "no-scheme", "basic"],
+)
 def test_v1_routes_refuse_a_missing_or_wrong_key(server, headers):
     before = submitted(server.engine)
     for method, path, body in ROUTES:
@@ -57,8 +74,7 @@ def test_every_v1_route_of_the_app_needs_the_key(server):
     """Routes added later under /v1 must carry the key check too (the app's OpenAPI
     schema lists them all)."""
     paths = httpx.get(server.base_url + "/openapi.json", timeout=30).json()["paths"]
-    v1 = [(method, path) for path, methods in paths.items() if path.startswith("/v1")
-          for method in methods]
+    v1 = [(method, path) for path, methods in paths.items() if path.startswith("/v1") for method in methods]
     assert ("post", "/v1/chat/completions") in v1 and len(v1) >= 3
     for method, path in v1:
         r = httpx.request(method.upper(), server.base_url + path, json={}, timeout=30)
@@ -85,7 +101,9 @@ def test_health_and_dashboard_stay_open(server):
 
 def test_the_per_user_limit_answers_429_and_frees_with_the_request(server):
     url = server.base_url + "/v1/completions"
-    with httpx.stream("POST", url, json={**COUNTING, "user": "alice"}, headers=bearer(KEY), timeout=120) as first:
+    with httpx.stream(
+        "POST", url, json={**COUNTING, "user": "alice"}, headers=bearer(KEY), timeout=120
+    ) as first:
         assert first.status_code == 200
         lines = first.iter_lines()  # kept: a dropped iterator would close the stream
         next(lines)  # alice's request is running
@@ -105,8 +123,12 @@ def test_the_per_user_limit_answers_429_and_frees_with_the_request(server):
 
 
 def test_a_bad_user_field_is_a_400(server):
-    r = httpx.post(server.base_url + "/v1/completions", json={**COMPLETION, "user": "x" * 300},
-                   headers=bearer(KEY), timeout=30)
+    r = httpx.post(
+        server.base_url + "/v1/completions",
+        json={**COMPLETION, "user": "x" * 300},
+        headers=bearer(KEY),
+        timeout=30,
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "user"
 
 
@@ -149,9 +171,14 @@ def test_batchlab_serve_refuses_before_loading_the_model(monkeypatch):
 def test_serve_flags_are_parsed(monkeypatch):
     monkeypatch.setenv("BATCHLAB_API_KEY", "from-env")
     args = cli.build_parser().parse_args(["serve", "--max-running-per-user", "2", "--show-prompts"])
-    assert (args.api_key, args.max_running_per_user, args.show_prompts, args.insecure) == \
-        ("from-env", 2, True, False)
-    args = cli.build_parser().parse_args(["loadgen", "--base-url", "http://x", "--user", "ann",
-                                          "--api-key", "k"])
+    assert (args.api_key, args.max_running_per_user, args.show_prompts, args.insecure) == (
+        "from-env",
+        2,
+        True,
+        False,
+    )
+    args = cli.build_parser().parse_args(
+        ["loadgen", "--base-url", "http://x", "--user", "ann", "--api-key", "k"]
+    )
     assert (args.user, args.api_key) == ("ann", "k")
     assert json.dumps(vars(args))  # plain values only

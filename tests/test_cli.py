@@ -51,8 +51,22 @@ def test_generate_three_input_forms(tmp_path, lm):
     requests[0]["prompt_ids"] = lm.tokenizer.encode("Here is a list of three fruits:")
     src = _write_jsonl(tmp_path / "in.jsonl", requests)
     out = tmp_path / "out.jsonl"
-    assert main(["generate", "--engine", "sequential", "--max-new-tokens", "12",
-                 "--input", str(src), "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--engine",
+                "sequential",
+                "--max-new-tokens",
+                "12",
+                "--input",
+                str(src),
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     results = _read_jsonl(out)
     assert [r["id"] for r in results] == ["ids", "text", 7]  # every request, in order
     for request, result in zip(requests, results):
@@ -79,14 +93,31 @@ def test_generate_passes_sampling_flags(tmp_path, lm, use_session_model):
     outs = []
     for run in range(2):
         out = tmp_path / f"out{run}.jsonl"
-        main(["generate", "--max-new-tokens", "10", "--ignore-eos", "--temperature", "0.9",
-              "--top-p", "0.95", "--seed", "11", "--input", str(src), "--output", str(out)])
+        main(
+            [
+                "generate",
+                "--max-new-tokens",
+                "10",
+                "--ignore-eos",
+                "--temperature",
+                "0.9",
+                "--top-p",
+                "0.95",
+                "--seed",
+                "11",
+                "--input",
+                str(src),
+                "--output",
+                str(out),
+            ]
+        )
         outs.append(_read_jsonl(out))
     assert use_session_model == [None, None]  # the default (embedded) model
     assert [r["token_ids"] for r in outs[0]] == [r["token_ids"] for r in outs[1]]  # seeded
     for r, prompt in zip(outs[0], [PARIS, "Hi"]):
-        expected = generate(lm, prompt, max_new_tokens=10, temperature=0.9, top_p=0.95, seed=11,
-                            ignore_eos=True)
+        expected = generate(
+            lm, prompt, max_new_tokens=10, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True
+        )
         assert r["token_ids"] == expected.token_ids
         assert r["finish_reason"] == "length" and len(r["token_ids"]) == 10
 
@@ -94,28 +125,40 @@ def test_generate_passes_sampling_flags(tmp_path, lm, use_session_model):
 GOOD = {"id": "ok", "prompt": "Hello"}
 
 
-@pytest.mark.parametrize("bad,problem", [
-    ('{"id": "x", "prompt": "hi"', "Expecting"),  # bad JSON
-    ("not json at all", "Expecting value"),
-    ('["id", "prompt"]', '"id"'),  # not an object
-    ('{"prompt": "hi"}', '"id"'),  # missing id
-    ('{"id": "x", "prompt": "hi", "prompt_ids": [1, 2]}', "exactly one"),  # two prompt kinds
-    ('{"id": "x"}', "exactly one"),  # no prompt at all
-    ('{"id": "x", "prompt": 5}', '"prompt" must be a string'),
-    ('{"id": "x", "prompt": ["a"]}', '"prompt" must be a string'),
-    ('{"id": "x", "prompt_ids": []}', "empty"),
-    ('{"id": "x", "prompt_ids": "1 2 3"}', '"prompt_ids" must be a list'),
-    ('{"id": "x", "prompt_ids": [1, 49152]}', r"\[0, 49152\)"),
-    ('{"id": "x", "prompt": ""}', "empty"),
-    ('{"id": "x", "messages": []}', '"messages" must be a non-empty list'),
-    ('{"id": "x", "messages": [{"role": "user"}]}', "messages"),
-])
+@pytest.mark.parametrize(
+    "bad,problem",
+    [
+        ('{"id": "x", "prompt": "hi"', "Expecting"),  # bad JSON
+        ("not json at all", "Expecting value"),
+        ('["id", "prompt"]', '"id"'),  # not an object
+        ('{"prompt": "hi"}', '"id"'),  # missing id
+        ('{"id": "x", "prompt": "hi", "prompt_ids": [1, 2]}', "exactly one"),  # two prompt kinds
+        ('{"id": "x"}', "exactly one"),  # no prompt at all
+        ('{"id": "x", "prompt": 5}', '"prompt" must be a string'),
+        ('{"id": "x", "prompt": ["a"]}', '"prompt" must be a string'),
+        ('{"id": "x", "prompt_ids": []}', "empty"),
+        ('{"id": "x", "prompt_ids": "1 2 3"}', '"prompt_ids" must be a list'),
+        ('{"id": "x", "prompt_ids": [1, 49152]}', r"\[0, 49152\)"),
+        ('{"id": "x", "prompt": ""}', "empty"),
+        ('{"id": "x", "messages": []}', '"messages" must be a non-empty list'),
+        ('{"id": "x", "messages": [{"role": "user"}]}', "messages"),
+    ],
+)
 def test_malformed_line_names_file_and_line(tmp_path, use_session_model, bad, problem):
     # line 1 good, line 2 blank (skipped but counted), line 3 bad, line 4 good
     src = _write_jsonl(tmp_path / "requests.jsonl", [GOOD, "", bad, GOOD])
     with pytest.raises(SystemExit) as e:
-        main(["generate", "--max-new-tokens", "2", "--input", str(src),
-              "--output", str(tmp_path / "out.jsonl")])
+        main(
+            [
+                "generate",
+                "--max-new-tokens",
+                "2",
+                "--input",
+                str(src),
+                "--output",
+                str(tmp_path / "out.jsonl"),
+            ]
+        )
     message = str(e.value.code)
     assert f"{src}:3:" in message
     assert re.search(problem, message), message
@@ -155,8 +198,9 @@ def test_engine_flags_reach_make_engine():
     """The KV flags become make_engine options; options a kind refuses are a clear error."""
     from batchlab.cli import build_parser, engine_options
 
-    args = build_parser().parse_args(["serve", "--engine", "stallfree", "--num-kv-blocks", "40",
-                                      "--enable-prefix-cache"])
+    args = build_parser().parse_args(
+        ["serve", "--engine", "stallfree", "--num-kv-blocks", "40", "--enable-prefix-cache"]
+    )
     assert engine_options(args) == {"num_kv_blocks": 40, "enable_prefix_cache": True}
     assert engine_options(build_parser().parse_args(["serve"])) == {}
     from batchlab import make_engine
@@ -164,7 +208,19 @@ def test_engine_flags_reach_make_engine():
 
     engine = make_engine("stallfree", FakeModel(), runner=FakeRunner, **engine_options(args))
     assert engine.stats()["num_kv_blocks"] == 40 and engine.scheduler.blocks.enable_prefix_cache
-    static = build_parser().parse_args(["generate", "--engine", "static", "--enable-prefix-cache",
-                                        "--max-new-tokens", "2", "--input", "i", "--output", "o"])
+    static = build_parser().parse_args(
+        [
+            "generate",
+            "--engine",
+            "static",
+            "--enable-prefix-cache",
+            "--max-new-tokens",
+            "2",
+            "--input",
+            "i",
+            "--output",
+            "o",
+        ]
+    )
     with pytest.raises(ValueError, match="enable_prefix_cache does not apply to the static engine"):
         make_engine("static", FakeModel(), runner=FakeRunner, **engine_options(static))

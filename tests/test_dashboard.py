@@ -26,8 +26,10 @@ REPO = Path(__file__).resolve().parents[1]
 # The README's screenshot is refreshed only when asked, by an explicit command:
 #   BATCHLAB_DASHBOARD_SCREENSHOT=docs/results/dashboard.png .venv/bin/python -m pytest tests/test_dashboard.py -k browser
 # otherwise the test writes its screenshots to a temporary folder.
-SCREENSHOT = Path(os.environ.get("BATCHLAB_DASHBOARD_SCREENSHOT")
-                  or Path(tempfile.mkdtemp(prefix="batchlab-dashboard-")) / "dashboard.png")
+SCREENSHOT = Path(
+    os.environ.get("BATCHLAB_DASHBOARD_SCREENSHOT")
+    or Path(tempfile.mkdtemp(prefix="batchlab-dashboard-")) / "dashboard.png"
+)
 KEY = "room-42-key"
 SECRET = "zebras"  # a word of every prompt here: it must not reach the page without --show-prompts
 
@@ -36,8 +38,13 @@ def ask(base_url, user, question, max_tokens, key=KEY):
     """One student's streaming chat request; returns the text."""
     client = OpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
     stream = client.chat.completions.create(
-        model="any", messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
-        temperature=0, stream=True, user=user)
+        model="any",
+        messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        user=user,
+    )
     return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
 
@@ -61,8 +68,9 @@ def read_events(base_url, seconds, stop=None):
 
 @pytest.fixture(scope="module")
 def server(lm):
-    with serve_in_thread(lm, "stallfree", model_id="smollm2", api_key=KEY, max_batch_size=4,
-                         token_budget=64) as handle:
+    with serve_in_thread(
+        lm, "stallfree", model_id="smollm2", api_key=KEY, max_batch_size=4, token_budget=64
+    ) as handle:
         yield handle
 
 
@@ -72,7 +80,7 @@ def test_the_page_draws_with_the_widgets_css_and_legend(server):
 
     def legend(html):
         start = html.index('<div class="bl-legend">')
-        part = html[start:html.index("</div>", start)]
+        part = html[start : html.index("</div>", start)]
         return re.findall(r'class="bl-swatch ([^"]+)"', part), re.sub(r"<[^>]+>", "|", part).split("|")
 
     swatches, words = legend(frame)
@@ -88,8 +96,9 @@ def test_the_event_stream_follows_the_engine_step_by_step(server):
     reader = threading.Thread(target=lambda: collected.extend(read_events(server.base_url, 120, done)))
     reader.start()
     time.sleep(0.5)
-    clients = [threading.Thread(target=ask, args=(server.base_url, u, f"Name two {SECRET}.", 8))
-               for u in users]
+    clients = [
+        threading.Thread(target=ask, args=(server.base_url, u, f"Name two {SECRET}.", 8)) for u in users
+    ]
     for c in clients:
         c.start()
     for c in clients:
@@ -146,8 +155,13 @@ def test_the_summary_gives_the_class_latencies(lm):
         start = time.perf_counter()
         client = OpenAI(base_url=base_url + "/v1", api_key="none", max_retries=0)
         for chunk in client.chat.completions.create(
-                model="any", messages=[{"role": "user", "content": "Count to five."}], max_tokens=6,
-                temperature=0, stream=True, user=user):
+            model="any",
+            messages=[{"role": "user", "content": "Count to five."}],
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            user=user,
+        ):
             if chunk.choices and chunk.choices[0].delta.content and user not in client_ttft:
                 client_ttft[user] = (time.perf_counter() - start) * 1000
 
@@ -187,8 +201,28 @@ def test_prompts_show_only_when_asked(lm):
     assert rows and rows[0]["user"] == "gus" and SECRET in rows[0]["prompt"]
 
 
-CLASS = ["ada", "bo", "chen", "dmitri", "emma", "farah", "gus", "hana", "ivan", "jo", "kemal", "lea",
-         "mo", "noor", "oli", "pia", "quinn", "raj", "sara", "<i>tom</i>"]
+CLASS = [
+    "ada",
+    "bo",
+    "chen",
+    "dmitri",
+    "emma",
+    "farah",
+    "gus",
+    "hana",
+    "ivan",
+    "jo",
+    "kemal",
+    "lea",
+    "mo",
+    "noor",
+    "oli",
+    "pia",
+    "quinn",
+    "raj",
+    "sara",
+    "<i>tom</i>",
+]
 
 
 @pytest.mark.skipif(MISSING is not None and os.environ.get("CI") != "true", reason=str(MISSING))
@@ -198,9 +232,18 @@ def test_the_dashboard_in_a_browser_while_a_class_streams(lm):
     from playwright.sync_api import sync_playwright
 
     errors = []
-    with serve_in_thread(lm, "stallfree", model_id="SmolLM2-135M-Instruct", api_key=KEY,
-                         max_batch_size=32, token_budget=128, max_running_per_user=2) as srv, \
-            sync_playwright() as p:
+    with (
+        serve_in_thread(
+            lm,
+            "stallfree",
+            model_id="SmolLM2-135M-Instruct",
+            api_key=KEY,
+            max_batch_size=32,
+            token_budget=128,
+            max_running_per_user=2,
+        ) as srv,
+        sync_playwright() as p,
+    ):
         browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1280, "height": 720})
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
@@ -218,7 +261,8 @@ def test_the_dashboard_in_a_browser_while_a_class_streams(lm):
                 time.sleep(0.1)
             page.wait_for_function(
                 "document.querySelectorAll('.row[data-slot] .bl-cell[data-kind=decode]').length > 0",
-                timeout=120_000)
+                timeout=120_000,
+            )
             first = int(page.locator("body").get_attribute("data-step"))
             page.wait_for_function("s => +document.body.dataset.step > s + 3", arg=first, timeout=60_000)
             seen = set()
@@ -228,10 +272,13 @@ def test_the_dashboard_in_a_browser_while_a_class_streams(lm):
                 time.sleep(0.2)
             assert len(seen & set(CLASS)) >= 8, seen
             assert page.locator(".who i, #recent i").count() == 0  # a name is text, never markup
-            page.wait_for_function("+document.getElementById('slots').textContent.split('/')[0] >= 10",
-                                   timeout=60_000)
+            page.wait_for_function(
+                "+document.getElementById('slots').textContent.split('/')[0] >= 10", timeout=60_000
+            )
             page.wait_for_function("s => +document.body.dataset.step >= s + 24", arg=first, timeout=120_000)
-            page.screenshot(path=str(SCREENSHOT))  # a few dozen steps of a busy room (the README's, when asked)
+            page.screenshot(
+                path=str(SCREENSHOT)
+            )  # a few dozen steps of a busy room (the README's, when asked)
             for box in (rows.nth(0).bounding_box(), rows.nth(31).bounding_box()):
                 assert box["height"] >= 12 and box["y"] + box["height"] <= 720  # all 32 in view
             legend = page.locator(".bl-legend").inner_text()

@@ -32,8 +32,9 @@ class CharTokenizer:
 @pytest.fixture
 def fake_lm():
     tok = CharTokenizer()
-    return SimpleNamespace(tokenizer=tok, vocab_size=tok.vocab_size, max_seq_len=2048,
-                           info=SimpleNamespace(name="fake-model"))
+    return SimpleNamespace(
+        tokenizer=tok, vocab_size=tok.vocab_size, max_seq_len=2048, info=SimpleNamespace(name="fake-model")
+    )
 
 
 class Terminal(io.StringIO):
@@ -41,11 +42,14 @@ class Terminal(io.StringIO):
         return True
 
 
-@pytest.mark.parametrize("kind,requests,options", [
-    ("stallfree", 10, {}),
-    ("continuous", 26, {"max_batch_size": 8}),
-    ("static", 26, {"max_batch_size": 2}),
-])
+@pytest.mark.parametrize(
+    "kind,requests,options",
+    [
+        ("stallfree", 10, {}),
+        ("continuous", 26, {"max_batch_size": 8}),
+        ("static", 26, {"max_batch_size": 2}),
+    ],
+)
 def test_every_screen_fits_80_by_24_and_names_the_engine(fake_lm, kind, requests, options):
     term = Terminal()
     summary = demo.play(fake_lm, kind, requests, out=term, runner=FakeRunner, **options)

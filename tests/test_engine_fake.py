@@ -17,8 +17,13 @@ EOS = frozenset({LM.eos_id})
 
 def workload(n, seed, prompt_range=(5, 300), new_range=(1, 64)):
     rng = random.Random(seed)
-    return [([rng.randrange(1, LM.vocab_size) for _ in range(rng.randint(*prompt_range))],
-             rng.randint(*new_range)) for _ in range(n)]
+    return [
+        (
+            [rng.randrange(1, LM.vocab_size) for _ in range(rng.randint(*prompt_range))],
+            rng.randint(*new_range),
+        )
+        for _ in range(n)
+    ]
 
 
 def fake_engine(kind, **options):
@@ -48,7 +53,9 @@ def test_every_kind_produces_the_reference_tokens(kind, options):
         ends_on_eos += reason == "stop"
     assert ends_on_eos > 0, "the workload should exercise EOS endings"
     check_trace_invariants(engine, options)
-    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks, "every KV block is returned"
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks, (
+        "every KV block is returned"
+    )
 
 
 def check_trace_invariants(engine, options):
@@ -83,14 +90,19 @@ def test_stallfree_decodes_never_skip_a_step_while_a_long_prompt_prefills():
     prefill_steps = [s for s in engine.trace.steps if s.prefill and s.index > 2]
     assert len(prefill_steps) >= 295 // 16
     for step in prefill_steps:
-        running = [r for r in short if r in step.slots and engine.trace.requests[r].finished_s
-                   and engine.trace.requests[r].finished_s >= step.end_s]
+        running = [
+            r
+            for r in short
+            if r in step.slots
+            and engine.trace.requests[r].finished_s
+            and engine.trace.requests[r].finished_s >= step.end_s
+        ]
         assert set(running) <= set(step.decoded)
 
 
 def test_static_batch_keeps_finished_rows_as_padding_and_admits_nobody_midway():
     engine = fake_engine("static", max_batch_size=2)
-    a = engine.submit([3] * 10, max_new_tokens=2, ignore_eos=True)
+    engine.submit([3] * 10, max_new_tokens=2, ignore_eos=True)
     b = engine.submit([4] * 10, max_new_tokens=6, ignore_eos=True)
     c = engine.submit([6] * 10, max_new_tokens=1, ignore_eos=True)
     engine.run_until_idle()
@@ -128,8 +140,9 @@ CANCEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind,options,state", CANCEL_CASES,
-                         ids=[f"{k}-{s.value}" for k, _, s in CANCEL_CASES])
+@pytest.mark.parametrize(
+    "kind,options,state", CANCEL_CASES, ids=[f"{k}-{s.value}" for k, _, s in CANCEL_CASES]
+)
 def test_cancel_in_every_state_frees_everything_and_spares_the_others(kind, options, state):
     engine = fake_engine(kind, **options)
     keep = engine.submit([7] * 12, max_new_tokens=12, ignore_eos=True)
@@ -171,18 +184,21 @@ def test_poll_drains_once_then_forgets():
     assert engine.poll(rid) == ([], "unknown", None)
 
 
-@pytest.mark.parametrize("bad,message", [
-    (dict(prompt_ids=[]), "empty"),
-    (dict(prompt_ids="hello"), "token ids"),
-    (dict(prompt_ids=[1, 2, 10_000]), "[0, 64)"),
-    (dict(prompt_ids=[1] * 4096), "maximum sequence length is 4096"),
-    (dict(prompt_ids=[1], max_new_tokens=0), "max_new_tokens"),
-    (dict(prompt_ids=[1], temperature=-1.0), "temperature"),
-    (dict(prompt_ids=[1], top_p=0.0), "top_p"),
-    (dict(prompt_ids=[1], top_p=1.5), "top_p"),
-    (dict(prompt_ids=[1], top_k=-2), "top_k"),
-    (dict(prompt_ids=[1], seed=-1), "seed"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (dict(prompt_ids=[]), "empty"),
+        (dict(prompt_ids="hello"), "token ids"),
+        (dict(prompt_ids=[1, 2, 10_000]), "[0, 64)"),
+        (dict(prompt_ids=[1] * 4096), "maximum sequence length is 4096"),
+        (dict(prompt_ids=[1], max_new_tokens=0), "max_new_tokens"),
+        (dict(prompt_ids=[1], temperature=-1.0), "temperature"),
+        (dict(prompt_ids=[1], top_p=0.0), "top_p"),
+        (dict(prompt_ids=[1], top_p=1.5), "top_p"),
+        (dict(prompt_ids=[1], top_k=-2), "top_k"),
+        (dict(prompt_ids=[1], seed=-1), "seed"),
+    ],
+)
 def test_bad_requests_are_rejected_and_the_engine_keeps_serving(bad, message):
     engine = fake_engine("stallfree", max_batch_size=2, token_budget=8)
     good = engine.submit([9, 9], max_new_tokens=4, ignore_eos=True)
@@ -215,16 +231,19 @@ def test_requests_wait_for_kv_blocks_instead_of_failing():
     assert max(s.kv_blocks_used for s in engine.trace.steps) <= 4
 
 
-@pytest.mark.parametrize("kind,options,message", [
-    ("turbo", {}, "unknown engine kind"),
-    ("sequential", {"max_batch_size": 4}, "max_batch_size does not apply"),
-    ("static", {"prefill_step": 16}, "prefill_step does not apply"),
-    ("continuous", {"token_budget": 64}, "token_budget does not apply"),
-    ("stallfree", {"prefill_step": 16}, "prefill_step does not apply"),
-    ("stallfree", {"max_batch_size": 8, "token_budget": 4}, "token_budget must be"),
-    ("continuous", {"prefill_step": 0}, "prefill_step must be"),
-    ("static", {"max_batch_size": 0}, "max_batch_size must be"),
-])
+@pytest.mark.parametrize(
+    "kind,options,message",
+    [
+        ("turbo", {}, "unknown engine kind"),
+        ("sequential", {"max_batch_size": 4}, "max_batch_size does not apply"),
+        ("static", {"prefill_step": 16}, "prefill_step does not apply"),
+        ("continuous", {"token_budget": 64}, "token_budget does not apply"),
+        ("stallfree", {"prefill_step": 16}, "prefill_step does not apply"),
+        ("stallfree", {"max_batch_size": 8, "token_budget": 4}, "token_budget must be"),
+        ("continuous", {"prefill_step": 0}, "prefill_step must be"),
+        ("static", {"max_batch_size": 0}, "max_batch_size must be"),
+    ],
+)
 def test_make_engine_rejects_options_that_do_not_apply(kind, options, message):
     with pytest.raises(ValueError, match=message):
         fake_engine(kind, **options)
@@ -238,8 +257,9 @@ def _wait(condition, seconds: float, what: str) -> None:
         time.sleep(0.001)
 
 
-def _client(loop, seed, results, errors, cancels, count=6, long=400, tokens_before_cancel=1,
-            vocab=LM.vocab_size):
+def _client(
+    loop, seed, results, errors, cancels, count=6, long=400, tokens_before_cancel=1, vocab=LM.vocab_size
+):
     """Submit ``count`` requests one after another and read each to its end; a third are
     cancelled at once, a third once ``tokens_before_cancel`` tokens have arrived (both
     ``long`` enough not to have finished first)."""
@@ -273,7 +293,7 @@ def _check_results(results, cancels):
         expected = reference_output(prompt, max_new, LM.vocab_size, EOS)
         if reason == "cancelled":
             cancelled += 1
-            assert got == expected[:len(got)], "a cancelled stream is a prefix of the answer"
+            assert got == expected[: len(got)], "a cancelled stream is a prefix of the answer"
         else:
             assert got == expected
     assert cancelled == sum(cancels) and cancelled > 0, (cancelled, cancels)
@@ -283,8 +303,9 @@ def test_concurrent_clients_lose_and_duplicate_nothing():
     engine = fake_engine("stallfree", max_batch_size=4, token_budget=32)
     results, errors, cancels = {}, [], []
     with EngineLoop(engine) as loop:
-        threads = [threading.Thread(target=_client, args=(loop, s, results, errors, cancels))
-                   for s in range(8)]
+        threads = [
+            threading.Thread(target=_client, args=(loop, s, results, errors, cancels)) for s in range(8)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -296,8 +317,9 @@ def test_concurrent_clients_lose_and_duplicate_nothing():
     assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
 
 
-@pytest.mark.parametrize("kind,options", [("stallfree", {"token_budget": 24}),
-                                          ("continuous", {"prefill_step": 8})])
+@pytest.mark.parametrize(
+    "kind,options", [("stallfree", {"token_budget": 24}), ("continuous", {"prefill_step": 8})]
+)
 def test_stress_readers_while_the_loop_serves_preempts_and_cancels(kind, options):
     """Thread discipline: while the loop serves many clients in a KV pool small enough to
     preempt, with cancels, other threads read ``stats()`` and ``queue_depth()`` without
@@ -321,8 +343,10 @@ def test_stress_readers_while_the_loop_serves_preempts_and_cancels(kind, options
 
     with EngineLoop(engine) as loop:
         readers = [threading.Thread(target=reader) for _ in range(2)]
-        clients = [threading.Thread(target=_client, args=(loop, 100 + s, results, errors, cancels, 6, 80, 40))
-                   for s in range(6)]
+        clients = [
+            threading.Thread(target=_client, args=(loop, 100 + s, results, errors, cancels, 6, 80, 40))
+            for s in range(6)
+        ]
         for t in readers + clients:
             t.start()
         for t in clients:
@@ -383,8 +407,11 @@ def test_a_failed_pass_ends_its_requests_with_error_and_everyone_else_goes_on(ca
         if rid in victims:
             assert (status, reason) == ("done", "error")
         else:
-            assert (tokens, status, reason) == (reference_output(prompt, 6, LM.vocab_size, frozenset()),
-                                                "done", "length")
+            assert (tokens, status, reason) == (
+                reference_output(prompt, 6, LM.vocab_size, frozenset()),
+                "done",
+                "length",
+            )
     assert len([r for r in caplog.records if "forward pass" in r.getMessage()]) == 1
     assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
     assert engine.stats()["finished"]["error"] == len(victims)

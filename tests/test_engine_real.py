@@ -24,7 +24,7 @@ def mixed(lm):
     text = " ".join(textwrap.dedent(argparse.__doc__).split())
     words = lm.tokenizer.encode(text * 3)
     lengths_and_outputs = [(5, 24), (300, 16), (40, 1), (150, 9), (12, 64), (80, 5)]
-    requests = [(words[i * 7:i * 7 + n], m) for i, (n, m) in enumerate(lengths_and_outputs)]
+    requests = [(words[i * 7 : i * 7 + n], m) for i, (n, m) in enumerate(lengths_and_outputs)]
     for question in ["What is the capital of France?", "Say hello."]:  # these end on EOS
         requests.append((lm.tokenizer.encode_chat([{"role": "user", "content": question}]), 40))
     return requests
@@ -57,8 +57,11 @@ CONFIGS = kind_configs(exclude=("sequential",), per_kind=3)  # the reference bel
 
 @pytest.mark.parametrize("kind,options", CONFIGS, ids=[f"{k}-{o}" for k, o in CONFIGS])
 def test_batched_kinds_equal_sequential(lm, mixed, sequential, kind, options):
-    cases = [(req, ref) for req, ref in zip(mixed, sequential)
-             if options.get("prefill_step") != 1 or len(req[0]) <= 40]  # one pass per token: slow
+    cases = [
+        (req, ref)
+        for req, ref in zip(mixed, sequential)
+        if options.get("prefill_step") != 1 or len(req[0]) <= 40
+    ]  # one pass per token: slow
     engine = make_engine(kind, lm, **options)
     ids = [engine.submit(p, max_new_tokens=m) for (p, m), _ in cases]
     engine.run_until_idle()
@@ -79,8 +82,9 @@ def test_sampling_is_per_request_and_independent_of_the_batch(lm, mixed):
     rid = alone.submit(prompt, max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=7)
     alone.run_until_idle()
     crowd = make_engine("stallfree", lm, max_batch_size=4, token_budget=64)
-    others = [crowd.submit(p, max_new_tokens=8, temperature=1.0, seed=i) for i, (p, _) in
-              enumerate(mixed[2:5])]
+    others = [
+        crowd.submit(p, max_new_tokens=8, temperature=1.0, seed=i) for i, (p, _) in enumerate(mixed[2:5])
+    ]
     rid2 = crowd.submit(prompt, max_new_tokens=12, temperature=0.9, top_p=0.95, top_k=40, seed=7)
     crowd.run_until_idle()
     assert alone.poll(rid)[0] == crowd.poll(rid2)[0]

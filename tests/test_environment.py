@@ -8,6 +8,7 @@ import json
 import shlex
 import subprocess
 import sys
+
 try:
     import tomllib  # Python >= 3.11
 except ModuleNotFoundError:  # Python 3.10: the test extra installs tomli, the same parser
@@ -21,23 +22,44 @@ from packaging.requirements import Requirement
 pytestmark = pytest.mark.slow  # pip resolves against the package index
 
 ROOT = Path(__file__).resolve().parents[1]
-MAC = {"sys_platform": "darwin", "platform_machine": "arm64", "platform_system": "Darwin",
-       "os_name": "posix", "implementation_name": "cpython",
-       "platform_python_implementation": "CPython"}
+MAC = {
+    "sys_platform": "darwin",
+    "platform_machine": "arm64",
+    "platform_system": "Darwin",
+    "os_name": "posix",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+}
 
 
 def pip_section() -> tuple[str, list[str]]:
     env = yaml.safe_load((ROOT / "environment.yml").read_text())
-    python = next(d.split("=", 1)[1] for d in env["dependencies"]
-                  if isinstance(d, str) and d.startswith("python="))
+    python = next(
+        d.split("=", 1)[1] for d in env["dependencies"] if isinstance(d, str) and d.startswith("python=")
+    )
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     return python, pip
 
 
 def dry_run(args: list[str], report: Path) -> list[dict]:
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
-                           "--quiet", "--report", str(report), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--ignore-installed",
+            "--quiet",
+            "--report",
+            str(report),
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(report.read_text())["install"]
 
@@ -59,17 +81,33 @@ def test_every_requirement_has_a_wheel_for_macos_arm64(tmp_path):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = pip[0].split("[", 1)[1].rstrip("]").split(",")
     env = {**MAC, "python_version": python, "python_full_version": f"{python}.0"}
-    wanted = [Requirement(r) for r in project["dependencies"] +
-              [r for e in extras for r in project["optional-dependencies"][e]]]
+    wanted = [
+        Requirement(r)
+        for r in project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]
+    ]
     mac = [r for r in wanted if r.marker is None or r.marker.evaluate(env)]
     assert any(r.name == "mlx" and "cpu" not in r.extras for r in mac), "Metal MLX on a Mac"
-    specs = [f"{r.name}{''.join(sorted(r.extras)) and '[' + ','.join(sorted(r.extras)) + ']'}"
-             f"{r.specifier}" for r in mac]
-    installs = dry_run(["--no-deps", "--only-binary=:all:", "--platform", "macosx_14_0_arm64",
-                        "--python-version", python, "--implementation", "cp",
-                        "--target", str(tmp_path / "target"), *specs], tmp_path / "report.json")
-    got = {i["metadata"]["name"].lower().replace("_", "-"): i["download_info"]["url"]
-           for i in installs}
+    specs = [
+        f"{r.name}{''.join(sorted(r.extras)) and '[' + ','.join(sorted(r.extras)) + ']'}{r.specifier}"
+        for r in mac
+    ]
+    installs = dry_run(
+        [
+            "--no-deps",
+            "--only-binary=:all:",
+            "--platform",
+            "macosx_14_0_arm64",
+            "--python-version",
+            python,
+            "--implementation",
+            "cp",
+            "--target",
+            str(tmp_path / "target"),
+            *specs,
+        ],
+        tmp_path / "report.json",
+    )
+    got = {i["metadata"]["name"].lower().replace("_", "-"): i["download_info"]["url"] for i in installs}
     assert set(got) == {r.name.lower().replace("_", "-") for r in mac}
     assert "macosx" in got["mlx"] and "arm64" in got["mlx"]
     assert "macosx" in got["torch"]

@@ -17,19 +17,18 @@ from batchlab.fake import FakeModel, FakeRunner, reference_output
 from batchlab.scheduler import ContinuousScheduler, Scheduler
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-PROMPTS = {"long": list(range(1, 41)), "short": [3, 4, 5], "mid": list(range(7, 22)),
-           "tiny": [9, 8]}
+PROMPTS = {"long": list(range(1, 41)), "short": [3, 4, 5], "mid": list(range(7, 22)), "tiny": [9, 8]}
 
 
 def readme_example(drop_engine_line: bool) -> tuple[str, dict]:
     """The code block under "Write your own scheduler", and the namespace it defines."""
     text = README.read_text()
-    section = text[text.index("### Write your own scheduler"):]
+    section = text[text.index("### Write your own scheduler") :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     if drop_engine_line:  # everything but the final `engine = make_engine(...)` line
         tree = ast.parse(code)
         assert isinstance(tree.body[-1], ast.Assign), "the example should end by making an engine"
-        code = "\n".join(code.splitlines()[:tree.body[-1].lineno - 1])
+        code = "\n".join(code.splitlines()[: tree.body[-1].lineno - 1])
     return code, {}
 
 
@@ -61,8 +60,7 @@ def test_readme_scheduler_on_the_fake_model():
     assert engine.trace.prefill_lane  # inherited from the continuous scheduler
     # The new rule is really in charge: shortest first, unlike the reference's arrival order.
     assert first_prefill_order(engine) == sorted(PROMPTS, key=lambda r: len(PROMPTS[r]))
-    reference = make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=4,
-                            prefill_step=64)
+    reference = make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=4, prefill_step=64)
     run_all(reference)
     assert first_prefill_order(reference) == list(PROMPTS)
     assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
@@ -107,6 +105,7 @@ class Threshold(Scheduler):
 
     def one_pass(self, **work):
         from batchlab.batch import Batch
+
         yield Batch(**work)
 
 

@@ -64,13 +64,13 @@ def read_stream(url: str, body: dict, out: dict, first_token: threading.Event | 
     out["ended"] = time.monotonic()
 
 
-
 def wait_for(condition, seconds: float, what: str) -> None:
     """Await ``condition()`` with a deadline; fail naming ``what`` if it never holds."""
     deadline = time.monotonic() + seconds
     while not condition():
         assert time.monotonic() < deadline, f"{what} did not happen within {seconds:.0f} s"
         time.sleep(0.01)
+
 
 def start_stream(url, body, first_token=None):
     out = {}
@@ -80,8 +80,7 @@ def start_stream(url, body, first_token=None):
 
 
 def chat(question: str, max_tokens: int) -> dict:
-    return {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-            "temperature": 0}
+    return {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0}
 
 
 LONG = chat("Write a long story about a dragon.", 300)
@@ -187,9 +186,12 @@ def test_sigterm_under_load_ends_every_stream_and_exits_within_10_s(tmp_path):
     each stream with a final chunk or an error event, and exits within 10 s."""
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "batchlab.cli", "serve", "--port", str(port),
-                             "--batch-size", "4"], stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "batchlab.cli", "serve", "--port", str(port), "--batch-size", "4"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -203,8 +205,10 @@ def test_sigterm_under_load_ends_every_stream_and_exits_within_10_s(tmp_path):
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
         started = [threading.Event() for _ in range(4)]
-        streams = [start_stream(url, chat(f"Write a long story about dragon number {k + 1}.", 300),
-                                ev) for k, ev in enumerate(started)]
+        streams = [
+            start_stream(url, chat(f"Write a long story about dragon number {k + 1}.", 300), ev)
+            for k, ev in enumerate(started)
+        ]
         assert all(ev.wait(120) for ev in started), "the streams did not start"
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)  # a deadline, not a speed claim: a hang fails here

@@ -46,6 +46,7 @@ def check_blocks(blocks: BlockManager) -> None:
 
 # -- the block manager alone ------------------------------------------------------------
 
+
 def test_blocks_are_taken_on_demand_and_returned():
     bm = BlockManager(4, 2)
     assert bm.ensure("a", 3) == [0, 1] and bm.num_free == 2
@@ -96,25 +97,34 @@ def test_prefix_cache_off_caches_nothing():
 
 # -- engine: preemption ----------------------------------------------------------------
 
-@pytest.mark.parametrize("kind,options", [("continuous", {"prefill_step": 8}),
-                                          ("continuous", {}),
-                                          ("stallfree", {"token_budget": 16})])
+
+@pytest.mark.parametrize(
+    "kind,options",
+    [("continuous", {"prefill_step": 8}), ("continuous", {}), ("stallfree", {"token_budget": 16})],
+)
 def test_preempted_requests_recompute_and_finish_with_the_right_tokens(kind, options):
     rng = random.Random(3)
-    requests = [([rng.randrange(1, 64) for _ in range(rng.randint(5, 30))], rng.randint(10, 40))
-                for _ in range(12)]
+    requests = [
+        ([rng.randrange(1, 64) for _ in range(rng.randint(5, 30))], rng.randint(10, 40)) for _ in range(12)
+    ]
     engine = fake_engine(kind, max_batch_size=6, kv_block_size=4, num_kv_blocks=20, **options)
     ids = [engine.submit(p, max_new_tokens=m, ignore_eos=True) for p, m in requests]
     while engine.step():
         check_blocks(engine.scheduler.blocks)
     stats = engine.stats()
     assert stats["preemptions"] > 0, "a pool of 20 blocks for 6 slots must preempt"
-    assert stats["preemptions"] == sum(len(s.preempted) for s in engine.trace.steps) \
+    assert (
+        stats["preemptions"]
+        == sum(len(s.preempted) for s in engine.trace.steps)
         == sum(r.preemptions for r in engine.trace.requests.values())
+    )
     for rid, (prompt, max_new) in zip(ids, requests):
         tokens, status, reason = engine.poll(rid)
-        assert (tokens, status, reason) == (reference_output(prompt, max_new, LM.vocab_size, frozenset()),
-                                            "done", "length")
+        assert (tokens, status, reason) == (
+            reference_output(prompt, max_new, LM.vocab_size, frozenset()),
+            "done",
+            "length",
+        )
     # A request preempted once went back to the queue; its next prefill restarted at token 0
     # and covered, chunk after chunk, its prompt + every token generated before.
     rid = next(r for r, rec in engine.trace.requests.items() if rec.preemptions == 1)
@@ -122,17 +132,19 @@ def test_preempted_requests_recompute_and_finish_with_the_right_tokens(kind, opt
     assert [s for _, s in record.state_times].count("queued") == 2
     steps = list(engine.trace.steps)
     when = next(k for k, s in enumerate(steps) if rid in s.preempted)
-    made = sum(len(s.emitted.get(rid, [])) for s in steps[:when + 1])
-    refill = [p[1:] for s in steps[when + 1:] for p in s.prefill if p[0] == rid]
+    made = sum(len(s.emitted.get(rid, [])) for s in steps[: when + 1])
+    refill = [p[1:] for s in steps[when + 1 :] for p in s.prefill if p[0] == rid]
     assert [start for start, _ in refill] == [sum(n for _, n in refill[:i]) for i in range(len(refill))]
     assert sum(n for _, n in refill) == record.prompt_len + made
-    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks and not engine.scheduler.blocks.tables
+    assert (
+        engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+        and not engine.scheduler.blocks.tables
+    )
 
 
 def test_admission_waits_for_free_blocks():
     """With the pool full, a queued request is not admitted even though a slot is free."""
-    engine = fake_engine("stallfree", max_batch_size=4, token_budget=64, kv_block_size=4,
-                         num_kv_blocks=10)
+    engine = fake_engine("stallfree", max_batch_size=4, token_budget=64, kv_block_size=4, num_kv_blocks=10)
     engine.submit([1] * 35, max_new_tokens=3, ignore_eos=True, request_id="big")  # 9 blocks
     engine.submit([2] * 8, max_new_tokens=2, ignore_eos=True, request_id="small")  # 3 blocks
     engine.step()
@@ -144,6 +156,7 @@ def test_admission_waits_for_free_blocks():
 
 
 # -- engine: prefix caching -------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kind", ["continuous", "stallfree"])
 def test_prefix_cache_skips_shared_blocks_and_keeps_the_answers(kind):
@@ -180,8 +193,14 @@ def test_prefix_cache_is_refused_where_it_does_not_apply():
 
 # -- everything at once ------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind,options", [("continuous", {"max_batch_size": 8, "prefill_step": 16}),
-                                          ("stallfree", {"max_batch_size": 8, "token_budget": 40})])
+
+@pytest.mark.parametrize(
+    "kind,options",
+    [
+        ("continuous", {"max_batch_size": 8, "prefill_step": 16}),
+        ("stallfree", {"max_batch_size": 8, "token_budget": 40}),
+    ],
+)
 def test_thousand_random_requests_conserve_blocks(kind, options):
     """1,000 requests with shared prefixes, random priorities and random cancels, on a pool
     too small for the batch: after every step the blocks add up; at the end every block is
@@ -210,12 +229,17 @@ def test_thousand_random_requests_conserve_blocks(kind, options):
         check_blocks(engine.scheduler.blocks)
         step = engine.trace.steps[-1]
         if kind == "stallfree":  # one pass a step: nobody may decode and prefill in it
-            assert not set(step.decoded) & {rid for rid, _, _ in step.prefill}, "decode and prefill in one pass"
+            assert not set(step.decoded) & {rid for rid, _, _ in step.prefill}, (
+                "decode and prefill in one pass"
+            )
         holders = set(engine.scheduler.blocks.tables)
         assert holders <= {r.id for r in engine.scheduler.running}, "blocks held by nobody running"
     engine.sweep()
     check_blocks(engine.scheduler.blocks)
-    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks and not engine.scheduler.blocks.tables
+    assert (
+        engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+        and not engine.scheduler.blocks.tables
+    )
     assert all(n == 0 for n in engine.scheduler.blocks.ref_counts)
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["prefix_cache_hits"] > 0
@@ -225,7 +249,7 @@ def test_thousand_random_requests_conserve_blocks(kind, options):
         assert record.finish_reason is not None, f"{rid} never finished"
         want = expected(prompt, max_new)
         if rid in cancelled:
-            assert record.output_ids == want[:len(record.output_ids)]
+            assert record.output_ids == want[: len(record.output_ids)]
         else:
             assert record.output_ids == want, rid
     assert sum(r.preemptions > 0 for r in engine.trace.requests.values()) > 1
@@ -233,12 +257,19 @@ def test_thousand_random_requests_conserve_blocks(kind, options):
 
 # -- the picture ------------------------------------------------------------------------
 
+
 def test_block_view_shows_owners_shared_and_cached_blocks_from_the_trace():
     from batchlab.trace import Trace
     from batchlab.viz import CACHED, FREE, OWNED, SHARED, BlockView, block_states, plot_block_map
 
-    engine = fake_engine("stallfree", max_batch_size=2, token_budget=16, kv_block_size=4,
-                         num_kv_blocks=16, enable_prefix_cache=True)
+    engine = fake_engine(
+        "stallfree",
+        max_batch_size=2,
+        token_budget=16,
+        kv_block_size=4,
+        num_kv_blocks=16,
+        enable_prefix_cache=True,
+    )
     system = list(range(1, 13))
     engine.submit(system + [20], max_new_tokens=8, ignore_eos=True, request_id="a")
     engine.step()

@@ -13,7 +13,7 @@ from test_engine_real import NEAR_TIE, margin_at_divergence
 def small_pool_requests(lm):
     """Six prompts of 30-90 tokens of real text, 12 new tokens each (EOS ignored)."""
     words = lm.tokenizer.encode(" ".join(corpus_paragraphs()[:12]))
-    return [(words[i * 50:i * 50 + n], 12) for i, n in enumerate([30, 90, 45, 70, 60, 36])]
+    return [(words[i * 50 : i * 50 + n], 12) for i, n in enumerate([30, 90, 45, 70, 60, 36])]
 
 
 def run(engine, requests, **sampling):
@@ -35,8 +35,13 @@ def sequential_tokens(lm, small_pool_requests):
     return run(make_engine("sequential", lm), small_pool_requests)
 
 
-@pytest.mark.parametrize("kind,options", [("continuous", {"max_batch_size": 4, "prefill_step": 32}),
-                                          ("stallfree", {"max_batch_size": 4, "token_budget": 48})])
+@pytest.mark.parametrize(
+    "kind,options",
+    [
+        ("continuous", {"max_batch_size": 4, "prefill_step": 32}),
+        ("stallfree", {"max_batch_size": 4, "token_budget": 48}),
+    ],
+)
 def test_preemption_keeps_greedy_outputs(lm, small_pool_requests, sequential_tokens, kind, options):
     # 8 blocks of 16 tokens: any one request fits, four at once (~5 blocks each) do not.
     engine = make_engine(kind, lm, kv_block_size=16, num_kv_blocks=8, **options)
@@ -50,15 +55,21 @@ def test_preemption_keeps_greedy_outputs(lm, small_pool_requests, sequential_tok
 def test_preemption_keeps_seeded_sampled_outputs(lm, small_pool_requests):
     sampling = dict(temperature=0.8, top_p=0.95, seed=5)
     alone = run(make_engine("sequential", lm), small_pool_requests[:4], **sampling)
-    engine = make_engine("stallfree", lm, max_batch_size=4, token_budget=48, kv_block_size=16,
-                         num_kv_blocks=8)
+    engine = make_engine(
+        "stallfree", lm, max_batch_size=4, token_budget=48, kv_block_size=16, num_kv_blocks=8
+    )
     crowded = run(engine, small_pool_requests[:4], **sampling)
     assert engine.stats()["preemptions"] > 0
     assert crowded == alone
 
 
-@pytest.mark.parametrize("kind,options", [("continuous", {"max_batch_size": 4, "prefill_step": 64}),
-                                          ("stallfree", {"max_batch_size": 4, "token_budget": 96})])
+@pytest.mark.parametrize(
+    "kind,options",
+    [
+        ("continuous", {"max_batch_size": 4, "prefill_step": 64}),
+        ("stallfree", {"max_batch_size": 4, "token_budget": 96}),
+    ],
+)
 def test_prefix_cache_hits_give_the_same_tokens(lm, kind, options):
     workload = shared_prefix(lm, num_requests=4, output_len=6)
     requests = [(r.prompt_ids, r.max_new_tokens) for r in workload]

@@ -16,8 +16,7 @@ from batchlab.workloads import Workload, WorkloadRequest, mixed
 
 @pytest.fixture(scope="module")
 def server(lm):
-    with serve_in_thread(lm, "stallfree", model_id="smollm2", max_batch_size=4,
-                         token_budget=64) as handle:
+    with serve_in_thread(lm, "stallfree", model_id="smollm2", max_batch_size=4, token_budget=64) as handle:
         yield handle
 
 
@@ -37,8 +36,9 @@ def reference(lm, request):
 
 
 def test_every_request_completes_with_the_engines_own_tokens(lm, server, workload):
-    result = run_loadgen(server.base_url, workload, concurrency=4, progress=False,
-                         slo_ttft_s=1e9, slo_tpot_s=1e9)
+    result = run_loadgen(
+        server.base_url, workload, concurrency=4, progress=False, slo_ttft_s=1e9, slo_tpot_s=1e9
+    )
     assert result.model == "smollm2"  # the first (only) id at /v1/models
     summary = result.summary()
     assert (summary["completed"], summary["failed"]) == (8, 0), summary["failures"]
@@ -80,8 +80,10 @@ def test_rate_and_concurrency_shape_when_requests_are_sent(server, workload):
 
 def test_bad_requests_are_counted_with_the_servers_reason(lm, server, workload):
     good = workload.requests[0]
-    bad = [WorkloadRequest("wizard", good.prompt_ids, 4, messages=[{"role": "wizard", "content": "hi"}]),
-           WorkloadRequest("empty", [], 4, messages=[{"role": "user", "content": 5}])]
+    bad = [
+        WorkloadRequest("wizard", good.prompt_ids, 4, messages=[{"role": "wizard", "content": "hi"}]),
+        WorkloadRequest("empty", [], 4, messages=[{"role": "user", "content": 5}]),
+    ]
     mixed_bag = Workload("mixed-bag", "", [bad[0], good, bad[1]])
     result = run_loadgen(server.base_url, mixed_bag, progress=False)
     failed = {r.id: r for r in result.requests if not r.ok}
@@ -111,9 +113,28 @@ def test_a_server_that_is_not_there_is_counted_not_raised(workload):
 
 def test_cli_writes_the_json_round_trip(lm, server, tmp_path, capsys, session_model):
     out = tmp_path / "load.json"
-    assert cli.main(["loadgen", "--base-url", server.base_url, "--workload", "mixed",
-                     "--requests", "3", "--concurrency", "2", "--slo-ttft", "60",
-                     "--slo-tpot", "10", "--json", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "loadgen",
+                "--base-url",
+                server.base_url,
+                "--workload",
+                "mixed",
+                "--requests",
+                "3",
+                "--concurrency",
+                "2",
+                "--slo-ttft",
+                "60",
+                "--slo-tpot",
+                "10",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "Successful requests" in printed and "P99 ITL (ms)" in printed
     data = json.loads(out.read_text())
@@ -129,8 +150,9 @@ def test_cli_writes_the_json_round_trip(lm, server, tmp_path, capsys, session_mo
 
 def test_cli_refuses_more_requests_than_the_workload_has(session_model):
     with pytest.raises(SystemExit, match="--requests must be between 1 and"):
-        cli.main(["loadgen", "--base-url", "http://127.0.0.1:9", "--workload", "sharegpt",
-                  "--requests", "1000"])
+        cli.main(
+            ["loadgen", "--base-url", "http://127.0.0.1:9", "--workload", "sharegpt", "--requests", "1000"]
+        )
 
 
 def test_mlx_lm_server_serves_the_same_load(lm, workload, tmp_path):
@@ -161,23 +183,27 @@ def test_a_stream_cut_mid_way_is_counted_as_disconnected(workload):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
-    chunk = b'data: {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", ' \
-            b'"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null}]}\n\n'
+    chunk = (
+        b'data: {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "m", '
+        b'"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": null}]}\n\n'
+    )
 
     def serve_badly():
         for _ in range(2):
             conn, _ = listener.accept()
             with conn:
                 conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                             b"transfer-encoding: chunked\r\n\r\n"
-                             + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                    b"transfer-encoding: chunked\r\n\r\n" + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+                )
 
     thread = threading.Thread(target=serve_badly, daemon=True)
     thread.start()
     port = listener.getsockname()[1]
-    result = run_loadgen(f"http://127.0.0.1:{port}", workload.head(2), model="m",
-                         concurrency=1, progress=False)
+    result = run_loadgen(
+        f"http://127.0.0.1:{port}", workload.head(2), model="m", concurrency=1, progress=False
+    )
     thread.join(timeout=10)
     listener.close()
     assert result.summary()["failures"] == {"disconnected": 2}, [r.error_message for r in result.requests]

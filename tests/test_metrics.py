@@ -16,21 +16,28 @@ approx = pytest.approx
 
 def request(rid, arrival, token_times, finish="length", finished_s=None, prompt_len=10):
     return RequestRecord(
-        rid, prompt_len, max(len(token_times), 1), arrival,
+        rid,
+        prompt_len,
+        max(len(token_times), 1),
+        arrival,
         state_times=[(arrival, "queued")],
         first_token_s=token_times[0] if token_times else None,
         token_times_s=list(token_times),
         finished_s=finished_s if finished_s is not None else (token_times[-1] if finish else None),
-        finish_reason=finish, output_ids=list(range(len(token_times))))
+        finish_reason=finish,
+        output_ids=list(range(len(token_times))),
+    )
 
 
 def latency_trace() -> Trace:
     # r1: arrives 0.0, tokens 1.0 1.5 2.5          TTFT 1.0, gaps .5 1.0,        TPOT .75
     # r2: arrives 0.5, tokens 2.0 2.2 2.4 2.6 4.0  TTFT 1.5, gaps .2 .2 .2 1.4,  TPOT .5
     # r3: arrives 1.0, one token at 3.0            TTFT 2.0, no gaps, no TPOT
-    reqs = [request("r1", 0.0, [1.0, 1.5, 2.5]),
-            request("r2", 0.5, [2.0, 2.2, 2.4, 2.6, 4.0]),
-            request("r3", 1.0, [3.0])]
+    reqs = [
+        request("r1", 0.0, [1.0, 1.5, 2.5]),
+        request("r2", 0.5, [2.0, 2.2, 2.4, 2.6, 4.0]),
+        request("r3", 1.0, [3.0]),
+    ]
     return Trace("continuous", 4, [], {r.id: r for r in reqs})
 
 
@@ -39,8 +46,7 @@ def step_trace() -> Trace:
         # index, start, end, forward; rows
         StepRecord(0, 0.0, 1.0, forward_s=0.9, passes=1, prefill=[("a", 0, 10)], padding_tokens=6),
         StepRecord(1, 1.0, 1.2, forward_s=0.18, passes=1, decoded=["a", "b"]),
-        StepRecord(2, 1.2, 1.5, forward_s=0.27, passes=2, decoded=["a", "b", "c"],
-                   prefill=[("d", 0, 5)]),
+        StepRecord(2, 1.2, 1.5, forward_s=0.27, passes=2, decoded=["a", "b", "c"], prefill=[("d", 0, 5)]),
         StepRecord(3, 1.5, 1.6, forward_s=0.10, passes=1, decoded=["a", "b", "c", "d"]),
         StepRecord(4, 1.6, 1.7, forward_s=0.10, passes=1, decoded=["a", "b"], padding=["c", "d"]),
         StepRecord(5, 1.7, 1.75, forward_s=0.04, passes=1, decoded=["a", "b"]),
@@ -86,8 +92,14 @@ def test_ttft_tbt_tpot_known_values():
 
 def test_tbt_timeline_in_time_order():
     got = M.tbt_timeline(latency_trace())
-    want = [(1.5, 0.5, "r1"), (2.2, 0.2, "r2"), (2.4, 0.2, "r2"), (2.5, 1.0, "r1"),
-            (2.6, 0.2, "r2"), (4.0, 1.4, "r2")]
+    want = [
+        (1.5, 0.5, "r1"),
+        (2.2, 0.2, "r2"),
+        (2.4, 0.2, "r2"),
+        (2.5, 1.0, "r1"),
+        (2.6, 0.2, "r2"),
+        (4.0, 1.4, "r2"),
+    ]
     assert [(t, rid) for t, _, rid in got] == [(t, rid) for t, _, rid in want]
     assert [g for _, g, _ in got] == approx([g for _, g, _ in want])
 
@@ -149,8 +161,12 @@ def test_padding_waste():
     w = M.padding_waste(step_trace())
     # tokens through the model: 10 + 2 + (3 + 5) + 4 + (2 + 2) + 2 + 2 = 32, plus 6 of
     # prompt padding = 38; waste = (2 rows + 6 tokens) / 38.
-    assert w == {"padding_rows": 2, "padding_tokens": 6, "computed_tokens": 38,
-                 "padding_waste": approx(8 / 38)}
+    assert w == {
+        "padding_rows": 2,
+        "padding_tokens": 6,
+        "computed_tokens": 38,
+        "padding_waste": approx(8 / 38),
+    }
 
 
 def test_scheduler_share():
@@ -187,10 +203,24 @@ def test_summarize_combines_and_survives_json():
 def test_empty_trace():
     s = M.summarize(Trace("continuous", 8), slo=M.SLO(1, 1))
     assert s["requests"] == 0 and s["output_tokens"] == 0 and s["steps"] == 0
-    for key in ("elapsed_s", "output_tokens_per_s", "requests_per_s", "ttft_p50_s",
-                "ttft_p99_s", "tbt_p50_s", "tbt_p99_s", "tbt_max_s", "tpot_mean_s",
-                "slot_occupancy", "padding_waste", "scheduler_share", "decode_step_s",
-                "slo_attainment", "goodput_requests_per_s", "goodput_tokens_per_s"):
+    for key in (
+        "elapsed_s",
+        "output_tokens_per_s",
+        "requests_per_s",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "tbt_p50_s",
+        "tbt_p99_s",
+        "tbt_max_s",
+        "tpot_mean_s",
+        "slot_occupancy",
+        "padding_waste",
+        "scheduler_share",
+        "decode_step_s",
+        "slo_attainment",
+        "goodput_requests_per_s",
+        "goodput_tokens_per_s",
+    ):
         assert s[key] is None, key
     json.dumps(s, allow_nan=False)
     assert not any(isinstance(v, float) and math.isnan(v) for v in s.values())

@@ -13,12 +13,28 @@ from batchlab.workloads import synthetic_workload
 LM = FakeModel()
 EOS = frozenset({LM.eos_id})
 # A simple, fixed cost model: these tests are about policy, not about this machine.
-COST = CostModel({"passes": 0.02, "tokens": 0.001, "decode_rows": 0.0, "decode_context": 0.0,
-                  "prefill_chunks": 0.0, "prefill_attention": 0.0})
+COST = CostModel(
+    {
+        "passes": 0.02,
+        "tokens": 0.001,
+        "decode_rows": 0.0,
+        "decode_context": 0.0,
+        "prefill_chunks": 0.0,
+        "prefill_attention": 0.0,
+    }
+)
 
 
-@pytest.mark.parametrize("bad", [dict(max_queue=-1), dict(max_queue=2.5), dict(max_wait_s=-1),
-                                 dict(max_wait_s=float("inf")), dict(max_wait_s="1")])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(max_queue=-1),
+        dict(max_queue=2.5),
+        dict(max_wait_s=-1),
+        dict(max_wait_s=float("inf")),
+        dict(max_wait_s="1"),
+    ],
+)
 def test_bad_admission_options_are_refused(bad):
     with pytest.raises(ValueError, match="max_"):
         Admission(**bad)
@@ -26,8 +42,7 @@ def test_bad_admission_options_are_refused(bad):
 
 @pytest.mark.parametrize("kind", ["static", "continuous", "stallfree"])
 def test_a_full_queue_refuses_and_changes_nothing(kind):
-    engine = make_engine(kind, LM, runner=FakeRunner, max_batch_size=2,
-                         admission=Admission(max_queue=3))
+    engine = make_engine(kind, LM, runner=FakeRunner, max_batch_size=2, admission=Admission(max_queue=3))
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
     ids = [engine.submit(p, max_new_tokens=5) for p in prompts[:3]]
     with pytest.raises(QueueFull, match="queue is full"):
@@ -48,9 +63,14 @@ def test_no_bound_by_default():
     assert engine.queue_depth() == 500
 
 
-@pytest.mark.parametrize("kind,options", [("stallfree", dict(max_batch_size=4, token_budget=64)),
-                                          ("continuous", dict(max_batch_size=4, prefill_step=32)),
-                                          ("static", dict(max_batch_size=4))])
+@pytest.mark.parametrize(
+    "kind,options",
+    [
+        ("stallfree", dict(max_batch_size=4, token_budget=64)),
+        ("continuous", dict(max_batch_size=4, prefill_step=32)),
+        ("static", dict(max_batch_size=4)),
+    ],
+)
 def test_shedding_under_overload_loses_nothing(kind, options):
     max_wait = 2.0
     engine = make_sim_engine(kind, COST, admission=Admission(max_wait_s=max_wait), **options)
@@ -73,14 +93,17 @@ def test_shedding_under_overload_loses_nothing(kind, options):
     for rid in trace.requests:  # poll reports each ending, and nothing stays behind
         status, reason = engine.poll(rid)[1:]
         assert status == "done" and reason == trace.requests[rid].finish_reason
-    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks and not engine.scheduler.blocks.reserved
+    assert (
+        engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+        and not engine.scheduler.blocks.reserved
+    )
 
 
 def test_bounded_queue_in_the_simulator_accounts_for_every_request():
-    engine = make_sim_engine("stallfree", COST, max_batch_size=4, token_budget=64,
-                             admission=Admission(max_queue=10))
-    trace = simulate(engine, synthetic_workload(300, rate=20.0, seed=4, prompt_median=40,
-                                                output_median=16))
+    engine = make_sim_engine(
+        "stallfree", COST, max_batch_size=4, token_budget=64, admission=Admission(max_queue=10)
+    )
+    trace = simulate(engine, synthetic_workload(300, rate=20.0, seed=4, prompt_median=40, output_median=16))
     reasons = [r.finish_reason for r in trace.requests.values()]
     rejected = reasons.count("rejected")
     assert rejected > 0 and reasons.count("length") == 300 - rejected
@@ -89,9 +112,9 @@ def test_bounded_queue_in_the_simulator_accounts_for_every_request():
 
 # -- priorities: who is served first, who gives way -----------------------------------------
 
+
 def priority_engine(kind, **options):
     return make_engine(kind, LM, runner=FakeRunner, **options)
-
 
 
 def test_queue_is_served_by_priority_then_arrival():
@@ -112,8 +135,9 @@ def test_default_priority_keeps_first_come_first_served():
 
 
 def test_the_victim_is_the_least_important_then_the_newest():
-    engine = priority_engine("stallfree", max_batch_size=3, token_budget=32, kv_block_size=4,
-                         num_kv_blocks=12)
+    engine = priority_engine(
+        "stallfree", max_batch_size=3, token_budget=32, kv_block_size=4, num_kv_blocks=12
+    )
     engine.submit([1] * 4, max_new_tokens=30, ignore_eos=True, request_id="old-low", priority=2)
     engine.submit([2] * 4, max_new_tokens=30, ignore_eos=True, request_id="vip", priority=0)
     engine.submit([3] * 4, max_new_tokens=30, ignore_eos=True, request_id="new-low", priority=2)

@@ -21,7 +21,7 @@ import batchlab
 from batchlab import cli, make_engine
 from batchlab.engine import scheduler_class
 from batchlab.fake import FakeModel, FakeRunner, reference_output
-from batchlab.scheduler import KINDS, Option, Scheduler
+from batchlab.scheduler import KINDS, Option
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -85,8 +85,9 @@ def test_the_flags_come_from_the_registry():
 
 def test_the_readme_kinds_table_is_the_registry():
     readme = README.read_text()
-    assert cli.kinds_table() in readme, ("the README's kinds table differs from `batchlab kinds`; "
-                                         "paste its output into the README")
+    assert cli.kinds_table() in readme, (
+        "the README's kinds table differs from `batchlab kinds`; paste its output into the README"
+    )
 
 
 def test_bad_engine_specs_say_what_is_wrong(tmp_path, monkeypatch):
@@ -115,8 +116,9 @@ def test_bad_engine_specs_say_what_is_wrong(tmp_path, monkeypatch):
 # -- a new kind is one class -----------------------------------------------------------------
 def test_a_new_kind_runs_through_make_engine_and_its_option_is_a_flag(new_kind):
     assert new_kind.kind not in KINDS and new_kind not in KINDS.values()  # shipped kinds only
-    engine = make_engine("mykinds:LongestFirst", FakeModel(), runner=FakeRunner, max_batch_size=2,
-                         min_prompt=3)
+    engine = make_engine(
+        "mykinds:LongestFirst", FakeModel(), runner=FakeRunner, max_batch_size=2, min_prompt=3
+    )
     prompts = {"short": [5, 6], "long": list(range(1, 30)), "mid": list(range(3, 12))}
     for rid, prompt in prompts.items():
         engine.submit(prompt, max_new_tokens=4, ignore_eos=True, request_id=rid)
@@ -135,10 +137,12 @@ def test_a_new_kind_in_the_demo(new_kind):
     from test_demo import CharTokenizer, Terminal  # the demo's own fake tokenizer and terminal
     from types import SimpleNamespace
 
-    lm = SimpleNamespace(tokenizer=CharTokenizer(), vocab_size=64, max_seq_len=2048,
-                         info=SimpleNamespace(name="fake-model"))
-    summary = batchlab.demo.play(lm, "mykinds:LongestFirst", 6, out=Terminal(), runner=FakeRunner,
-                                 max_batch_size=3, min_prompt=2)
+    lm = SimpleNamespace(
+        tokenizer=CharTokenizer(), vocab_size=64, max_seq_len=2048, info=SimpleNamespace(name="fake-model")
+    )
+    summary = batchlab.demo.play(
+        lm, "mykinds:LongestFirst", 6, out=Terminal(), runner=FakeRunner, max_batch_size=3, min_prompt=2
+    )
     assert summary.startswith("The longest-first engine answered 6 requests")
     assert "admits the longest waiting prompt first" in " ".join(summary.split())
 
@@ -182,8 +186,7 @@ def test_a_new_kind_serves_the_openai_client(new_kind, lm):
     with running(spec) as server:
         client = OpenAI(base_url=server.base_url + "/v1", api_key="unused")
         model = client.models.list().data[0].id
-        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=12,
-                                               temperature=0)
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
     expected = generate(lm, messages, max_new_tokens=12)
     assert reply.choices[0].message.content == expected.text
 
@@ -194,8 +197,10 @@ def test_the_command_line_runs_a_learner_module_from_the_current_folder(tmp_path
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "mine.py").write_text(textwrap.dedent(NEW_KIND))
-    code = ("import sys; from batchlab.engine import scheduler_class; "
-            "print(scheduler_class('pkg.mine:LongestFirst').kind)")
+    code = (
+        "import sys; from batchlab.engine import scheduler_class; "
+        "print(scheduler_class('pkg.mine:LongestFirst').kind)"
+    )
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "longest-first"

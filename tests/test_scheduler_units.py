@@ -12,15 +12,21 @@ import pytest
 from batchlab.kv import BlockManager
 from batchlab.request import Request, State
 from batchlab.sampling import SamplingParams
-from batchlab.scheduler import (ContinuousScheduler, SequentialScheduler, StallFreeScheduler,
-                                StaticScheduler)
+from batchlab.scheduler import ContinuousScheduler, SequentialScheduler, StallFreeScheduler, StaticScheduler
 
 EOS = 0
 
 
 def request(rid: str, prompt_len: int, max_new: int, arrival: float = 0.0, priority: int = 0):
-    return Request(rid, list(range(1, prompt_len + 1)), max_new, SamplingParams(),
-                   frozenset({EOS}), arrival, priority=priority)
+    return Request(
+        rid,
+        list(range(1, prompt_len + 1)),
+        max_new,
+        SamplingParams(),
+        frozenset({EOS}),
+        arrival,
+        priority=priority,
+    )
 
 
 def make(cls, num_blocks=64, block_size=4, **options):
@@ -34,8 +40,13 @@ def step(sched, token: int = 7) -> list[tuple[list[str], list[tuple[str, int]], 
         chunks = sched.prepare(batch)
         assert [c.req_id for c in chunks] == [r.id for r in batch.requests]
         sched.postprocess(batch, [token if c.sampler else None for c in chunks], now=0.0)
-        passes.append(([r.id for r in batch.decode], [(r.id, n) for r, n in batch.prefill],
-                       [r.id for r in batch.padding]))
+        passes.append(
+            (
+                [r.id for r in batch.decode],
+                [(r.id, n) for r, n in batch.prefill],
+                [r.id for r in batch.padding],
+            )
+        )
     return passes
 
 
@@ -123,6 +134,7 @@ def test_prepare_refuses_to_write_into_a_shared_block():
     s.blocks.tables["a"] = [0, 1]
     s.blocks.ref_counts[0] = s.blocks.ref_counts[1] = 2  # as if a prefix-cached twin held them
     from batchlab.batch import Batch
+
     with pytest.raises(RuntimeError, match="would overwrite KV block 0"):
         s.prepare(Batch(prefill=[(a, 6)]))
 

@@ -18,16 +18,33 @@ from batchlab import generate
 from batchlab.policies import QueueFull
 from batchlab.server import StopMatcher, serve_in_thread
 
-PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at",
-           "My favourite colour is", "The best way to learn is", "In 1969,", "Dear friend,",
-           "Cats and dogs", "The recipe needs", "Three facts about the Moon:", "Hello! I am"]
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "Water boils at",
+    "My favourite colour is",
+    "The best way to learn is",
+    "In 1969,",
+    "Dear friend,",
+    "Cats and dogs",
+    "The recipe needs",
+    "Three facts about the Moon:",
+    "Hello! I am",
+]
 MAX_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
 def server(lm):
-    with serve_in_thread(lm, "stallfree", model_id="smollm2", max_queue=8,  # > clients in the soak
-                         max_batch_size=4, token_budget=64) as handle:
+    with serve_in_thread(
+        lm,
+        "stallfree",
+        model_id="smollm2",
+        max_queue=8,  # > clients in the soak
+        max_batch_size=4,
+        token_budget=64,
+    ) as handle:
         yield SimpleNamespace(url=handle.base_url, engine=handle.engine, loop=handle.loop)
 
 
@@ -59,9 +76,14 @@ def test_openai_client_streams_a_chat_completion(lm, server):
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     assert [m.id for m in client.models.list().data] == ["smollm2"]
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    stream = client.chat.completions.create(model="smollm2", messages=question, temperature=0,
-                                            max_tokens=30, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="smollm2",
+        messages=question,
+        temperature=0,
+        max_tokens=30,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces, reasons, usage = [], [], None
     for chunk in stream:
         if chunk.usage:
@@ -80,9 +102,10 @@ def test_completion_with_a_stop_string_is_cut_before_it(lm, server, references):
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     full = expected_text(lm, references["Once upon a time"], MAX_TOKENS)
     stop = full.split()[3]  # a word in the middle of the answer
-    reply = client.completions.create(model="smollm2", prompt="Once upon a time", temperature=0,
-                                      max_tokens=MAX_TOKENS, stop=[stop])
-    assert reply.choices[0].text == full[:full.index(stop)]
+    reply = client.completions.create(
+        model="smollm2", prompt="Once upon a time", temperature=0, max_tokens=MAX_TOKENS, stop=[stop]
+    )
+    assert reply.choices[0].text == full[: full.index(stop)]
     assert reply.choices[0].finish_reason == "stop"
     assert wait_until_idle(server.engine)
 
@@ -111,26 +134,38 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     assert server.engine.finished_by_reason.get("cancelled", 0) == before + 1
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/v1/chat/completions", "{not json", None),
-    ("/v1/chat/completions", {"messages": []}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"},
-     "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
-     "temperature"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "priority": "high"},
-     "priority"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
-    ("/v1/completions", {"prompt": ""}, None),
-    ("/v1/completions", {"prompt": [1, 2, 999999]}, None),
-    ("/v1/completions", {"prompt": [5] * 9000}, None),
-    ("/v1/completions", {}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/v1/chat/completions", "{not json", None),
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages.0.content"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"},
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
+            "temperature",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "priority": "high"},
+            "priority",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
+        ("/v1/completions", {"prompt": ""}, None),
+        ("/v1/completions", {"prompt": [1, 2, 999999]}, None),
+        ("/v1/completions", {"prompt": [5] * 9000}, None),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ],
+)
 def test_bad_bodies_get_400_with_an_openai_error(server, path, body, param):
     content = body if isinstance(body, str) else json.dumps(body)
     r = httpx.post(server.url + path, content=content, headers={"content-type": "application/json"})
@@ -162,8 +197,9 @@ def test_a_full_queue_gets_429_and_others_are_not_disturbed(lm, server, referenc
             server.loop.cancel(rid)
     assert wait_until_idle(server.engine)
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
-    reply = client.completions.create(model="smollm2", prompt="Water boils at", temperature=0,
-                                      max_tokens=MAX_TOKENS)
+    reply = client.completions.create(
+        model="smollm2", prompt="Water boils at", temperature=0, max_tokens=MAX_TOKENS
+    )
     assert reply.choices[0].text == expected_text(lm, references["Water boils at"], MAX_TOKENS)
 
 
@@ -194,8 +230,7 @@ def test_soak_300_requests_8_clients_random_disconnects(lm, server, references):
                                 break
                 except Exception as e:  # surfaced below
                     errors.append(repr(e))
-                results.append((prompt, max_tokens, text, finish, leave_after is not None and
-                                finish is None))
+                results.append((prompt, max_tokens, text, finish, leave_after is not None and finish is None))
 
     threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
     for t in threads:
@@ -239,26 +274,62 @@ def test_export_mlx_round_trips_through_mlx_lm(lm, tmp_path):
 HI = {"role": "user", "content": "hi"}
 
 
-@pytest.mark.parametrize("body,param,says", [
-    ({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "What is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
-     "messages.0.content.1", ["'image_url'", "text only"]),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
-     "messages.0.content.0", ["'input_audio'", "text only"]),
-    ({"messages": [HI, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "42"}]},
-     "messages.1", ["tool calls are not supported"]),
-    ({"messages": [HI, {"role": "tool", "tool_call_id": "c1", "content": "42"}]},
-     "messages.1", ["tool calls are not supported"]),
-    ({"messages": [HI], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     "tools", ["tool calls are not supported"]),
-    ({"messages": [HI], "tool_choice": "required"}, "tool_choice", ["tool calls are not supported"]),
-    ({"messages": [HI], "logprobs": True}, "logprobs", ["logprobs are not supported"]),
-    ({"messages": [HI], "logprobs": True, "top_logprobs": 3}, "logprobs", ["not supported"]),
-    ({"messages": [HI], "top_logprobs": 3}, "top_logprobs", ["not supported"]),
-])
+@pytest.mark.parametrize(
+    "body,param,says",
+    [
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "What is this?"},
+                            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                        ],
+                    }
+                ]
+            },
+            "messages.0.content.1",
+            ["'image_url'", "text only"],
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+            "messages.0.content.0",
+            ["'input_audio'", "text only"],
+        ),
+        (
+            {
+                "messages": [
+                    HI,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                        ],
+                    },
+                    {"role": "tool", "tool_call_id": "c1", "content": "42"},
+                ]
+            },
+            "messages.1",
+            ["tool calls are not supported"],
+        ),
+        (
+            {"messages": [HI, {"role": "tool", "tool_call_id": "c1", "content": "42"}]},
+            "messages.1",
+            ["tool calls are not supported"],
+        ),
+        (
+            {"messages": [HI], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+            "tools",
+            ["tool calls are not supported"],
+        ),
+        ({"messages": [HI], "tool_choice": "required"}, "tool_choice", ["tool calls are not supported"]),
+        ({"messages": [HI], "logprobs": True}, "logprobs", ["logprobs are not supported"]),
+        ({"messages": [HI], "logprobs": True, "top_logprobs": 3}, "logprobs", ["not supported"]),
+        ({"messages": [HI], "top_logprobs": 3}, "top_logprobs", ["not supported"]),
+    ],
+)
 def test_what_the_model_cannot_do_gets_a_400_saying_so(server, body, param, says):
     """Never silently ignored: images, audio, tool calls and logprobs are refused by name,
     and the refused request leaves nothing behind in the engine."""
@@ -275,20 +346,34 @@ def test_what_the_model_cannot_do_gets_a_400_saying_so(server, body, param, says
 def test_content_parts_and_the_developer_role_read_like_plain_messages(lm, server):
     """OpenAI's content-part arrays (text parts joined in order) and the "developer" role
     (newer clients' "system") give exactly the answer of the plain-string form."""
-    plain = [{"role": "system", "content": "Answer in one short sentence."},
-             {"role": "user", "content": "What is the capital of France?"}]
-    parts = [{"role": "developer", "content": [{"type": "text", "text": "Answer in one "},
-                                               {"type": "text", "text": "short sentence."}]},
-             {"role": "user", "content": [{"type": "text", "text": "What is the capital"},
-                                          {"type": "text", "text": " of France?"}]}]
+    plain = [
+        {"role": "system", "content": "Answer in one short sentence."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
+    parts = [
+        {
+            "role": "developer",
+            "content": [
+                {"type": "text", "text": "Answer in one "},
+                {"type": "text", "text": "short sentence."},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is the capital"},
+                {"type": "text", "text": " of France?"},
+            ],
+        },
+    ]
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
-    reply = client.chat.completions.create(model="smollm2", messages=parts, temperature=0,
-                                           max_tokens=20)
+    reply = client.chat.completions.create(model="smollm2", messages=parts, temperature=0, max_tokens=20)
     expected = generate(lm, plain, 20)
     assert reply.choices[0].message.content == expected.text
     assert reply.usage.prompt_tokens == len(lm.tokenizer.encode_chat(plain))
-    assert "system" in lm.tokenizer.decode(lm.tokenizer.encode_chat(plain)), \
+    assert "system" in lm.tokenizer.decode(lm.tokenizer.encode_chat(plain)), (
         "the reference prompt carries the system turn"
+    )
 
 
 def test_langchain_chat_openai_invokes_and_streams(lm, server):
@@ -303,13 +388,26 @@ def test_langchain_chat_openai_invokes_and_streams(lm, server):
     def capture(request):
         sent.append(json.loads(request.read()))
 
-    llm = ChatOpenAI(model="smollm2", base_url=server.url + "/v1", api_key="unused",
-                     temperature=0, max_tokens=24,
-                     http_client=httpx.Client(event_hooks={"request": [capture]}))
-    question = [SystemMessage("Answer in one short sentence."),
-                HumanMessage(content=[{"type": "text", "text": "What is the capital of France?"}])]
-    expected = generate(lm, [{"role": "system", "content": "Answer in one short sentence."},
-                             {"role": "user", "content": "What is the capital of France?"}], 24)
+    llm = ChatOpenAI(
+        model="smollm2",
+        base_url=server.url + "/v1",
+        api_key="unused",
+        temperature=0,
+        max_tokens=24,
+        http_client=httpx.Client(event_hooks={"request": [capture]}),
+    )
+    question = [
+        SystemMessage("Answer in one short sentence."),
+        HumanMessage(content=[{"type": "text", "text": "What is the capital of France?"}]),
+    ]
+    expected = generate(
+        lm,
+        [
+            {"role": "system", "content": "Answer in one short sentence."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+        24,
+    )
 
     reply = llm.invoke(question)
     assert reply.content == expected.text
@@ -321,6 +419,5 @@ def test_langchain_chat_openai_invokes_and_streams(lm, server):
     assert len([p for p in pieces if p]) > 3, "streamed in pieces"
 
     assert [body["stream"] for body in sent] == [False, True]
-    assert sent[0]["messages"][1]["content"] == [{"type": "text",
-                                                   "text": "What is the capital of France?"}]
+    assert sent[0]["messages"][1]["content"] == [{"type": "text", "text": "What is the capital of France?"}]
     assert sent[0]["max_completion_tokens"] == 24

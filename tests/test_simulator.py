@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from batchlab.costmodel import CostModel
-from batchlab.simulator import (VirtualClock, make_sim_engine, queue_timeline,
-                                service_rate, simulate)
+from batchlab.simulator import VirtualClock, make_sim_engine, queue_timeline, service_rate, simulate
 from batchlab.workloads import synthetic_workload
 
 COST = CostModel.load()  # this machine's committed fit
@@ -19,6 +18,7 @@ def test_the_committed_cost_model_is_usable():
     one = COST.predict([])  # an empty pass costs the fixed overhead only
     assert one == pytest.approx(max(COST.coefficients["passes"], 0.0))
     from batchlab.runner import Chunk
+
     small = COST.predict([Chunk("a", [1], 10, [])])
     big = COST.predict([Chunk(f"r{i}", [1], 500, []) for i in range(16)] + [Chunk("p", [1] * 256, 0, [])])
     assert 0 < small < big  # more work costs more time
@@ -43,21 +43,24 @@ def test_simulation_is_deterministic_and_complete():
     a = simulate(make_sim_engine("stallfree", COST, **OPTIONS), workload)
     b = simulate(make_sim_engine("stallfree", COST, **OPTIONS), workload)
     assert a.to_json() == b.to_json()
-    assert all(len(r.output_ids) == r.max_new_tokens and r.finish_reason == "length"
-               for r in a.requests.values())
+    assert all(
+        len(r.output_ids) == r.max_new_tokens and r.finish_reason == "length" for r in a.requests.values()
+    )
     # every step's time is what the cost model charged for its passes, no more
     assert all(s.end_s - s.start_s == pytest.approx(s.forward_s) for s in a.steps)
     assert sorted(a.requests) == sorted(r.id for r in workload)
 
 
-@pytest.mark.parametrize("kind,options", [("stallfree", OPTIONS),
-                                          ("continuous", dict(max_batch_size=16, prefill_step=128))])
+@pytest.mark.parametrize(
+    "kind,options", [("stallfree", OPTIONS), ("continuous", dict(max_batch_size=16, prefill_step=128))]
+)
 def test_queue_is_bounded_below_capacity_and_grows_above(kind, options):
     mu = service_rate(synthetic_workload(400, rate=1.0, seed=1), kind, COST, **options)
 
     def queue_thirds(load):
-        trace = simulate(make_sim_engine(kind, COST, **options),
-                         synthetic_workload(900, rate=load * mu, seed=2))
+        trace = simulate(
+            make_sim_engine(kind, COST, **options), synthetic_workload(900, rate=load * mu, seed=2)
+        )
         t, q = queue_timeline(trace)
         last_arrival = max(r.arrival_s for r in trace.requests.values())
         q = q[t <= last_arrival]  # while requests still arrive
@@ -67,8 +70,9 @@ def test_queue_is_bounded_below_capacity_and_grows_above(kind, options):
     low, low_max = queue_thirds(0.5)
     high, high_max = queue_thirds(1.5)
     assert low_max < 40 and low[2] < 10, f"λ = μ/2: queue should stay short, got {low}"
-    assert high[0] < high[1] < high[2] and high[2] > 5 * max(low[2], 1), \
+    assert high[0] < high[1] < high[2] and high[2] > 5 * max(low[2], 1), (
         f"λ = 1.5 μ: queue should keep growing, got {high}"
+    )
 
 
 @pytest.mark.slow
@@ -78,7 +82,9 @@ def test_ten_thousand_requests():
     engine = make_sim_engine("stallfree", COST, **OPTIONS)
     start = time.perf_counter()
     trace = simulate(engine, workload)
-    print(f"\n10,000 simulated requests ({len(trace.steps)} steps, {engine.clock():.0f} virtual s) "
-          f"in {time.perf_counter() - start:.1f} s of wall time")
+    print(
+        f"\n10,000 simulated requests ({len(trace.steps)} steps, {engine.clock():.0f} virtual s) "
+        f"in {time.perf_counter() - start:.1f} s of wall time"
+    )
     assert len(trace.requests) == 10_000
     assert engine.finished_by_reason == {"length": 10_000}

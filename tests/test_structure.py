@@ -16,8 +16,23 @@ from pathlib import Path
 import batchlab
 
 PACKAGE = Path(batchlab.__file__).parent
-PURE = ["batch", "runner", "request", "scheduler", "kv", "policies", "sampling", "trace", "fake", "engine",
-        "simulator", "workloads", "metrics", "costmodel", "driver"]
+PURE = [
+    "batch",
+    "runner",
+    "request",
+    "scheduler",
+    "kv",
+    "policies",
+    "sampling",
+    "trace",
+    "fake",
+    "engine",
+    "simulator",
+    "workloads",
+    "metrics",
+    "costmodel",
+    "driver",
+]
 
 
 def test_policy_modules_run_without_mlx():
@@ -81,7 +96,7 @@ def test_import_graph_has_no_cycle():
         state[node] = "open"
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt):] + [nxt]))
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
             if nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = "done"
@@ -96,8 +111,9 @@ def test_engine_never_calls_the_block_manager():
     manager (``make_engine`` only builds one and hands it to the scheduler)."""
     tree = ast.parse((PACKAGE / "engine.py").read_text())
     engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
-    names = {n.attr for n in ast.walk(engine) if isinstance(n, ast.Attribute)} | \
-        {n.id for n in ast.walk(engine) if isinstance(n, ast.Name)}
+    names = {n.attr for n in ast.walk(engine) if isinstance(n, ast.Attribute)} | {
+        n.id for n in ast.walk(engine) if isinstance(n, ast.Name)
+    }
     assert not names & {"blocks", "BlockManager", "ensure", "release", "cache_full_blocks"}
 
 
@@ -120,10 +136,11 @@ def test_the_readme_code_map_lists_every_module_once():
     import re
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme[readme.index("How the code is split"):readme.index("Engine kinds and their options")]
+    table = readme[readme.index("How the code is split") : readme.index("Engine kinds and their options")]
     listed = re.findall(r"^\| `([\w/]+(?:\.py)?)` \|", table, re.M)
-    tree = {p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"} | \
-        {p.name + "/" for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("__")}
+    tree = {p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"} | {
+        p.name + "/" for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("__")
+    }
     assert len(listed) == len(set(listed)), "a module is listed twice"
     assert not tree - set(listed), f"not in the README's code map: {sorted(tree - set(listed))}"
     assert not set(listed) - tree, f"in the code map but not in the tree: {sorted(set(listed) - tree)}"
@@ -140,11 +157,12 @@ def test_a_kind_writes_planning_only():
     shared = ("passes", "prepare", "postprocess", "fail", "remove", "release", "begin", "add", "has_work")
     base = set(vars(Scheduler(BlockManager(4, 4), TickClock())))
     for kind, cls in KINDS.items():
-        for klass in cls.__mro__[:cls.__mro__.index(Scheduler)]:
+        for klass in cls.__mro__[: cls.__mro__.index(Scheduler)]:
             overridden = [name for name in shared if name in vars(klass)]
             assert not overridden, f"{kind}: {klass.__name__} overrides {overridden}"
         sched = cls(BlockManager(4, 4), TickClock())
         extra = {k: v for k, v in vars(sched).items() if k not in base}
-        containers = [k for k, v in extra.items() if isinstance(v, (list, dict, set, tuple))
-                      or hasattr(v, "popleft")]
+        containers = [
+            k for k, v in extra.items() if isinstance(v, (list, dict, set, tuple)) or hasattr(v, "popleft")
+        ]
         assert not containers, f"{kind} keeps its own containers: {containers}"

@@ -49,7 +49,7 @@ TEXTS = [
     # code: tabs and indentation
     "def f(x):\n\tif x:\n\t\treturn x ** 2\n\treturn None\n",
     "class A:\n    def __init__(self):\n        self.x = [1, 2, 3]  # comment\n",
-    "for (int i = 0; i < n; ++i) {\n  printf(\"%d\\n\", a[i]);\n}",
+    'for (int i = 0; i < n; ++i) {\n  printf("%d\\n", a[i]);\n}',
     '{"key": "value", "list": [1, 2.5, null, true]}',
     "SELECT * FROM t WHERE a <> 'b' AND c >= 10;",
     # whitespace runs: spaces, newlines, tabs, mixed, \r\n, non-breaking and ideographic spaces
@@ -93,10 +93,12 @@ def tok(gguf_meta) -> Tokenizer:
 def ref_encode(hf_tokenizer):
     """transformers' converted GGUF tokenizer with llama.cpp's "smollm" pre-tokenization."""
     backend = HFBackend.from_str(hf_tokenizer.backend_tokenizer.to_str())
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),  # llama.cpp: "\\p{N}"
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),  # GPT-2's regex
-    ])
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"\p{N}"), behavior="isolated"),  # llama.cpp: "\\p{N}"
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),  # GPT-2's regex
+        ]
+    )
     return lambda text: backend.encode(text, add_special_tokens=False).ids
 
 
@@ -121,8 +123,16 @@ def test_encode_matches_plain_transformers(tok, hf_tokenizer, text):
 def test_numerals_are_split_one_per_piece(tok):
     """Every Unicode numeral is a piece of its own (llama.cpp's first "smollm" regex), so a
     run of numerals, or a space before one, tokenizes as the pieces do separately."""
-    for pieces in [["½", "¾"], ["x", "²", "³"], ["١", "٢", "٣"], ["４", "２"], [" ", "½"], ["a", " ", "٣"],
-                   ["1", "2", "3"], [" ", "7"]]:
+    for pieces in [
+        ["½", "¾"],
+        ["x", "²", "³"],
+        ["١", "٢", "٣"],
+        ["４", "２"],
+        [" ", "½"],
+        ["a", " ", "٣"],
+        ["1", "2", "3"],
+        [" ", "7"],
+    ]:
         assert tok.encode("".join(pieces)) == [i for p in pieces for i in tok.encode(p)], pieces
 
 
@@ -166,7 +176,8 @@ def test_vocabulary_and_special_tokens(tok, hf_tokenizer):
         (i,) = tok.encode(text)  # one token each
         assert tok.special_tokens[text] == i == hf_tokenizer.convert_tokens_to_ids(text)
     assert set(tok.special_tokens) == set(hf_tokenizer.all_special_tokens) | set(
-        t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special)
+        t.content for t in hf_tokenizer.added_tokens_decoder.values() if t.special
+    )
 
 
 def test_eos_ids(tok, hf_tokenizer):
@@ -183,15 +194,18 @@ def test_eos_ids(tok, hf_tokenizer):
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a pirate."},
-     {"role": "user", "content": "Say hello."}],
-    [{"role": "user", "content": "Hi!"},
-     {"role": "assistant", "content": "Hello! How can I help?"},
-     {"role": "user", "content": "Tell me a joke about 🐍 and 日本."}],
-    [{"role": "system", "content": "Be brief."},
-     {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4"},
-     {"role": "user", "content": "And 3+3?\n\nThanks"}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
+    [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Tell me a joke about 🐍 and 日本."},
+    ],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "And 3+3?\n\nThanks"},
+    ],
     [{"role": "user", "content": ""}],
     [{"role": "user", "content": "  code:\n\tx = 1\n  "}],
 ]
@@ -228,18 +242,22 @@ def test_default_system_prompt(tok, hf_tokenizer):
     assert given.startswith("<|im_start|>system\nBe terse.<|im_end|>\n")
 
 
-@pytest.mark.parametrize("messages", [
-    [],
-    None,
-    "What is the capital of France?",
-    [{"role": "user"}],
-    [{"content": "hi"}],
-    [{"role": "user", "content": None}],
-    [{"role": "user", "content": 42}],
-    [{"role": 1, "content": "hi"}],
-    ["user: hi"],
-    [{"role": "user", "content": "ok"}, None],
-], ids=range(10))
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [],
+        None,
+        "What is the capital of France?",
+        [{"role": "user"}],
+        [{"content": "hi"}],
+        [{"role": "user", "content": None}],
+        [{"role": "user", "content": 42}],
+        [{"role": 1, "content": "hi"}],
+        ["user: hi"],
+        [{"role": "user", "content": "ok"}, None],
+    ],
+    ids=range(10),
+)
 def test_malformed_messages_raise(tok, messages):
     with pytest.raises(ValueError, match="messages"):
         tok.apply_chat_template(messages)
@@ -282,8 +300,9 @@ def test_streaming_model_output(lm):
     """Stream real generated tokens: same guarantees."""
     import batchlab
 
-    g = batchlab.generate(lm, [{"role": "user", "content": "Reply with three emoji and a Chinese word."}],
-                          max_new_tokens=24)
+    g = batchlab.generate(
+        lm, [{"role": "user", "content": "Reply with three emoji and a Chinese word."}], max_new_tokens=24
+    )
     pieces, tail = _stream(lm.tokenizer, g.token_ids)
     assert all("\ufffd" not in p for p in pieces + [tail])
     assert "".join(pieces) + tail == lm.tokenizer.decode(g.token_ids)
@@ -292,8 +311,11 @@ def test_streaming_model_output(lm):
 def _bytes_of_token(tok, token_id: int) -> bytes:
     """The raw bytes a byte-level BPE token stands for, via GPT-2's byte<->unicode table
     (independent of the tokenizer's decoder)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
         + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:

@@ -10,11 +10,17 @@ import importlib
 from . import _blas  # noqa: F401  (first: before anything imports mlx)
 
 _EXPORTS = {
-    "Engine": "engine", "EngineLoop": "loop", "make_engine": "engine",
-    "Generation": "baseline", "generate": "baseline",
-    "LoadedModel": "model", "ModelInfo": "model", "load_model": "model",
+    "Engine": "engine",
+    "EngineLoop": "loop",
+    "make_engine": "engine",
+    "Generation": "baseline",
+    "generate": "baseline",
+    "LoadedModel": "model",
+    "ModelInfo": "model",
+    "load_model": "model",
     "SamplingParams": "sampling",
-    "IncrementalDetokenizer": "tokenizer", "Tokenizer": "tokenizer",
+    "IncrementalDetokenizer": "tokenizer",
+    "Tokenizer": "tokenizer",
 }
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"

@@ -41,9 +41,16 @@ CORE_ENV = "OPENBLAS_CORETYPE"
 # 3 = AVX-512, 2 = AVX2 + FMA, 1 = AVX; any other core (Prescott, Core2, Nehalem,
 # Atom, Opteron, ...) is 0, SSE only.
 _CORE_TIER = {
-    "skylakex": 3, "cooperlake": 3, "sapphirerapids": 3,
-    "haswell": 2, "zen": 2,
-    "sandybridge": 1, "bulldozer": 1, "piledriver": 1, "steamroller": 1, "excavator": 1,
+    "skylakex": 3,
+    "cooperlake": 3,
+    "sapphirerapids": 3,
+    "haswell": 2,
+    "zen": 2,
+    "sandybridge": 1,
+    "bulldozer": 1,
+    "piledriver": 1,
+    "steamroller": 1,
+    "excavator": 1,
 }
 # The core to ask for per tier, and the /proc/cpuinfo flags its kernels need (best first).
 # On AVX-512 SkylakeX, not Haswell: on an AVX-512 AMD EPYC it ran this course's sgemm shapes
@@ -75,21 +82,22 @@ class BlasStatus:
     core_reason: str = ""
 
 
-def choose_core(flags: set[str] | frozenset[str], detected: str | None,
-                user_setting: str | None = None) -> CoreChoice:
+def choose_core(
+    flags: set[str] | frozenset[str], detected: str | None, user_setting: str | None = None
+) -> CoreChoice:
     """The kernel to ask OpenBLAS for, from the CPU flags (as /proc/cpuinfo lists them)
     and the core OpenBLAS detects by itself. A user's ``OPENBLAS_CORETYPE`` always wins."""
     best = next(((tier, core) for tier, core, needs in _BEST_CORE if needs <= flags), (0, None))
     if user_setting:
-        hint = (f" (this CPU could run {best[1]})"
-                if best[0] > _CORE_TIER.get(user_setting.lower(), 0) else "")
+        hint = f" (this CPU could run {best[1]})" if best[0] > _CORE_TIER.get(user_setting.lower(), 0) else ""
         return CoreChoice(None, f"{CORE_ENV}={user_setting} set in the environment: left as is{hint}")
     if detected is None:
         return CoreChoice(None, "OpenBLAS's core could not be read: left as is")
     have = _CORE_TIER.get(detected.lower(), 0)
     if best[0] > have:
-        return CoreChoice(best[1], f"OpenBLAS picked {detected} ({_TIER_NAME[have]}) "
-                                   f"on a CPU with {_TIER_NAME[best[0]]}")
+        return CoreChoice(
+            best[1], f"OpenBLAS picked {detected} ({_TIER_NAME[have]}) on a CPU with {_TIER_NAME[best[0]]}"
+        )
     return CoreChoice(None, f"OpenBLAS's own pick, {detected}, suits this CPU")
 
 
@@ -137,9 +145,22 @@ def _probe(path: str) -> None:
         b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
         c = np.zeros((m, n), np.float32)
         ptr = ctypes.c_void_p
-        lib.cblas_sgemm(101, 111, 112 if trans_b else 111, m, n, k, ctypes.c_float(1.0),
-                        ptr(a.ctypes.data), k, ptr(b.ctypes.data), k if trans_b else n,
-                        ctypes.c_float(0.0), ptr(c.ctypes.data), n)
+        lib.cblas_sgemm(
+            101,
+            111,
+            112 if trans_b else 111,
+            m,
+            n,
+            k,
+            ctypes.c_float(1.0),
+            ptr(a.ctypes.data),
+            k,
+            ptr(b.ctypes.data),
+            k if trans_b else n,
+            ctypes.c_float(0.0),
+            ptr(c.ctypes.data),
+            n,
+        )
         b64 = b.astype(np.float64).T if trans_b else b.astype(np.float64)
         worst = max(worst, sgemm_error(c, a.astype(np.float64) @ b64, np.abs(a) @ np.abs(b64)))
     print(json.dumps({"core": core, "error": worst}))
@@ -159,8 +180,13 @@ def probe(path: str, core: str | None, timeout: float = 120) -> dict:
     try:
         # run_path, not `python _blas.py`: that would put batchlab's folder first on sys.path,
         # where trace.py shadows the standard library's module of that name
-        run = subprocess.run([sys.executable, "-c", _PROBE_MAIN, __file__, path], env=env,
-                             capture_output=True, text=True, timeout=timeout)
+        run = subprocess.run(
+            [sys.executable, "-c", _PROBE_MAIN, __file__, path],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except subprocess.TimeoutExpired:
         return {"failed": f"no answer in {timeout:.0f} s"}
     if run.returncode != 0:
@@ -185,8 +211,9 @@ def verified_choice(path: str, flags: frozenset[str], probe=probe) -> tuple[Core
         problem = f"sgemm off by {trial['error']:.1e} against float64"
     else:
         return CoreChoice(choice.core, f"{choice.reason}; checked against float64"), detected
-    return CoreChoice(None, f"{choice.reason}, but {choice.core} failed its check ({problem}): "
-                            f"kept {detected}"), detected
+    return CoreChoice(
+        None, f"{choice.reason}, but {choice.core} failed its check ({problem}): kept {detected}"
+    ), detected
 
 
 def _cache_file() -> Path:
@@ -197,8 +224,10 @@ def _cached_choice(path: str) -> CoreChoice:
     """``verified_choice`` once per library file and CPU; later imports read the cached verdict."""
     model, flags = _cpu()
     stat = os.stat(path)
-    key = (f"{os.path.realpath(path)} {stat.st_size} {stat.st_mtime_ns} {model} "
-           f"flags:{zlib.crc32(' '.join(sorted(flags)).encode()):08x}")
+    key = (
+        f"{os.path.realpath(path)} {stat.st_size} {stat.st_mtime_ns} {model} "
+        f"flags:{zlib.crc32(' '.join(sorted(flags)).encode()):08x}"
+    )
     file = _cache_file()
     try:
         cache = json.loads(file.read_text())
@@ -237,13 +266,15 @@ def _load() -> BlasStatus:
     path = _find_openblas()
     if path is None:
         return BlasStatus(
-            "reference BLAS", None,
+            "reference BLAS",
+            None,
             "no OpenBLAS found: matmuls run ~10x slower; run `bash scripts/setup.sh` "
             "(installs Debian's libopenblas0-pthread) or set BATCHLAB_BLAS=/path/libopenblas.so",
         )
     if "mlx.core" in sys.modules:
         return BlasStatus(
-            "reference BLAS", path,
+            "reference BLAS",
+            path,
             "mlx was imported before batchlab, too late to swap its BLAS: import batchlab first",
         )
     user_setting = os.environ.get(CORE_ENV)

@@ -27,9 +27,16 @@ class Generation:
     token_times_s: list[float] = field(default_factory=list)  # each token's time since start
 
 
-def generate(lm: LoadedModel, prompt: Any, max_new_tokens: int = 64, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-             ignore_eos: bool = False) -> Generation:
+def generate(
+    lm: LoadedModel,
+    prompt: Any,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int | None = None,
+    ignore_eos: bool = False,
+) -> Generation:
     """Generate a continuation of ``prompt`` (text, chat messages or token ids)."""
     sampler = Sampler(SamplingParams(temperature, top_p, top_k, seed))
     ids = prompt_ids(lm, prompt)

@@ -27,8 +27,10 @@ def _cmd_info(args) -> int:
         except md.PackageNotFoundError:
             return "not installed"
 
-    print(f"batchlab   {version('batchlab')}   python {platform.python_version()}  "
-          f"({platform.system()} {platform.machine()})")
+    print(
+        f"batchlab   {version('batchlab')}   python {platform.python_version()}  "
+        f"({platform.system()} {platform.machine()})"
+    )
     print(f"mlx        {mx.__version__}   mlx-lm {version('mlx-lm')}   tokenizers {version('tokenizers')}")
     print(f"backend    {backend()}  (default device: {mx.default_device()})")
     blas = _blas.STATUS
@@ -36,12 +38,16 @@ def _cmd_info(args) -> int:
     print(f"           {blas.path or '-'}: {blas.note}")
     if blas.core:
         print(f"kernel     {blas.core}: {blas.core_reason}")
-    print(f"sgemm      {sgemm_gflops():.1f} GFLOP/s (float32 576x1536 by 64 rows"
-          f"{f', {blas.core} kernel' if blas.core else ''}; reference BLAS gives ~5 here)")
+    print(
+        f"sgemm      {sgemm_gflops():.1f} GFLOP/s (float32 576x1536 by 64 rows"
+        f"{f', {blas.core} kernel' if blas.core else ''}; reference BLAS gives ~5 here)"
+    )
     lm = load_model(args.model)
     i = lm.info
-    print(f"model      {i.name}: {i.parameters / 1e6:.1f}M parameters, {i.dtype}, "
-          f"context {i.context_length}, on {i.backend}")
+    print(
+        f"model      {i.name}: {i.parameters / 1e6:.1f}M parameters, {i.dtype}, "
+        f"context {i.context_length}, on {i.backend}"
+    )
     print(f"           {i.source}")
     return 0
 
@@ -96,8 +102,11 @@ def kinds_table() -> str:
     """The registry as a Markdown table (``batchlab kinds``; the README's kinds table)."""
     rows = ["| kind | options (default) | what it does |", "|---|---|---|"]
     for kind, cls in KINDS.items():
-        opts = [f"`{name}` ({'—' if default is None else default})"
-                for name, (default, option) in cls.option_specs().items() if option is not None]
+        opts = [
+            f"`{name}` ({'—' if default is None else default})"
+            for name, (default, option) in cls.option_specs().items()
+            if option is not None
+        ]
         rows.append(f"| `{kind}` | {', '.join(opts) or '—'} | {cls.description} |")
     return "\n".join(rows)
 
@@ -109,8 +118,11 @@ def _cmd_kinds(args) -> int:
 
 def engine_options(args) -> dict:
     """The make_engine options the user actually gave (the rest keep their defaults)."""
-    options = {name: getattr(args, name) for name in getattr(args, "scheduler_options", ())
-               if getattr(args, name, None) is not None}
+    options = {
+        name: getattr(args, name)
+        for name in getattr(args, "scheduler_options", ())
+        if getattr(args, name, None) is not None
+    }
     if getattr(args, "num_kv_blocks", None) is not None:
         options["num_kv_blocks"] = args.num_kv_blocks
     if getattr(args, "enable_prefix_cache", False):
@@ -125,23 +137,42 @@ def _cmd_generate(args) -> int:
     lm = load_model(args.model)
     requests = read_requests(Path(args.input), lm)
     engine = make_engine(args.engine_class, lm, **engine_options(args))
-    ids = [engine.submit(r["prompt_ids"], max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                         ignore_eos=args.ignore_eos) for r in requests]
+    ids = [
+        engine.submit(
+            r["prompt_ids"],
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
+        for r in requests
+    ]
     engine.run_until_idle()
     with open(args.output, "w") as out:
         for req, rid in zip(requests, ids):
             tokens, _, reason = engine.poll(rid)
             rec = engine.trace.requests[rid]
-            out.write(json.dumps({
-                "id": req["id"], "token_ids": tokens,
-                "text": lm.tokenizer.decode(tokens, skip_special_tokens=True),
-                "finish_reason": reason, "ttft_s": rec.first_token_s - rec.arrival_s,
-                "token_times_s": [t - rec.arrival_s for t in rec.token_times_s]}) + "\n")
+            out.write(
+                json.dumps(
+                    {
+                        "id": req["id"],
+                        "token_ids": tokens,
+                        "text": lm.tokenizer.decode(tokens, skip_special_tokens=True),
+                        "finish_reason": reason,
+                        "ttft_s": rec.first_token_s - rec.arrival_s,
+                        "token_times_s": [t - rec.arrival_s for t in rec.token_times_s],
+                    }
+                )
+                + "\n"
+            )
     stats = engine.stats()
-    print(f"wrote {len(requests)} results to {args.output}: {stats['output_tokens']} tokens in "
-          f"{stats['elapsed_s']:.1f} s ({stats['output_tokens_per_s']:.1f} tokens/s, "
-          f"{args.engine_class.kind})", file=sys.stderr)
+    print(
+        f"wrote {len(requests)} results to {args.output}: {stats['output_tokens']} tokens in "
+        f"{stats['elapsed_s']:.1f} s ({stats['output_tokens_per_s']:.1f} tokens/s, "
+        f"{args.engine_class.kind})",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -156,10 +187,18 @@ def _cmd_serve(args) -> int:
     from .server import check_exposure, serve
 
     check_exposure(args.host, args.api_key, args.insecure)  # before the model takes its seconds to load
-    serve(load_model(args.model), args.engine_class, host=args.host, port=args.port,
-          max_queue=args.max_queue, api_key=args.api_key, insecure=args.insecure,
-          max_running_per_user=args.max_running_per_user, show_prompts=args.show_prompts,
-          **engine_options(args))
+    serve(
+        load_model(args.model),
+        args.engine_class,
+        host=args.host,
+        port=args.port,
+        max_queue=args.max_queue,
+        api_key=args.api_key,
+        insecure=args.insecure,
+        max_running_per_user=args.max_running_per_user,
+        show_prompts=args.show_prompts,
+        **engine_options(args),
+    )
     return 0
 
 
@@ -173,8 +212,10 @@ def loadgen_workload(name: str, tokenizer, size: str, requests: int | None, seed
     workload = make_workload(name, tokenizer, **options)
     if requests is not None:
         if requests < 1 or requests > len(workload):
-            raise ValueError(f"--requests must be between 1 and {len(workload)} for the {name} "
-                             f"workload at size {size}" + (" (try --size full)" if size == "quick" else ""))
+            raise ValueError(
+                f"--requests must be between 1 and {len(workload)} for the {name} "
+                f"workload at size {size}" + (" (try --size full)" if size == "quick" else "")
+            )
         workload = workload.head(requests)
     return workload
 
@@ -183,12 +224,22 @@ def _cmd_loadgen(args) -> int:
     from .loadgen import run_loadgen
     from .model import load_model
 
-    workload = loadgen_workload(args.workload, load_model(args.model).tokenizer, args.size,
-                                args.requests, args.seed)
-    result = run_loadgen(args.base_url, workload, model=args.served_model,
-                         concurrency=args.concurrency, rate=args.rate, seed=args.seed,
-                         slo_ttft_s=args.slo_ttft, slo_tpot_s=args.slo_tpot,
-                         usage=not args.no_usage, api_key=args.api_key, user=args.user)
+    workload = loadgen_workload(
+        args.workload, load_model(args.model).tokenizer, args.size, args.requests, args.seed
+    )
+    result = run_loadgen(
+        args.base_url,
+        workload,
+        model=args.served_model,
+        concurrency=args.concurrency,
+        rate=args.rate,
+        seed=args.seed,
+        slo_ttft_s=args.slo_ttft,
+        slo_tpot_s=args.slo_tpot,
+        usage=not args.no_usage,
+        api_key=args.api_key,
+        user=args.user,
+    )
     print(result.table())
     if args.json:
         result.write_json(args.json)
@@ -210,9 +261,13 @@ def _cmd_bench(args) -> int:
     from .model import load_model
 
     extra = {name: {"kind": cls} for name, cls in (args.engines or {}).items()}
-    result = run_bench(load_model(args.model), quick=args.quick, json_out=args.json,
-                       **({"extra_engines": extra} if extra else {}),
-                       **({"tbt_slo": args.tbt_slo} if args.tbt_slo is not None else {}))
+    result = run_bench(
+        load_model(args.model),
+        quick=args.quick,
+        json_out=args.json,
+        **({"extra_engines": extra} if extra else {}),
+        **({"tbt_slo": args.tbt_slo} if args.tbt_slo is not None else {}),
+    )
     print(format_table(result))
     if args.json:
         print(f"\nwrote {args.json} (and plots beside it)")
@@ -225,11 +280,14 @@ def _cmd_fit_cost(args) -> int:
 
     if args.reps < 1:
         raise ValueError("--reps must be >= 1")
-    model = fit_cost_model(load_model(args.model), quick=args.quick, reps=args.reps,
-                           command=args.command_line)
-    print(f"held-out relative error: median {model.error['median']:.1%}, "
-          f"p90 {model.error['p90']:.1%}, max {model.error['max']:.1%} "
-          f"({model.meta['passes_held_out']} passes; fitted on {model.meta['passes_fitted']})")
+    model = fit_cost_model(
+        load_model(args.model), quick=args.quick, reps=args.reps, command=args.command_line
+    )
+    print(
+        f"held-out relative error: median {model.error['median']:.1%}, "
+        f"p90 {model.error['p90']:.1%}, max {model.error['max']:.1%} "
+        f"({model.meta['passes_held_out']} passes; fitted on {model.meta['passes_fitted']})"
+    )
     print("seconds per unit of each feature:")
     for name, value in model.coefficients.items():
         print(f"  {name:<18} {value: .3e}")
@@ -242,27 +300,47 @@ def _cmd_fit_cost(args) -> int:
 def _add_engine_options(parser, default: str, extra=None):
     """``--engine`` (a kind or module:Class) and one flag per scheduler option, from the
     registry (plus the options of ``extra``, a class named with module:Class)."""
-    parser.add_argument("--engine", default=default, metavar="KIND|module:Class",
-                        help=f"the scheduler: {', '.join(KINDS)} (default {default}), or your own "
-                             f"class as module:Class, imported from the current folder")
+    parser.add_argument(
+        "--engine",
+        default=default,
+        metavar="KIND|module:Class",
+        help=f"the scheduler: {', '.join(KINDS)} (default {default}), or your own "
+        f"class as module:Class, imported from the current folder",
+    )
     classes = [*KINDS.values(), *([extra] if extra is not None and extra not in KINDS.values() else [])]
     flags = scheduler_flags(classes)
     for name, (kind, text) in flags.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", *ENGINE_FLAG_ALIASES.get(name, ()),
-                            dest=name, type=kind, default=None, help=text)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}",
+            *ENGINE_FLAG_ALIASES.get(name, ()),
+            dest=name,
+            type=kind,
+            default=None,
+            help=text,
+        )
     parser.set_defaults(scheduler_options=tuple(flags))
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="KV blocks of 16 tokens (default: ~1k tokens a slot); a small pool preempts")
-    parser.add_argument("--enable-prefix-cache", action="store_true",
-                        help="kinds that take KV on demand: share the KV blocks of repeated prompt prefixes")
+    parser.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=None,
+        help="KV blocks of 16 tokens (default: ~1k tokens a slot); a small pool preempts",
+    )
+    parser.add_argument(
+        "--enable-prefix-cache",
+        action="store_true",
+        help="kinds that take KV on demand: share the KV blocks of repeated prompt prefixes",
+    )
 
 
 def build_parser(extra=None) -> argparse.ArgumentParser:
     """The whole command line; ``extra`` is a scheduler class named with module:Class,
     whose own options then get flags too."""
     parser = argparse.ArgumentParser(prog="batchlab", description=__doc__)
-    parser.add_argument("--model", default=None,
-                        help="an mlx-lm model folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="an mlx-lm model folder or hub id (default: the embedded SmolLM2-135M-Instruct)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     sub.add_parser("info", help="versions, backend, BLAS in use, and the model")
@@ -287,55 +365,105 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
-    srv.add_argument("--api-key", default=os.environ.get("BATCHLAB_API_KEY"), metavar="KEY",
-                     help="every /v1 request must send 'Authorization: Bearer KEY' "
-                          "(default: $BATCHLAB_API_KEY); needed to listen beyond 127.0.0.1")
-    srv.add_argument("--insecure", action="store_true",
-                     help="listen beyond 127.0.0.1 without an API key (a network that is yours alone)")
-    srv.add_argument("--max-running-per-user", type=int, default=None, metavar="N",
-                     help="at most N unfinished requests per OpenAI 'user' (429 beyond; "
-                          "requests without a user count as one user)")
-    srv.add_argument("--show-prompts", action="store_true",
-                     help="show the end of each prompt on /dashboard (default: no prompt text)")
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("BATCHLAB_API_KEY"),
+        metavar="KEY",
+        help="every /v1 request must send 'Authorization: Bearer KEY' "
+        "(default: $BATCHLAB_API_KEY); needed to listen beyond 127.0.0.1",
+    )
+    srv.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen beyond 127.0.0.1 without an API key (a network that is yours alone)",
+    )
+    srv.add_argument(
+        "--max-running-per-user",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N unfinished requests per OpenAI 'user' (429 beyond; "
+        "requests without a user count as one user)",
+    )
+    srv.add_argument(
+        "--show-prompts",
+        action="store_true",
+        help="show the end of each prompt on /dashboard (default: no prompt text)",
+    )
 
     load = sub.add_parser("loadgen", help="measure any OpenAI-compatible server with a workload")
     load.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
-    load.add_argument("--model", dest="served_model", default=None, metavar="NAME",
-                      help="the model name to ask for (default: the first at /v1/models)")
-    load.add_argument("--workload", default="mixed",
-                      choices=["mixed", "high_variance", "sharegpt", "interference"])
+    load.add_argument(
+        "--model",
+        dest="served_model",
+        default=None,
+        metavar="NAME",
+        help="the model name to ask for (default: the first at /v1/models)",
+    )
+    load.add_argument(
+        "--workload", default="mixed", choices=["mixed", "high_variance", "sharegpt", "interference"]
+    )
     load.add_argument("--size", default="quick", choices=["quick", "full"])
-    load.add_argument("--rate", type=float, default=None,
-                      help="Poisson arrivals, requests per second (default: all at once)")
+    load.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="Poisson arrivals, requests per second (default: all at once)",
+    )
     load.add_argument("--concurrency", type=int, default=None, help="most requests in flight")
     load.add_argument("--requests", type=int, default=None, help="send only the first N")
     load.add_argument("--seed", type=int, default=0)
     load.add_argument("--slo-ttft", type=float, default=None, help="goodput: TTFT limit (s)")
     load.add_argument("--slo-tpot", type=float, default=None, help="goodput: TPOT limit (s)")
-    load.add_argument("--no-usage", action="store_true",
-                      help="do not ask for usage (for servers that refuse stream_options)")
+    load.add_argument(
+        "--no-usage",
+        action="store_true",
+        help="do not ask for usage (for servers that refuse stream_options)",
+    )
     load.add_argument("--json", metavar="OUT", help="write the summary and every request here")
-    load.add_argument("--user", default=None, metavar="NAME",
-                      help="send this OpenAI 'user' with every request (the dashboard's label)")
-    load.add_argument("--api-key", default=os.environ.get("BATCHLAB_API_KEY", "unused"), metavar="KEY",
-                      help="the server's API key (default: $BATCHLAB_API_KEY)")
+    load.add_argument(
+        "--user",
+        default=None,
+        metavar="NAME",
+        help="send this OpenAI 'user' with every request (the dashboard's label)",
+    )
+    load.add_argument(
+        "--api-key",
+        default=os.environ.get("BATCHLAB_API_KEY", "unused"),
+        metavar="KEY",
+        help="the server's API key (default: $BATCHLAB_API_KEY)",
+    )
 
-    bench = sub.add_parser("bench", help="every engine and mlx-lm's BatchGenerator, side by "
-                           "side (interleaved repetitions, medians, the machine's limits)")
-    bench.add_argument("--engine", action="append", default=[], metavar="KIND|module:Class",
-                       dest="engines", help="also run this engine (your own as module:Class) "
-                       "beside ours and mlx-lm's; repeat for several")
-    bench.add_argument("--tbt-slo", type=float, default=None, metavar="SECONDS",
-                       help="the stall-free engines' time-between-tokens target (their budget "
-                            "is chosen from it; default: a multiple of the decode step)")
-    bench.add_argument("--quick", action="store_true",
-                       help="a smoke run: small workloads, each engine once")
+    bench = sub.add_parser(
+        "bench",
+        help="every engine and mlx-lm's BatchGenerator, side by "
+        "side (interleaved repetitions, medians, the machine's limits)",
+    )
+    bench.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KIND|module:Class",
+        dest="engines",
+        help="also run this engine (your own as module:Class) beside ours and mlx-lm's; repeat for several",
+    )
+    bench.add_argument(
+        "--tbt-slo",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="the stall-free engines' time-between-tokens target (their budget "
+        "is chosen from it; default: a multiple of the decode step)",
+    )
+    bench.add_argument("--quick", action="store_true", help="a smoke run: small workloads, each engine once")
     bench.add_argument("--json", metavar="OUT", help="write results here, plots beside it")
 
-    fit = sub.add_parser("fit-cost", help="time the real model on designed batches; fit the "
-                         "simulator's cost model")
-    fit.add_argument("--json", metavar="OUT", help="write the fitted model here (e.g. "
-                     "src/batchlab/data/cost_model.json)")
+    fit = sub.add_parser(
+        "fit-cost", help="time the real model on designed batches; fit the simulator's cost model"
+    )
+    fit.add_argument(
+        "--json", metavar="OUT", help="write the fitted model here (e.g. src/batchlab/data/cost_model.json)"
+    )
     fit.add_argument("--quick", action="store_true", help="a third of the designed passes")
     fit.add_argument("--reps", type=int, default=3, help="timed runs per pass (the fastest is kept)")
 
@@ -365,9 +493,17 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "engines", None):  # bench: name -> class (module:Class by its kind)
             classes = [scheduler_class(e) for e in args.engines]
             args.engines = {cls.kind if ":" in e else e: cls for e, cls in zip(args.engines, classes)}
-        handler = {"info": _cmd_info, "kinds": _cmd_kinds, "generate": _cmd_generate, "demo": _cmd_demo,
-                   "serve": _cmd_serve, "loadgen": _cmd_loadgen, "export-mlx": _cmd_export_mlx,
-                   "bench": _cmd_bench, "fit-cost": _cmd_fit_cost}[args.command]
+        handler = {
+            "info": _cmd_info,
+            "kinds": _cmd_kinds,
+            "generate": _cmd_generate,
+            "demo": _cmd_demo,
+            "serve": _cmd_serve,
+            "loadgen": _cmd_loadgen,
+            "export-mlx": _cmd_export_mlx,
+            "bench": _cmd_bench,
+            "fit-cost": _cmd_fit_cost,
+        }[args.command]
         return handler(args)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"batchlab {command}: {e}") from None

@@ -46,8 +46,9 @@ def _widget_style_and_legend(kind: str, size: int) -> tuple[str, str]:
     if style is None or legend is None:
         raise RuntimeError("viz.frame_html no longer has a <style> and a legend to share")
     # each swatch with its words in one piece, so a narrow legend wraps between entries
-    items = re.sub(r'(<span class="bl-swatch[^"]*"></span>[^<]*)', r'<span class="bl-item">\1</span>',
-                   legend.group(0))
+    items = re.sub(
+        r'(<span class="bl-swatch[^"]*"></span>[^<]*)', r'<span class="bl-item">\1</span>', legend.group(0)
+    )
     return style.group(1), items
 
 
@@ -57,10 +58,14 @@ def _request_row(rid: str, client, prompt: str | None) -> dict:
     record: RequestRecord = client.record
     times = list(record.token_times_s)
     state = record.finish_reason or record.state_times[-1][1]
-    row = {"id": rid, "user": client.user, "state": state, "tokens": len(times),
-           "ttft_ms": None if record.first_token_s is None
-           else (record.first_token_s - record.arrival_s) * 1000,
-           "tbt_ms": (times[-1] - times[0]) / (len(times) - 1) * 1000 if len(times) > 1 else None}
+    row = {
+        "id": rid,
+        "user": client.user,
+        "state": state,
+        "tokens": len(times),
+        "ttft_ms": None if record.first_token_s is None else (record.first_token_s - record.arrival_s) * 1000,
+        "tbt_ms": (times[-1] - times[0]) / (len(times) - 1) * 1000 if len(times) > 1 else None,
+    }
     if prompt is not None:
         row["prompt"] = prompt
     return row
@@ -93,10 +98,14 @@ class Dashboard:
 
     def hello(self) -> dict:
         """What never changes: the engine, its lanes and its KV pool."""
-        return {"kind": self.trace.kind, "slots": self.trace.max_batch_size,
-                "lanes": viz.lane_names(Trace(self.trace.kind, self.trace.max_batch_size)),
-                "kv_blocks": self.trace.num_kv_blocks, "window": WINDOW,
-                "show_prompts": self.show_prompts}
+        return {
+            "kind": self.trace.kind,
+            "slots": self.trace.max_batch_size,
+            "lanes": viz.lane_names(Trace(self.trace.kind, self.trace.max_batch_size)),
+            "kv_blocks": self.trace.num_kv_blocks,
+            "window": WINDOW,
+            "show_prompts": self.show_prompts,
+        }
 
     def refresh(self) -> None:
         """Turn the steps the engine added since the last refresh into columns."""
@@ -104,17 +113,25 @@ class Dashboard:
         new = [s for s in steps[-WINDOW:] if s.index > self.last_step]
         for step in new:
             cells = viz.step_cells(Trace(self.trace.kind, self.trace.max_batch_size, [step]), 0)
-            self.columns.append({
-                "step": step.index, "queued": step.queued, "kv": step.kv_blocks_used,
-                "prefill": sum(n for _, _, n in step.prefill),
-                "cells": [[c.kind, c.request, c.prefill_tokens] for c in cells]})
+            self.columns.append(
+                {
+                    "step": step.index,
+                    "queued": step.queued,
+                    "kv": step.kv_blocks_used,
+                    "prefill": sum(n for _, _, n in step.prefill),
+                    "cells": [[c.kind, c.request, c.prefill_tokens] for c in cells],
+                }
+            )
         if new:
             self.last_step = new[-1].index
 
     def _label(self, rid: str) -> dict:
         client = self.clients.get(rid)
-        return {"user": client.user if client else None, "short": viz.short_label(rid),
-                "color": viz.request_color(rid)}
+        return {
+            "user": client.user if client else None,
+            "short": viz.short_label(rid),
+            "color": viz.request_color(rid),
+        }
 
     def stats(self) -> dict:
         """The numbers beside the grid: throughput, queue, KV blocks, slots, latencies."""
@@ -124,11 +141,15 @@ class Dashboard:
         tokens = sum(len(t) for s in steps for t in s.emitted.values())
         last = self.columns[-1] if self.columns else None
         running = [c for c in self.clients.values() if c.record.finished_s is None]
-        return {"tokens_per_s": tokens / span if span > 0 else 0.0,
-                "queued": self.engine.queue_depth(), "running": len(running),
-                "users": len({c.user for c in running}),
-                "kv_used": last["kv"] if last else 0,
-                "slots_busy": self.engine.slots_busy(), **self.summary()}
+        return {
+            "tokens_per_s": tokens / span if span > 0 else 0.0,
+            "queued": self.engine.queue_depth(),
+            "running": len(running),
+            "users": len({c.user for c in running}),
+            "kv_used": last["kv"] if last else 0,
+            "slots_busy": self.engine.slots_busy(),
+            **self.summary(),
+        }
 
     def summary(self) -> dict:
         """The class's recent requests: how many finished, and the TTFT, time between tokens
@@ -137,12 +158,14 @@ class Dashboard:
         ttft = [(r.first_token_s - r.arrival_s) * 1000 for r in records if r.first_token_s is not None]
         times = [list(r.token_times_s) for r in records]
         speeds = [(len(t) - 1) / (t[-1] - t[0]) for t in times if len(t) > 1 and t[-1] > t[0]]
-        return {"finished": sum(r.finished_s is not None for r in records),
-                "finished_users": len({c.user for c in self.clients.values()
-                                       if c.record.finished_s is not None}),
-                "ttft_ms_p50": percentile(ttft, 50), "ttft_ms_p90": percentile(ttft, 90),
-                "tbt_ms_p50": percentile([1000 / s for s in speeds], 50),
-                "tokens_per_s_per_request_p50": percentile(speeds, 50)}
+        return {
+            "finished": sum(r.finished_s is not None for r in records),
+            "finished_users": len({c.user for c in self.clients.values() if c.record.finished_s is not None}),
+            "ttft_ms_p50": percentile(ttft, 50),
+            "ttft_ms_p90": percentile(ttft, 90),
+            "tbt_ms_p50": percentile([1000 / s for s in speeds], 50),
+            "tokens_per_s_per_request_p50": percentile(speeds, 50),
+        }
 
     def update(self, after_step: int) -> dict:
         """One event: the columns after ``after_step``, the requests they name, the numbers
@@ -151,9 +174,13 @@ class Dashboard:
         when = (self.last_step, int(time.monotonic() / IDLE_EVENT_S))
         if self._shared[0] != when:
             recent = list(self.clients.items())[-TABLE_ROWS:][::-1]
-            self._shared = (when, {
-                "stats": self.stats(),
-                "table": [_request_row(rid, c, self.prompts.get(rid)) for rid, c in recent]})
+            self._shared = (
+                when,
+                {
+                    "stats": self.stats(),
+                    "table": [_request_row(rid, c, self.prompts.get(rid)) for rid, c in recent],
+                },
+            )
         shared = self._shared[1]
         columns = [c for c in self.columns if c["step"] > after_step]
         named = {rid for c in columns for _, rid, _ in c["cells"] if rid is not None}
@@ -164,6 +191,7 @@ class Dashboard:
         """The event stream of one page: a hello, then an update per step (or coalesced steps),
         and one every ``IDLE_EVENT_S`` when idle. It ends after ``STREAM_LIFETIME_S``; the
         page's EventSource reconnects by itself."""
+
         def event(name: str, data: dict) -> str:
             return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
@@ -179,8 +207,11 @@ class Dashboard:
             await asyncio.sleep(EVENT_INTERVAL_S)
 
     def page(self) -> str:
-        return (_PAGE.replace("/*WIDGET_CSS*/", self.style).replace("<!--LEGEND-->", self.legend)
-                .replace("{{MODEL}}", html.escape(self.server.model_id)))
+        return (
+            _PAGE.replace("/*WIDGET_CSS*/", self.style)
+            .replace("<!--LEGEND-->", self.legend)
+            .replace("{{MODEL}}", html.escape(self.server.model_id))
+        )
 
 
 def add_dashboard(app: FastAPI, server, show_prompts: bool = False) -> Dashboard:
@@ -196,8 +227,11 @@ def add_dashboard(app: FastAPI, server, show_prompts: bool = False) -> Dashboard
 
     @app.get("/dashboard/events", include_in_schema=False)
     async def dashboard_events():
-        return StreamingResponse(board.events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            board.events(),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     @app.get("/dashboard/summary")
     async def dashboard_summary():

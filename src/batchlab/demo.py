@@ -23,13 +23,20 @@ from .model import load_model
 WIDTH, HEIGHT = 80, 24
 
 QUESTIONS = [
-    ("What is the capital of France?", 24), ("Write a haiku about the sea.", 40),
-    ("Name three primary colours.", 20), ("Explain what a CPU does in one sentence.", 48),
-    ("Say hello in Spanish.", 8), ("What is 12 times 12?", 16),
-    ("Give me a tip for learning to cook.", 56), ("Why is the sky blue? Be brief.", 40),
-    ("Suggest a name for a cat.", 12), ("What does a compiler do?", 48),
-    ("List two planets.", 16), ("How many legs does a spider have?", 12),
+    ("What is the capital of France?", 24),
+    ("Write a haiku about the sea.", 40),
+    ("Name three primary colours.", 20),
+    ("Explain what a CPU does in one sentence.", 48),
+    ("Say hello in Spanish.", 8),
+    ("What is 12 times 12?", 16),
+    ("Give me a tip for learning to cook.", 56),
+    ("Why is the sky blue? Be brief.", 40),
+    ("Suggest a name for a cat.", 12),
+    ("What does a compiler do?", 48),
+    ("List two planets.", 16),
+    ("How many legs does a spider have?", 12),
 ]
+
 
 def columns(ch: str) -> int:
     """Terminal columns a character takes: 2 for wide East Asian ones, 0 for combining."""
@@ -66,7 +73,9 @@ def describe(engine) -> str:
         value = getattr(s, name, None)
         if option is None or name == "max_batch_size" or value is None:
             continue
-        parts.append(f"{name.replace('_', ' ')} " + ("whole prompt" if value == float("inf") else f"{value:g}"))
+        parts.append(
+            f"{name.replace('_', ' ')} " + ("whole prompt" if value == float("inf") else f"{value:g}")
+        )
     parts.append(f"{engine.stats()['num_kv_blocks']} KV blocks")
     return ", ".join(parts)
 
@@ -80,8 +89,10 @@ def explain(rectangular: bool, idle: int, waiting: int, slots: int) -> str:
         return f"{waiting} waiting: all {slots} slots are busy; a request waits for a free one."
     if idle and waiting:
         if rectangular:
-            return (f"{idle} slot{s} idle while {waiting} wait: static batching refills only "
-                    f"when the whole batch is done.")
+            return (
+                f"{idle} slot{s} idle while {waiting} wait: static batching refills only "
+                f"when the whole batch is done."
+            )
         return f"{idle} slot{s} idle, {waiting} waiting: they are admitted at the next step."
     return f"All {slots} slots busy and nobody waiting: the engine is fully used."
 
@@ -103,28 +114,35 @@ class Request:
                 self.answer += self.detok.add(t)
 
 
-def frame(title: str, model: str, record, requests: dict[str, Request], rectangular: bool,
-          slots: int, finished: int) -> list[str]:
+def frame(
+    title: str, model: str, record, requests: dict[str, Request], rectangular: bool, slots: int, finished: int
+) -> list[str]:
     """The whole screen after one step: at most ``HEIGHT`` lines of at most ``WIDTH`` columns."""
     letters = {rid: r.letter for rid, r in requests.items()}
     prefilling = {rid for rid, *_ in record.prefill} - set(record.decoded)
-    cells = ["." if rid is None else letters[rid].lower() if rid in prefilling else letters[rid]
-             for rid in record.slots]
+    cells = [
+        "." if rid is None else letters[rid].lower() if rid in prefilling else letters[rid]
+        for rid in record.slots
+    ]
     queued = [r.letter for r in requests.values() if r.state == "queued"]
     idle = cells.count(".")
-    header = [fit(title, WIDTH),
-              fit(f"{model} · step {record.index} · {record.end_s:.1f} s · "
-                  f"{len(queued)} in the queue · {finished} of {len(requests)} answered", WIDTH),
-              "",
-              fit(f"slots [{' '.join(cells)}]   capital = decoding, small = prefilling, . = idle",
-                  WIDTH),
-              fit(f"queue {' '.join(queued) or '(empty)'}", WIDTH),
-              fit(explain(rectangular, idle, len(queued), slots), WIDTH),
-              ""]
+    header = [
+        fit(title, WIDTH),
+        fit(
+            f"{model} · step {record.index} · {record.end_s:.1f} s · "
+            f"{len(queued)} in the queue · {finished} of {len(requests)} answered",
+            WIDTH,
+        ),
+        "",
+        fit(f"slots [{' '.join(cells)}]   capital = decoding, small = prefilling, . = idle", WIDTH),
+        fit(f"queue {' '.join(queued) or '(empty)'}", WIDTH),
+        fit(explain(rectangular, idle, len(queued), slots), WIDTH),
+        "",
+    ]
     room = HEIGHT - len(header)
     running = [r for r in requests.values() if r.state == "running"][:room]
     done = [r for r in requests.values() if r.state in ("done", "cut")]
-    latest = done[max(0, len(done) - (room - len(running))):] if room > len(running) else []
+    latest = done[max(0, len(done) - (room - len(running))) :] if room > len(running) else []
     shown = sorted(running + latest, key=lambda r: r.letter)  # running, then the latest answers
     rows = []
     for r in shown:
@@ -138,13 +156,15 @@ def summary(engine, requests: int) -> str:
     stats = metrics.summarize(engine.trace)
     s = engine.scheduler
     what = s.description or f"a {type(s).__name__} runs the steps"
-    text = (f"The {s.kind} engine answered {requests} requests with "
-            f"{stats['output_tokens']} tokens in {stats['steps']} steps "
-            f"({stats['elapsed_s']:.1f} s, {stats['output_tokens_per_s']:.1f} tokens/s). "
-            f"Slots were busy in {100 * stats['slot_occupancy']:.0f}% of decode steps; "
-            f"the median request waited {stats['ttft_p50_s']:.1f} s for its first token. "
-            f"Here: {what}. Compare: batchlab demo --engine "
-            f"{'static' if s.kind != 'static' else 'stallfree'}.")
+    text = (
+        f"The {s.kind} engine answered {requests} requests with "
+        f"{stats['output_tokens']} tokens in {stats['steps']} steps "
+        f"({stats['elapsed_s']:.1f} s, {stats['output_tokens_per_s']:.1f} tokens/s). "
+        f"Slots were busy in {100 * stats['slot_occupancy']:.0f}% of decode steps; "
+        f"the median request waited {stats['ttft_p50_s']:.1f} s for its first token. "
+        f"Here: {what}. Compare: batchlab demo --engine "
+        f"{'static' if s.kind != 'static' else 'stallfree'}."
+    )
     return textwrap.fill(text, WIDTH)
 
 
@@ -170,10 +190,15 @@ def play(lm, kind, requests: int = 10, out: TextIO = sys.stdout, **options) -> s
     while True:
         if work and step % 3 == 0:  # two new requests every third step
             for question, max_new in work[:2]:
-                rid = engine.submit(lm.tokenizer.encode_chat([{"role": "user", "content": question}]),
-                                    max_new_tokens=max_new)
-                shown[rid] = Request(string.ascii_uppercase[len(shown)], question,
-                                     lm.tokenizer.detokenizer(), lm.tokenizer.eos_token_ids)
+                rid = engine.submit(
+                    lm.tokenizer.encode_chat([{"role": "user", "content": question}]), max_new_tokens=max_new
+                )
+                shown[rid] = Request(
+                    string.ascii_uppercase[len(shown)],
+                    question,
+                    lm.tokenizer.detokenizer(),
+                    lm.tokenizer.eos_token_ids,
+                )
             del work[:2]
         step += 1
         if not engine.step():

@@ -24,9 +24,15 @@ class EngineStuck(RuntimeError):
     stops instead of looping forever."""
 
 
-def run_workload(engine, workload: Workload, progress: bool = True,
-                 timeout_s: float | None = None, temperature: float = 0.0,
-                 priorities: dict[str, int] | None = None, max_idle_steps: int = 50) -> Trace:
+def run_workload(
+    engine,
+    workload: Workload,
+    progress: bool = True,
+    timeout_s: float | None = None,
+    temperature: float = 0.0,
+    priorities: dict[str, int] | None = None,
+    max_idle_steps: int = 50,
+) -> Trace:
     """Run ``workload`` on ``engine`` and return the trace of this run alone. The one
     driver of every run: real engines, the simulator and the exercise checkers.
 
@@ -53,8 +59,13 @@ def run_workload(engine, workload: Workload, progress: bool = True,
     t0 = clock()
     records: dict[str, RequestRecord] = {}
     nxt = idle = 0
-    bar = tqdm(total=sum(r.max_new_tokens for r in reqs), unit="tok", desc=workload.name,
-               disable=not progress, leave=False)
+    bar = tqdm(
+        total=sum(r.max_new_tokens for r in reqs),
+        unit="tok",
+        desc=workload.name,
+        disable=not progress,
+        leave=False,
+    )
     try:
         while True:
             now = clock() - t0
@@ -69,12 +80,25 @@ def run_workload(engine, workload: Workload, progress: bool = True,
                 nxt += 1
                 extra = {} if priorities is None else {"priority": priorities[r.id]}
                 try:
-                    engine.submit(r.prompt_ids, max_new_tokens=r.max_new_tokens, ignore_eos=True,
-                                  temperature=temperature, request_id=r.id, arrival_s=due, **extra)
+                    engine.submit(
+                        r.prompt_ids,
+                        max_new_tokens=r.max_new_tokens,
+                        ignore_eos=True,
+                        temperature=temperature,
+                        request_id=r.id,
+                        arrival_s=due,
+                        **extra,
+                    )
                 except QueueFull:
-                    records[r.id] = RequestRecord(r.id, r.prompt_len, r.max_new_tokens, due,
-                                                  [(due, "finished")], finished_s=due,
-                                                  finish_reason="rejected")
+                    records[r.id] = RequestRecord(
+                        r.id,
+                        r.prompt_len,
+                        r.max_new_tokens,
+                        due,
+                        [(due, "finished")],
+                        finished_s=due,
+                        finish_reason="rejected",
+                    )
                     continue
                 records[r.id] = engine.trace.requests[r.id]
             if engine.step():
@@ -84,7 +108,8 @@ def run_workload(engine, workload: Workload, progress: bool = True,
                 if idle >= max_idle_steps:
                     raise EngineStuck(
                         f"the engine stepped {idle} times in a row without running anything: "
-                        f"its scheduler says it has work, but batches() yields nothing")
+                        f"its scheduler says it has work, but batches() yields nothing"
+                    )
             elif nxt < len(reqs):
                 wait_until(t0 + reqs[nxt].arrival_s)  # idle: wait for the next arrival
             else:
@@ -93,11 +118,11 @@ def run_workload(engine, workload: Workload, progress: bool = True,
         bar.close()
     unfinished = sorted(rid for rid, rec in records.items() if rec.finished_s is None)
     if unfinished and timeout_s is None:
-        raise RuntimeError(f"the engine is idle but {len(unfinished)} requests are not done: "
-                           f"{unfinished[:5]}")
+        raise RuntimeError(
+            f"the engine is idle but {len(unfinished)} requests are not done: {unfinished[:5]}"
+        )
     steps = [s for s in list(engine.trace.steps) if s.start_s >= t0]  # this run's steps only
-    return replace(engine.trace, steps=steps, requests={r.id: records[r.id] for r in reqs
-                                                        if r.id in records})
+    return replace(engine.trace, steps=steps, requests={r.id: records[r.id] for r in reqs if r.id in records})
 
 
 def measure_speeds(lm, batch_size: int = 16, prefill_tokens: int = 256) -> Speeds:
@@ -109,14 +134,14 @@ def measure_speeds(lm, batch_size: int = 16, prefill_tokens: int = 256) -> Speed
     prefill of a 520-token prompt by about a quarter."""
 
     maker, rng = _maker(getattr(lm, "tokenizer", lm)), np.random.default_rng(0)
-    reqs = [WorkloadRequest(f"decode-{i}", maker.make(40, rng)[0], batch_size + 8)
-            for i in range(batch_size)]
-    trace = run_workload(make_engine("continuous", lm, max_batch_size=batch_size),
-                         Workload("speeds", "", reqs), progress=False)
+    reqs = [WorkloadRequest(f"decode-{i}", maker.make(40, rng)[0], batch_size + 8) for i in range(batch_size)]
+    trace = run_workload(
+        make_engine("continuous", lm, max_batch_size=batch_size), Workload("speeds", "", reqs), progress=False
+    )
     step = metrics.decode_step_s(trace, batch_size)
     reqs = [WorkloadRequest(f"prefill-{i}", maker.make(prefill_tokens, rng)[0], 1) for i in range(2)]
-    trace = run_workload(make_engine("sequential", lm), Workload("speeds", "", reqs),
-                         progress=False)
+    trace = run_workload(make_engine("sequential", lm), Workload("speeds", "", reqs), progress=False)
     last = [s for s in trace.steps if s.prefill][-1]
-    return Speeds(decode_step_s=step,
-                  prefill_tokens_per_s=sum(n for _, _, n in last.prefill) / last.forward_s)
+    return Speeds(
+        decode_step_s=step, prefill_tokens_per_s=sum(n for _, _, n in last.prefill) / last.forward_s
+    )

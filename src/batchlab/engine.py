@@ -43,15 +43,25 @@ log = logging.getLogger("batchlab")
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, scheduler: Scheduler, runner: Runner, max_seq_len: int,
-                 trace_limit: int | None = None, admission: Admission | None = None,
-                 lock=None):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        scheduler: Scheduler,
+        runner: Runner,
+        max_seq_len: int,
+        trace_limit: int | None = None,
+        admission: Admission | None = None,
+        lock=None,
+    ):
         self.lm, self.scheduler, self.runner = lm, scheduler, runner
         self.admission = admission or Admission()  # default: admit everything, shed nothing
         self.max_seq_len = max_seq_len
-        self.trace = Trace(scheduler.kind, scheduler.max_batch_size,
-                           num_kv_blocks=scheduler.kv_usage()["num_kv_blocks"],
-                           prefill_lane=scheduler.prefill_lane)
+        self.trace = Trace(
+            scheduler.kind,
+            scheduler.max_batch_size,
+            num_kv_blocks=scheduler.kv_usage()["num_kv_blocks"],
+            prefill_lane=scheduler.prefill_lane,
+        )
         # A long-running server keeps only the last `trace_limit` steps, and forgets a
         # request's record once poll has reported it done, so memory stays bounded.
         self.trace_limit = trace_limit
@@ -69,10 +79,19 @@ class Engine:
         self.finished_by_reason: dict[str, int] = {}
 
     # -- the client side ------------------------------------------------------------------
-    def submit(self, prompt_ids: Sequence[int], max_new_tokens: int = 32, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-               ignore_eos: bool = False, request_id: str | None = None, priority: int = 0,
-               arrival_s: float | None = None) -> str:
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_s: float | None = None,
+    ) -> str:
         """Queue a request; return its id. Bad arguments raise ValueError and change nothing;
         a full queue (see ``policies.Admission``) raises ``QueueFull``.
 
@@ -191,8 +210,9 @@ class Engine:
         try:
             tokens = self.runner.run(chunks)
         except Exception as e:  # the pass is lost: its requests end, everyone else goes on
-            log.exception("a forward pass of %d chunks failed; its requests finish with "
-                          "reason 'error'", len(chunks))
+            log.exception(
+                "a forward pass of %d chunks failed; its requests finish with reason 'error'", len(chunks)
+            )
             with self._lock:
                 for req in self.scheduler.fail(batch, e, self.clock()):
                     self._count("error")
@@ -243,23 +263,47 @@ class Engine:
         blocks and in tokens, finishes) plus every metric of ``metrics.summarize`` over the
         trace so far."""
         with self._lock:
-            snapshot = Trace(self.trace.kind, self.trace.max_batch_size, list(self.trace.steps),
-                             dict(self.trace.requests))
+            snapshot = Trace(
+                self.trace.kind, self.trace.max_batch_size, list(self.trace.steps), dict(self.trace.requests)
+            )
             running = sum(1 for r in self._requests.values() if not r.finished)
             finished = dict(self.finished_by_reason)
             queued = self._queue_depth()
             kv = self.scheduler.kv_usage()
-        return {**metrics.summarize(snapshot), "running": running, "queued": queued,
-                "finished": finished,
-                **{k: kv[k] for k in ("num_kv_blocks", "free_kv_blocks", "preemptions",
-                                      "prefix_cache_hits", "prefix_cache_hit_tokens")}}
+        return {
+            **metrics.summarize(snapshot),
+            "running": running,
+            "queued": queued,
+            "finished": finished,
+            **{
+                k: kv[k]
+                for k in (
+                    "num_kv_blocks",
+                    "free_kv_blocks",
+                    "preemptions",
+                    "prefix_cache_hits",
+                    "prefix_cache_hit_tokens",
+                )
+            },
+        }
 
 
-def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
-                kv_block_size: int = 16, num_kv_blocks: int | None = None,
-                max_seq_len: int | None = None, trace_limit: int | None = None,
-                enable_prefix_cache: bool = False, admission: Admission | None = None,
-                clock=None, engine_class: type[Engine] = Engine, lock=None, **options) -> Engine:
+def make_engine(
+    kind: str | type[Scheduler],
+    lm: LoadedModel,
+    *,
+    runner=None,
+    kv_block_size: int = 16,
+    num_kv_blocks: int | None = None,
+    max_seq_len: int | None = None,
+    trace_limit: int | None = None,
+    enable_prefix_cache: bool = False,
+    admission: Admission | None = None,
+    clock=None,
+    engine_class: type[Engine] = Engine,
+    lock=None,
+    **options,
+) -> Engine:
     """Build an engine around a scheduler: a kind name (``scheduler.KINDS``), a scheduler
     class of your own (a subclass of ``Scheduler``), or ``"module:Class"`` naming one.
 
@@ -285,15 +329,18 @@ def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
     if enable_prefix_cache and not cls.kv_on_demand:
         wrong.append("enable_prefix_cache")
     if wrong:
-        raise ValueError(f"{', '.join(wrong)} does not apply to the {name} engine "
-                         f"(it takes: {', '.join(defaults) or 'no options'})")
+        raise ValueError(
+            f"{', '.join(wrong)} does not apply to the {name} engine "
+            f"(it takes: {', '.join(defaults) or 'no options'})"
+        )
     max_seq_len = max_seq_len or lm.max_seq_len
     if not isinstance(max_seq_len, int) or not 2 <= max_seq_len <= lm.max_seq_len:
         raise ValueError(f"max_seq_len must be an integer in [2, {lm.max_seq_len}]")
     batch = options.get("max_batch_size", defaults.get("max_batch_size", 1))
     if num_kv_blocks is None:  # room for a full-length request, or ~1k tokens per slot
-        num_kv_blocks = math.ceil(max(max_seq_len, (batch + 1) * 1024) / kv_block_size) \
-            if isinstance(batch, int) else 1
+        num_kv_blocks = (
+            math.ceil(max(max_seq_len, (batch + 1) * 1024) / kv_block_size) if isinstance(batch, int) else 1
+        )
     blocks = BlockManager(num_kv_blocks, kv_block_size, enable_prefix_cache)
     if clock is None:
         t0 = time.perf_counter()
@@ -304,9 +351,11 @@ def make_engine(kind: str | type[Scheduler], lm: LoadedModel, *, runner=None,
     scheduler = cls(blocks, clock, **options)
     if runner is None:
         from .model_runner import ModelRunner
+
         runner = ModelRunner
-    return engine_class(lm, scheduler, runner(lm, num_kv_blocks, kv_block_size), max_seq_len,
-                        trace_limit, admission, lock)
+    return engine_class(
+        lm, scheduler, runner(lm, num_kv_blocks, kv_block_size), max_seq_len, trace_limit, admission, lock
+    )
 
 
 def scheduler_class(kind: str | type[Scheduler]) -> type[Scheduler]:
@@ -317,13 +366,17 @@ def scheduler_class(kind: str | type[Scheduler]) -> type[Scheduler]:
     if isinstance(kind, type):
         if issubclass(kind, Scheduler):
             return kind
-        raise ValueError(f"{kind.__module__}.{kind.__qualname__} is not a Scheduler subclass "
-                         f"(subclass batchlab.scheduler.Scheduler or one of its kinds)")
+        raise ValueError(
+            f"{kind.__module__}.{kind.__qualname__} is not a Scheduler subclass "
+            f"(subclass batchlab.scheduler.Scheduler or one of its kinds)"
+        )
     if isinstance(kind, str) and ":" in kind:
         return _import_scheduler(kind)
     if kind not in KINDS:
-        raise ValueError(f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)}, "
-                         f"or name your own as module:Class (e.g. my_engine.memory:MyMemoryScheduler)")
+        raise ValueError(
+            f"unknown engine kind {kind!r}; choose one of {', '.join(KINDS)}, "
+            f"or name your own as module:Class (e.g. my_engine.memory:MyMemoryScheduler)"
+        )
     return KINDS[kind]
 
 
@@ -338,18 +391,23 @@ def _import_scheduler(spec: str) -> type[Scheduler]:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
         if e.name and module_name.startswith(e.name):
-            raise ValueError(f"--engine {spec}: there is no module {e.name!r} here ({here}); run "
-                             f"the command from the folder that holds it") from None
+            raise ValueError(
+                f"--engine {spec}: there is no module {e.name!r} here ({here}); run "
+                f"the command from the folder that holds it"
+            ) from None
         raise ValueError(f"--engine {spec}: importing {module_name} failed: {e}") from None
     except Exception as e:  # a learner's module that does not import: say where
         where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
-        raise ValueError(f"--engine {spec}: importing {module_name} raised "
-                         f"{type(e).__name__}: {e}{where}") from None
+        raise ValueError(
+            f"--engine {spec}: importing {module_name} raised {type(e).__name__}: {e}{where}"
+        ) from None
     found = getattr(module, name, None)
     if found is None:
         raise ValueError(f"--engine {spec}: {module_name} defines no {name!r}")
     if not (isinstance(found, type) and issubclass(found, Scheduler)):
         what = "a class" if isinstance(found, type) else f"a {type(found).__name__}"
-        raise ValueError(f"--engine {spec}: {name} is {what}, not a Scheduler subclass "
-                         f"(subclass one of batchlab.scheduler's kinds)")
+        raise ValueError(
+            f"--engine {spec}: {name} is {what}, not a Scheduler subclass "
+            f"(subclass one of batchlab.scheduler's kinds)"
+        )
     return found

@@ -25,18 +25,24 @@ def export_mlx(lm: LoadedModel, out_dir: str | Path) -> Path:
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tok = lm.tokenizer
     tok.backend.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": tok.chat_template,
-        "bos_token": tok.bos_token or None,
-        "eos_token": tok.eos_token,
-        "pad_token": tok.eos_token,
-        "unk_token": None,
-        "add_bos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": lm.max_seq_len,
-    }, indent=2))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "chat_template": tok.chat_template,
+                "bos_token": tok.bos_token or None,
+                "eos_token": tok.eos_token,
+                "pad_token": tok.eos_token,
+                "unk_token": None,
+                "add_bos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": lm.max_seq_len,
+            },
+            indent=2,
+        )
+    )
     # mlx-lm stops on these ids (the chat turn's end, and the end of a document)
-    (out / "generation_config.json").write_text(json.dumps(
-        {"eos_token_id": sorted(tok.eos_token_ids)}, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": sorted(tok.eos_token_ids)}, indent=2)
+    )
     return out

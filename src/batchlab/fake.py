@@ -25,8 +25,9 @@ def next_token(sequence: list[int], vocab_size: int) -> int:
     return zlib.crc32(np.asarray(sequence, dtype=np.int64).tobytes()) % vocab_size
 
 
-def reference_output(prompt: list[int], max_new_tokens: int, vocab_size: int,
-                     eos_ids: frozenset[int]) -> list[int]:
+def reference_output(
+    prompt: list[int], max_new_tokens: int, vocab_size: int, eos_ids: frozenset[int]
+) -> list[int]:
     """What a correct engine must produce for one greedy request on the fake model."""
     seq, out = list(prompt), []
     while len(out) < max_new_tokens:
@@ -73,8 +74,10 @@ class FakeRunner(Runner):
             writes = chunk.kv_addresses(chunk.start, chunk.end, self.block_size)
             context = self.kv[chunk.kv_addresses(0, chunk.start, self.block_size)]
             if (context < 0).any():
-                raise AssertionError(f"{chunk.req_id}: chunk starts at {chunk.start} but the "
-                                     f"cache has never-written positions before it (a gap)")
+                raise AssertionError(
+                    f"{chunk.req_id}: chunk starts at {chunk.start} but the "
+                    f"cache has never-written positions before it (a gap)"
+                )
             self.kv[writes] = chunk.tokens
             logits[row, next_token(context.tolist() + list(chunk.tokens), self.lm.vocab_size)] = 0.0
         return logits

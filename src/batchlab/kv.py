@@ -123,9 +123,11 @@ class BlockManager:
         table = self.tables.get(req_id, [])
         for i in range(start // self.block_size, (stop - 1) // self.block_size + 1):
             if i < len(table) and self.ref_counts[table[i]] > 1:
-                raise RuntimeError(f"{req_id}: positions {start}..{stop - 1} would overwrite "
-                                   f"KV block {table[i]}, which {self.ref_counts[table[i]]} "
-                                   f"requests share")
+                raise RuntimeError(
+                    f"{req_id}: positions {start}..{stop - 1} would overwrite "
+                    f"KV block {table[i]}, which {self.ref_counts[table[i]]} "
+                    f"requests share"
+                )
 
     def release(self, req_id: str) -> None:
         """Drop ``req_id``'s hold on its blocks. Its last block goes first, so a cached
@@ -154,7 +156,7 @@ class BlockManager:
             return []
         found, key = [], b""
         for i in range((len(token_ids) - 1) // self.block_size):
-            key = self.block_key(key, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            key = self.block_key(key, token_ids[i * self.block_size : (i + 1) * self.block_size])
             if key not in self.cached:
                 break
             found.append(self.cached[key])
@@ -172,16 +174,18 @@ class BlockManager:
         self.keys[req_id] = [self.key_of[b] for b in blocks]
         self.hit_blocks += len(blocks)
 
-    def cache_full_blocks(self, req_id: str, num_computed: int,
-                          token_ids: Callable[[int, int], Sequence[int]]) -> None:
+    def cache_full_blocks(
+        self, req_id: str, num_computed: int, token_ids: Callable[[int, int], Sequence[int]]
+    ) -> None:
         """Name every block of ``req_id`` that is now full of computed tokens, so later
         requests can share it. ``token_ids(start, stop)`` reads the request's tokens."""
         if not self.enable_prefix_cache:
             return
         keys, table = self.keys.setdefault(req_id, []), self.tables[req_id]
         for i in range(len(keys), num_computed // self.block_size):
-            key = self.block_key(keys[-1] if keys else b"",
-                                 token_ids(i * self.block_size, (i + 1) * self.block_size))
+            key = self.block_key(
+                keys[-1] if keys else b"", token_ids(i * self.block_size, (i + 1) * self.block_size)
+            )
             keys.append(key)
             if key not in self.cached:  # a twin computed elsewhere keeps the name
                 self.cached[key], self.key_of[table[i]] = table[i], key

@@ -75,8 +75,11 @@ def _stats(values, scale: float = 1000.0) -> dict:
     arr = np.asarray(values, dtype=float)
     if arr.size == 0:
         return {"mean": None, "p50": None, "p99": None}
-    return {"mean": float(arr.mean()) * scale, "p50": percentile(arr, 50) * scale,
-            "p99": percentile(arr, 99) * scale}
+    return {
+        "mean": float(arr.mean()) * scale,
+        "p50": percentile(arr, 50) * scale,
+        "p99": percentile(arr, 99) * scale,
+    }
 
 
 @dataclass
@@ -113,17 +116,24 @@ class LoadgenResult:
             "good_requests": len(good) if (slo_ttft or slo_tpot) else None,
             "goodput": len(good) / d if d > 0 and (slo_ttft or slo_tpot) else None,
         }
-        for name, values in (("ttft_ms", [r.ttft_s for r in done]),
-                             ("tpot_ms", [r.tpot_s for r in done if r.tpot_s is not None]),
-                             ("itl_ms", [g for r in done for g in r.itl_s])):
+        for name, values in (
+            ("ttft_ms", [r.ttft_s for r in done]),
+            ("tpot_ms", [r.tpot_s for r in done if r.tpot_s is not None]),
+            ("itl_ms", [g for r in done for g in r.itl_s]),
+        ):
             for k, v in _stats(values).items():
                 out[f"{name}_{k}"] = v
         return out
 
     def to_json(self) -> dict:
-        return {"base_url": self.base_url, "model": self.model, "workload": self.workload,
-                "settings": self.settings, "summary": self.summary(),
-                "requests": [{**asdict(r), "tpot_s": r.tpot_s} for r in self.requests]}
+        return {
+            "base_url": self.base_url,
+            "model": self.model,
+            "workload": self.workload,
+            "settings": self.settings,
+            "summary": self.summary(),
+            "requests": [{**asdict(r), "tpot_s": r.tpot_s} for r in self.requests],
+        }
 
     def write_json(self, path) -> None:
         with open(path, "w") as f:
@@ -133,22 +143,33 @@ class LoadgenResult:
         """The summary as ``vllm bench serve`` prints it."""
         s = self.summary()
         fmt = lambda v, p=2: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
-        rows = [("Model", self.model), ("Workload", self.workload),
-                ("Successful requests", s["completed"]), ("Failed requests", s["failed"])]
+        rows = [
+            ("Model", self.model),
+            ("Workload", self.workload),
+            ("Successful requests", s["completed"]),
+            ("Failed requests", s["failed"]),
+        ]
         rows += [(f"  failed: {kind}", n) for kind, n in s["failures"].items()]
-        rows += [("Benchmark duration (s)", fmt(s["duration_s"])),
-                 (f"Total generated tokens (from {s['tokens_from'] or '-'})", s["output_tokens"]),
-                 ("Request throughput (req/s)", fmt(s["request_throughput"])),
-                 ("Output token throughput (tok/s)", fmt(s["output_throughput"]))]
+        rows += [
+            ("Benchmark duration (s)", fmt(s["duration_s"])),
+            (f"Total generated tokens (from {s['tokens_from'] or '-'})", s["output_tokens"]),
+            ("Request throughput (req/s)", fmt(s["request_throughput"])),
+            ("Output token throughput (tok/s)", fmt(s["output_throughput"])),
+        ]
         if s["goodput"] is not None:
             slo = self.settings
-            rows += [(f"Goodput (req/s; TTFT <= {slo.get('slo_ttft_s')} s, TPOT <= "
-                      f"{slo.get('slo_tpot_s')} s)", fmt(s["goodput"])),
-                     ("Good requests", s["good_requests"])]
+            rows += [
+                (
+                    f"Goodput (req/s; TTFT <= {slo.get('slo_ttft_s')} s, TPOT <= {slo.get('slo_tpot_s')} s)",
+                    fmt(s["goodput"]),
+                ),
+                ("Good requests", s["good_requests"]),
+            ]
         for name, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL")):
             for k in ("mean", "p50", "p99"):
-                rows.append((f"{k.capitalize() if k == 'mean' else k.upper()} {label} (ms)",
-                             fmt(s[f"{name}_{k}"])))
+                rows.append(
+                    (f"{k.capitalize() if k == 'mean' else k.upper()} {label} (ms)", fmt(s[f"{name}_{k}"]))
+                )
         width = max(len(str(k)) for k, _ in rows) + 2
         return "\n".join(f"{k:<{width}}{v}" for k, v in rows)
 
@@ -183,8 +204,13 @@ async def _one(client, model: str, req, t0: float, usage: bool, user: str | None
     last = None
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=req.messages, max_tokens=req.max_new_tokens, temperature=0,
-            stream=True, **extra)
+            model=model,
+            messages=req.messages,
+            max_tokens=req.max_new_tokens,
+            temperature=0,
+            stream=True,
+            **extra,
+        )
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
@@ -224,16 +250,19 @@ def first_model(base_url: str, api_key: str = "unused") -> str:
     return models[0].id
 
 
-async def _run(base_url, workload: Workload, model, concurrency, usage, timeout_s, progress,
-               api_key, user) -> tuple[float, list[RequestResult]]:
+async def _run(
+    base_url, workload: Workload, model, concurrency, usage, timeout_s, progress, api_key, user
+) -> tuple[float, list[RequestResult]]:
     from openai import AsyncOpenAI
     from tqdm.auto import tqdm
 
-    client = AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key,
-                         timeout=timeout_s, max_retries=0)
+    client = AsyncOpenAI(
+        base_url=base_url.rstrip("/") + "/v1", api_key=api_key, timeout=timeout_s, max_retries=0
+    )
     gate = asyncio.Semaphore(concurrency) if concurrency else None
-    bar = tqdm(total=len(workload.requests), unit="req", desc=f"loadgen {workload.name}",
-               disable=not progress)
+    bar = tqdm(
+        total=len(workload.requests), unit="req", desc=f"loadgen {workload.name}", disable=not progress
+    )
     t0 = time.perf_counter()
 
     async def send(req):
@@ -266,11 +295,21 @@ def _run_to_end(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
-def run_loadgen(base_url: str, workload: Workload, model: str | None = None,
-                concurrency: int | None = None, rate: float | None = None, seed: int = 0,
-                slo_ttft_s: float | None = None, slo_tpot_s: float | None = None,
-                usage: bool = True, timeout_s: float = 600.0, progress: bool = True,
-                api_key: str = "unused", user: str | None = None) -> LoadgenResult:
+def run_loadgen(
+    base_url: str,
+    workload: Workload,
+    model: str | None = None,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+    slo_ttft_s: float | None = None,
+    slo_tpot_s: float | None = None,
+    usage: bool = True,
+    timeout_s: float = 600.0,
+    progress: bool = True,
+    api_key: str = "unused",
+    user: str | None = None,
+) -> LoadgenResult:
     """Send every request of ``workload`` to the server at ``base_url`` and measure.
 
     ``rate``: Poisson arrivals at that many requests per second (seeded by ``seed``);
@@ -288,10 +327,18 @@ def run_loadgen(base_url: str, workload: Workload, model: str | None = None,
         raise ValueError("every request needs chat messages (WorkloadRequest.messages)")
     workload = workload.with_arrivals("poisson" if rate else "all", rate=rate, seed=seed)
     model = model or first_model(base_url, api_key)
-    duration, results = _run_to_end(_run(base_url, workload, model, concurrency, usage,
-                                         timeout_s, progress, api_key, user))
-    settings = {"requests": len(results), "concurrency": concurrency, "rate": rate, "seed": seed,
-                "user": user,
-                "slo_ttft_s": slo_ttft_s, "slo_tpot_s": slo_tpot_s, "usage": usage,
-                "max_tokens_total": sum(r.max_new_tokens for r in workload.requests)}
+    duration, results = _run_to_end(
+        _run(base_url, workload, model, concurrency, usage, timeout_s, progress, api_key, user)
+    )
+    settings = {
+        "requests": len(results),
+        "concurrency": concurrency,
+        "rate": rate,
+        "seed": seed,
+        "user": user,
+        "slo_ttft_s": slo_ttft_s,
+        "slo_tpot_s": slo_tpot_s,
+        "usage": usage,
+        "max_tokens_total": sum(r.max_new_tokens for r in workload.requests),
+    }
     return LoadgenResult(base_url, model, workload.name, settings, duration, results)

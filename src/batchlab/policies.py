@@ -61,8 +61,11 @@ class Admission:
     def __post_init__(self):
         if self.max_queue is not None and (not isinstance(self.max_queue, int) or self.max_queue < 0):
             raise ValueError(f"max_queue must be an integer >= 0 or None, got {self.max_queue!r}")
-        if self.max_wait_s is not None and not (isinstance(self.max_wait_s, (int, float))
-                                                and self.max_wait_s >= 0 and math.isfinite(self.max_wait_s)):
+        if self.max_wait_s is not None and not (
+            isinstance(self.max_wait_s, (int, float))
+            and self.max_wait_s >= 0
+            and math.isfinite(self.max_wait_s)
+        ):
             raise ValueError(f"max_wait_s must be a number >= 0 or None, got {self.max_wait_s!r}")
 
     def check_room(self, queue_depth: Callable[[], int]) -> None:
@@ -76,5 +79,8 @@ class Admission:
         stays) and have waited longer than ``max_wait_s``."""
         if self.max_wait_s is None:
             return []
-        return [r for r in queue if r.state is State.QUEUED and not r.output_ids
-                and now - r.arrival_s > self.max_wait_s]
+        return [
+            r
+            for r in queue
+            if r.state is State.QUEUED and not r.output_ids and now - r.arrival_s > self.max_wait_s
+        ]

@@ -31,8 +31,10 @@ def check_prompt_ids(ids: list, vocab_size: int, max_seq_len: int) -> None:
     if bad:
         raise ValueError(f"token ids must be integers in [0, {vocab_size}); got {bad[:5]!r}")
     if len(ids) >= max_seq_len:
-        raise ValueError(f"the prompt has {len(ids)} tokens but the maximum sequence length is "
-                         f"{max_seq_len}, which must leave room for at least one new token")
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens but the maximum sequence length is "
+            f"{max_seq_len}, which must leave room for at least one new token"
+        )
 
 
 def clamp_new_tokens(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:

@@ -53,9 +53,15 @@ class Request:
     def __post_init__(self):
         self.sampler = Sampler(self.sampling)
         self.prefill_len = self.prompt_len
-        self.record = RequestRecord(self.id, self.prompt_len, self.max_new_tokens, self.arrival_s,
-                                    state_times=[(self.arrival_s, self.state.value)],
-                                    output_ids=self.output_ids, priority=self.priority)
+        self.record = RequestRecord(
+            self.id,
+            self.prompt_len,
+            self.max_new_tokens,
+            self.arrival_s,
+            state_times=[(self.arrival_s, self.state.value)],
+            output_ids=self.output_ids,
+            priority=self.priority,
+        )
 
     @property
     def prompt_len(self) -> int:
@@ -68,7 +74,7 @@ class Request:
     def token_ids(self, start: int, stop: int) -> list[int]:
         """Tokens ``start..stop-1`` of the whole sequence: prompt, then generated tokens."""
         p = self.prompt_len
-        return self.prompt_ids[start:min(stop, p)] + self.output_ids[max(start - p, 0):max(stop - p, 0)]
+        return self.prompt_ids[start : min(stop, p)] + self.output_ids[max(start - p, 0) : max(stop - p, 0)]
 
     @property
     def finished(self) -> bool:

@@ -38,8 +38,10 @@ class Chunk:
         """Flat KV-pool addresses of positions ``start..stop-1`` (vLLM calls this the slot mapping):
         position ``i`` lives in block ``block_table[i // block_size]`` at ``i % block_size``."""
         if stop > len(self.block_table) * block_size:
-            raise IndexError(f"{self.req_id}: positions up to {stop} need more KV blocks than "
-                             f"its table holds ({len(self.block_table)} of {block_size} tokens)")
+            raise IndexError(
+                f"{self.req_id}: positions up to {stop} need more KV blocks than "
+                f"its table holds ({len(self.block_table)} of {block_size} tokens)"
+            )
         table = np.asarray(self.block_table, dtype=np.int32)
         positions = np.arange(start, stop, dtype=np.int32)
         return table[positions // block_size] * block_size + positions % block_size

@@ -76,8 +76,9 @@ class Scheduler:
     kind = "base"
     description = ""  # one line: what this kind does (the CLI, ``batchlab demo``, the README)
     options: dict[str, Option] = {
-        "max_batch_size": Option(int, "decode slots: at most this many requests decode together (B)",
-                                 (1, 3, 8)),
+        "max_batch_size": Option(
+            int, "decode slots: at most this many requests decode together (B)", (1, 3, 8)
+        ),
     }
     bench_variants: dict[str, dict] = {}  # engines of this kind in ``batchlab bench``: name -> options
     kv_on_demand = False  # blocks taken as requests grow (so prefix caching can share them)
@@ -89,8 +90,13 @@ class Scheduler:
         if cls.__module__ == __name__ and "kind" in cls.__dict__:
             KINDS[cls.kind] = cls
 
-    def __init__(self, blocks: BlockManager, clock: Callable[[], float], max_batch_size: int = 8,
-                 policy: PriorityPolicy | None = None):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        clock: Callable[[], float],
+        max_batch_size: int = 8,
+        policy: PriorityPolicy | None = None,
+    ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.max_batch_size = max_batch_size
@@ -107,8 +113,7 @@ class Scheduler:
         """The options this kind takes, with their defaults: its constructor's keyword
         arguments after ``(blocks, clock)``."""
         params = list(inspect.signature(cls.__init__).parameters.values())[3:]
-        return {p.name: p.default for p in params
-                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        return {p.name: p.default for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
     @classmethod
     def option_specs(cls) -> dict[str, tuple[object, Option | None]]:
@@ -136,8 +141,10 @@ class Scheduler:
     def take_slot(self, req: Request) -> None:
         slot = self.free_slot()
         if slot is None:
-            raise RuntimeError(f"take_slot({req.id}): every decode slot is taken; check "
-                               f"free_slot() is not None first (or free finished requests)")
+            raise RuntimeError(
+                f"take_slot({req.id}): every decode slot is taken; check "
+                f"free_slot() is not None first (or free finished requests)"
+            )
         req.slot = slot
         self.slots[slot] = req
 
@@ -182,7 +189,8 @@ class Scheduler:
             raise ValueError(
                 f"prompt + max_new_tokens = {num_tokens} tokens needs {need} KV blocks, but the "
                 f"engine has {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens; "
-                f"raise num_kv_blocks")
+                f"raise num_kv_blocks"
+            )
 
     def passes(self) -> Iterator[Batch]:
         """This step's passes: what the engine iterates. Starts the step's bookkeeping,
@@ -202,8 +210,9 @@ class Scheduler:
         chunks = [self._chunk(r, r.next_input(), sample=True) for r in batch.decode]
         for req, n in batch.prefill:  # the prompt (+ generated tokens, recomputed after preemption)
             end = req.num_computed + n
-            chunks.append(self._chunk(req, req.token_ids(req.num_computed, end),
-                                      sample=end == req.prefill_len))
+            chunks.append(
+                self._chunk(req, req.token_ids(req.num_computed, end), sample=end == req.prefill_len)
+            )
         # static: a finished row's last position is recomputed and the result thrown away
         chunks += [self._chunk(r, r.next_input(), sample=False) for r in batch.padding]
         return chunks
@@ -214,8 +223,9 @@ class Scheduler:
         self.blocks.check_writable(req.id, start, end)
         return Chunk(req.id, tokens, start, list(table), req.sampler if sample else None)
 
-    def postprocess(self, batch: Batch, tokens: list[int | None], now: float
-                    ) -> list[tuple[Request, int, str | None]]:
+    def postprocess(
+        self, batch: Batch, tokens: list[int | None], now: float
+    ) -> list[tuple[Request, int, str | None]]:
         """The one result hook, after every pass of every kind: advance each request by
         what it computed, name full blocks for the prefix cache, hand out the new tokens
         (one per ``batch.requests`` entry, None where none was sampled), free the
@@ -226,7 +236,7 @@ class Scheduler:
             req.num_computed += 1
         for req, n in batch.prefill:
             req.num_computed += n
-        for req in batch.requests[:len(batch.decode) + len(batch.prefill)]:
+        for req in batch.requests[: len(batch.decode) + len(batch.prefill)]:
             if not req.finished:  # full blocks join the prefix cache
                 self.blocks.cache_full_blocks(req.id, req.num_computed, req.token_ids)
         events = []
@@ -240,8 +250,7 @@ class Scheduler:
             events.append((req, token, reason))
         for req, _ in batch.prefill:  # a finished prompt moves on: decode in its slot, or await one
             if req.prefill_left == 0 and req.state is State.PREFILLING:
-                req.set_state(State.DECODING if req.slot is not None else State.AWAITING_SLOT,
-                              self.clock())
+                req.set_state(State.DECODING if req.slot is not None else State.AWAITING_SLOT, self.clock())
         return events
 
     def fail(self, batch: Batch, cause: BaseException, now: float) -> list[Request]:
@@ -259,11 +268,16 @@ class Scheduler:
     def kv_usage(self) -> dict:
         """What KV memory looks like now (for the trace and ``stats``)."""
         b = self.blocks
-        return {"num_kv_blocks": b.num_blocks, "free_kv_blocks": b.num_free,
-                "kv_blocks_used": b.num_blocks - b.num_free,
-                "block_tables": {rid: list(t) for rid, t in b.tables.items()},
-                "cached_blocks": list(b.evictable), "preemptions": self.num_preemptions,
-                "prefix_cache_hits": b.hit_blocks, "prefix_cache_hit_tokens": b.hit_tokens}
+        return {
+            "num_kv_blocks": b.num_blocks,
+            "free_kv_blocks": b.num_free,
+            "kv_blocks_used": b.num_blocks - b.num_free,
+            "block_tables": {rid: list(t) for rid, t in b.tables.items()},
+            "cached_blocks": list(b.evictable),
+            "preemptions": self.num_preemptions,
+            "prefix_cache_hits": b.hit_blocks,
+            "prefix_cache_hit_tokens": b.hit_tokens,
+        }
 
     # -- on-demand KV memory (continuous, stall-free) ------------------------------------
     def first_chunk(self, req: Request, max_tokens: float) -> tuple[list[int], int, int]:
@@ -277,8 +291,9 @@ class Scheduler:
         ``max_tokens``, after any cached prefix) and still keep one block of headroom for
         every decoding request, so that admitting does not at once force a preemption."""
         hits, cached, n = self.first_chunk(req, max_tokens)
-        taken = self.blocks.blocks_for(cached + n) - len(hits) \
-            + sum(self.blocks.ref_counts[b] == 0 for b in hits)  # evictable hits leave the free pool
+        taken = (
+            self.blocks.blocks_for(cached + n) - len(hits) + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        )  # evictable hits leave the free pool
         headroom = sum(r.state is State.DECODING for r in self.running)
         return taken + headroom <= self.blocks.num_free
 
@@ -355,8 +370,10 @@ class StaticScheduler(Scheduler):
             if not self.running:
                 return
             longest = max(r.prompt_len for r in self.running)
-            yield Batch(prefill=[(r, r.prompt_len) for r in self.running],
-                        padding_tokens=sum(longest - r.prompt_len for r in self.running))
+            yield Batch(
+                prefill=[(r, r.prompt_len) for r in self.running],
+                padding_tokens=sum(longest - r.prompt_len for r in self.running),
+            )
         live = [r for r in self.running if not r.finished]
         if live:  # finished rows ride along as padding
             yield Batch(decode=live, padding=[r for r in self.running if r.finished])
@@ -380,20 +397,34 @@ class ContinuousScheduler(Scheduler):
     """
 
     kind = "continuous"
-    description = ("iteration-level: one admission a step, its prefill as a pass of its own "
-                   "(whole, or prefill_step tokens at a time), then one decode pass over every slot")
-    options = {"prefill_step": Option(int, "prefill at most this many prompt tokens a step "
-                                           "(chunked prefill; default: the whole prompt at once)",
-                                      (1, 7, 128, None))}
+    description = (
+        "iteration-level: one admission a step, its prefill as a pass of its own "
+        "(whole, or prefill_step tokens at a time), then one decode pass over every slot"
+    )
+    options = {
+        "prefill_step": Option(
+            int,
+            "prefill at most this many prompt tokens a step "
+            "(chunked prefill; default: the whole prompt at once)",
+            (1, 7, 128, None),
+        )
+    }
     bench_variants = {"continuous": {}, "chunked": {"prefill_step": 128}}
     kv_on_demand = True
     prefill_lane = True
 
-    def __init__(self, blocks: BlockManager, clock, max_batch_size: int = 8,
-                 prefill_step: int | None = None, policy: PriorityPolicy | None = None):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        clock,
+        max_batch_size: int = 8,
+        prefill_step: int | None = None,
+        policy: PriorityPolicy | None = None,
+    ):
         super().__init__(blocks, clock, max_batch_size, policy)
-        if prefill_step is not None and (isinstance(prefill_step, bool) or not isinstance(prefill_step, int)
-                                         or prefill_step < 1):
+        if prefill_step is not None and (
+            isinstance(prefill_step, bool) or not isinstance(prefill_step, int) or prefill_step < 1
+        ):
             raise ValueError(f"prefill_step must be an integer >= 1, got {prefill_step!r}")
         self.prefill_step = prefill_step or math.inf
 
@@ -451,26 +482,46 @@ class StallFreeScheduler(ContinuousScheduler):
     target, ``costmodel.DEFAULT_SLO_DECODE_STEPS`` decode steps of a full batch."""
 
     kind = "stallfree"
-    description = ("Sarathi-Serve's stall-free batching: a token budget a step, decodes first, "
-                   "then prefill chunks, all in ONE fused forward pass")
+    description = (
+        "Sarathi-Serve's stall-free batching: a token budget a step, decodes first, "
+        "then prefill chunks, all in ONE fused forward pass"
+    )
     options = {
-        "token_budget": Option(int, "tokens a step: decodes first, prefill chunks in the rest "
-                                    "(default: chosen from --tbt-slo by the cost model)", (8, 15, 136)),
-        "tbt_slo": Option(float, "the time-between-tokens target in seconds the budget is chosen "
-                                 "for (default: a multiple of the predicted decode step)"),
+        "token_budget": Option(
+            int,
+            "tokens a step: decodes first, prefill chunks in the rest "
+            "(default: chosen from --tbt-slo by the cost model)",
+            (8, 15, 136),
+        ),
+        "tbt_slo": Option(
+            float,
+            "the time-between-tokens target in seconds the budget is chosen "
+            "for (default: a multiple of the predicted decode step)",
+        ),
     }
     bench_variants = {"stallfree": {}}
     prefill_lane = False
 
-    def __init__(self, blocks: BlockManager, clock, max_batch_size: int = 8,
-                 token_budget: int | None = None, tbt_slo: float | None = None,
-                 policy: PriorityPolicy | None = None):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        clock,
+        max_batch_size: int = 8,
+        token_budget: int | None = None,
+        tbt_slo: float | None = None,
+        policy: PriorityPolicy | None = None,
+    ):
         super().__init__(blocks, clock, max_batch_size, policy=policy)
         if token_budget is None:
             token_budget = token_budget_for_slo(CostModel.load(), max_batch_size, tbt_slo)
-        if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < max_batch_size:
-            raise ValueError(f"token_budget must be an integer >= max_batch_size "
-                             f"({max_batch_size}), got {token_budget!r}")
+        if (
+            isinstance(token_budget, bool)
+            or not isinstance(token_budget, int)
+            or token_budget < max_batch_size
+        ):
+            raise ValueError(
+                f"token_budget must be an integer >= max_batch_size ({max_batch_size}), got {token_budget!r}"
+            )
         self.token_budget = token_budget
         self.tbt_slo = tbt_slo
 
@@ -485,8 +536,9 @@ class StallFreeScheduler(ContinuousScheduler):
         prefill = self.continue_prefills(self.token_budget - len(decode))
         prefill += self.admit_within(self.token_budget - len(decode) - sum(n for _, n in prefill))
         held = set(map(id, self.running))  # a later phase may have preempted an earlier pick
-        return Batch(decode=[r for r in decode if id(r) in held],
-                     prefill=[(r, n) for r, n in prefill if id(r) in held])
+        return Batch(
+            decode=[r for r in decode if id(r) in held], prefill=[(r, n) for r, n in prefill if id(r) in held]
+        )
 
     def decodes(self) -> list[Request]:
         """Every decoding request, one token each (blocks to the most important first)."""

@@ -134,8 +134,10 @@ def chat_turns(messages: list[ChatMessage]) -> list[dict]:
         if isinstance(content, list):
             for k, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise Unsupported(f"content part type {part.type!r} is not supported: this model "
-                                      f"reads text only", f"messages.{i}.content.{k}")
+                    raise Unsupported(
+                        f"content part type {part.type!r} is not supported: this model reads text only",
+                        f"messages.{i}.content.{k}",
+                    )
             content = "".join(part.text for part in content)
         role = "system" if message.role == "developer" else message.role
         turns.append({"role": role, "content": content or ""})
@@ -155,10 +157,17 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int]
 
 
-def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-          code: str | None = None):
-    return JSONResponse(status_code=status, content={
-        "error": {"message": message, "type": kind, "param": param, "code": code}})
+def error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+):
+    return JSONResponse(
+        status_code=status,
+        content={"error": {"message": message, "type": kind, "param": param, "code": code}},
+    )
 
 
 class Unauthorized(Exception):
@@ -198,7 +207,8 @@ def check_exposure(host: str, api_key: str | None, insecure: bool = False) -> No
         raise ValueError(
             f"refusing to listen on {host} without an API key: anyone who can reach this machine "
             "could use the model and read what others send. Give --api-key KEY (clients then send "
-            "'Authorization: Bearer KEY'), or --insecure if the network is yours alone.")
+            "'Authorization: Bearer KEY'), or --insecure if the network is yours alone."
+        )
 
 
 @dataclass
@@ -223,12 +233,13 @@ class StopMatcher:
         self.buffer += text
         hits = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
         if hits:
-            out, self.buffer = self.buffer[:min(hits)], ""
+            out, self.buffer = self.buffer[: min(hits)], ""
             return out, True
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.buffer.endswith(s[:k])),
-                   default=0)
-        out = self.buffer[:len(self.buffer) - hold]
-        self.buffer = self.buffer[len(out):]
+        hold = max(
+            (k for s in self.stops for k in range(1, len(s)) if self.buffer.endswith(s[:k])), default=0
+        )
+        out = self.buffer[: len(self.buffer) - hold]
+        self.buffer = self.buffer[len(out) :]
         return out, False
 
     def flush(self) -> str:
@@ -237,8 +248,9 @@ class StopMatcher:
 
 
 class Server:
-    def __init__(self, lm: LoadedModel, loop: EngineLoop, model_id: str,
-                 max_running_per_user: int | None = None):
+    def __init__(
+        self, lm: LoadedModel, loop: EngineLoop, model_id: str, max_running_per_user: int | None = None
+    ):
         self.lm, self.loop, self.model_id = lm, loop, model_id
         self.started = int(time.time())
         if max_running_per_user is not None and max_running_per_user < 1:
@@ -292,11 +304,19 @@ class Server:
         limit = self.max_running_per_user
         if limit is not None and sum(c.user == req.user for c in self.clients.values()) >= limit:
             who = f"user {req.user!r}" if req.user is not None else "requests without a user"
-            raise TooManyRunning(f"{who} already has {limit} unfinished request(s), the most this "
-                                 "server allows per user; wait for one to finish")
+            raise TooManyRunning(
+                f"{who} already has {limit} unfinished request(s), the most this "
+                "server allows per user; wait for one to finish"
+            )
         max_new = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
-        rid = self.loop.submit(prompt_ids, max_new_tokens=max_new, temperature=req.temperature,
-                               top_p=req.top_p, seed=req.seed, priority=req.priority)
+        rid = self.loop.submit(
+            prompt_ids,
+            max_new_tokens=max_new,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            priority=req.priority,
+        )
         client = self.clients[rid] = Client(req.user, prompt_ids, self.loop.engine.trace.requests[rid])
         for listener in self.on_submit:
             listener(rid, client)
@@ -351,8 +371,11 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
 
     @app.exception_handler(Unauthorized)
     async def _unauthorized(_, exc: Unauthorized):
-        response = error(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
-                         code="invalid_api_key")
+        response = error(
+            401,
+            "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+            code="invalid_api_key",
+        )
         response.headers["WWW-Authenticate"] = "Bearer"
         return response
 
@@ -372,8 +395,12 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
 
     @app.get("/v1/models", dependencies=[auth])
     async def models():
-        return {"object": "list", "data": [{"id": server.model_id, "object": "model",
-                                            "created": server.started, "owned_by": "batchlab"}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": server.model_id, "object": "model", "created": server.started, "owned_by": "batchlab"}
+            ],
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -392,8 +419,10 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
             f"batchlab_tokens_per_second {tokens / 10:.3f}",
             f"batchlab_kv_blocks_free {stats['free_kv_blocks']}",
             f"batchlab_kv_blocks_total {stats['num_kv_blocks']}",
-        ] + [f'batchlab_requests_finished_total{{reason="{r}"}} {n}'
-             for r, n in sorted(stats["finished"].items())]
+        ] + [
+            f'batchlab_requests_finished_total{{reason="{r}"}} {n}'
+            for r, n in sorted(stats["finished"].items())
+        ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def respond(http: Request, req: SamplingFields, prompt_ids: list[int], chat: bool):
@@ -412,13 +441,19 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
         created = int(time.time())
 
         def usage(count):
-            return {"prompt_tokens": len(prompt_ids), "completion_tokens": count,
-                    "total_tokens": len(prompt_ids) + count}
+            return {
+                "prompt_tokens": len(prompt_ids),
+                "completion_tokens": count,
+                "total_tokens": len(prompt_ids) + count,
+            }
 
         def choice(text, reason, final):
             if chat:
-                body = {"delta": {"content": text} if text else {}} if not final else \
-                    {"message": {"role": "assistant", "content": text}}
+                body = (
+                    {"delta": {"content": text} if text else {}}
+                    if not final
+                    else {"message": {"role": "assistant", "content": text}}
+                )
             else:
                 body = {"text": text}
             return {"index": 0, **body, "finish_reason": reason, "logprobs": None}
@@ -433,28 +468,58 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
                         return error(499, "client closed the request")
             except StreamEnded as e:
                 return error(e.status, str(e), "server_error")
-            return {"id": ident, "object": kind, "created": created, "model": server.model_id,
-                    "choices": [choice(text, reason, final=True)], "usage": usage(count)}
+            return {
+                "id": ident,
+                "object": kind,
+                "created": created,
+                "model": server.model_id,
+                "choices": [choice(text, reason, final=True)],
+                "usage": usage(count),
+            }
 
         async def sse():
             obj = kind + (".chunk" if chat else "")
 
             def chunk(choices, **extra):
-                return "data: " + json.dumps({"id": ident, "object": obj, "created": created,
-                                              "model": server.model_id, "choices": choices,
-                                              **extra}) + "\n\n"
+                return (
+                    "data: "
+                    + json.dumps(
+                        {
+                            "id": ident,
+                            "object": obj,
+                            "created": created,
+                            "model": server.model_id,
+                            "choices": choices,
+                            **extra,
+                        }
+                    )
+                    + "\n\n"
+                )
 
             if chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "finish_reason": None}])
+                yield chunk(
+                    [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+                )
             count = 0
             try:
                 async for piece, reason, count in server.events(rid, req.stop):
                     if piece or reason:
                         yield chunk([choice(piece, reason, final=False)])
             except StreamEnded as e:  # an error event, as OpenAI's and vLLM's servers send
-                yield "data: " + json.dumps({"error": {"message": str(e), "type": "server_error",
-                                                       "param": None, "code": e.status}}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {
+                            "error": {
+                                "message": str(e),
+                                "type": "server_error",
+                                "param": None,
+                                "code": e.status,
+                            }
+                        }
+                    )
+                    + "\n\n"
+                )
                 yield "data: [DONE]\n\n"
                 return
             if req.stream_options and req.stream_options.include_usage:
@@ -502,19 +567,34 @@ def _uvicorn(server: Server, api_key: str | None, show_prompts: bool, **config):
     return Uvicorn(uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **config))
 
 
-def serve(lm: LoadedModel, kind, host: str = "127.0.0.1", port: int = 8000,
-          max_queue: int = 64, api_key: str | None = None, insecure: bool = False,
-          max_running_per_user: int | None = None, show_prompts: bool = False,
-          **engine_options) -> None:
+def serve(
+    lm: LoadedModel,
+    kind,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_queue: int = 64,
+    api_key: str | None = None,
+    insecure: bool = False,
+    max_running_per_user: int | None = None,
+    show_prompts: bool = False,
+    **engine_options,
+) -> None:
     """Run the server until interrupted (``batchlab serve``)."""
     from .engine import make_engine
 
     check_exposure(host, api_key, insecure)
-    engine = make_engine(kind, lm, trace_limit=2000, admission=Admission(max_queue=max_queue),
-                         **engine_options)
+    engine = make_engine(
+        kind, lm, trace_limit=2000, admission=Admission(max_queue=max_queue), **engine_options
+    )
     with EngineLoop(engine) as loop:
-        _uvicorn(Server(lm, loop, lm.info.name, max_running_per_user), api_key, show_prompts,
-                 host=host, port=port, log_level="info").run()
+        _uvicorn(
+            Server(lm, loop, lm.info.name, max_running_per_user),
+            api_key,
+            show_prompts,
+            host=host,
+            port=port,
+            log_level="info",
+        ).run()
 
 
 class ServerThread:
@@ -541,11 +621,20 @@ class ServerThread:
         self.stop()
 
 
-def serve_in_thread(lm: LoadedModel, kind="stallfree", host: str = "127.0.0.1",
-                    port: int = 0, max_queue: int = 64, model_id: str | None = None,
-                    trace_limit: int | None = 5000, api_key: str | None = None,
-                    insecure: bool = False, max_running_per_user: int | None = None,
-                    show_prompts: bool = False, **engine_options) -> ServerThread:
+def serve_in_thread(
+    lm: LoadedModel,
+    kind="stallfree",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_queue: int = 64,
+    model_id: str | None = None,
+    trace_limit: int | None = 5000,
+    api_key: str | None = None,
+    insecure: bool = False,
+    max_running_per_user: int | None = None,
+    show_prompts: bool = False,
+    **engine_options,
+) -> ServerThread:
     """Start the server in a background thread of this process (a notebook or a test) and
     return once it accepts connections. ``port=0`` takes a free port; the socket is bound
     here, before the thread starts, so no other process can take it in between.
@@ -557,17 +646,23 @@ def serve_in_thread(lm: LoadedModel, kind="stallfree", host: str = "127.0.0.1",
     from .engine import make_engine
 
     check_exposure(host, api_key, insecure)
-    engine = make_engine(kind, lm, trace_limit=trace_limit, admission=Admission(max_queue=max_queue),
-                         **engine_options)
+    engine = make_engine(
+        kind, lm, trace_limit=trace_limit, admission=Admission(max_queue=max_queue), **engine_options
+    )
     loop = EngineLoop(engine).start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        uv = _uvicorn(Server(lm, loop, model_id or lm.info.name, max_running_per_user), api_key,
-                      show_prompts, log_level="warning")
-        thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]},
-                                  name="batchlab-http", daemon=True)
+        uv = _uvicorn(
+            Server(lm, loop, model_id or lm.info.name, max_running_per_user),
+            api_key,
+            show_prompts,
+            log_level="warning",
+        )
+        thread = threading.Thread(
+            target=uv.run, kwargs={"sockets": [sock]}, name="batchlab-http", daemon=True
+        )
         thread.start()
         deadline = time.monotonic() + 30
         while not uv.started:

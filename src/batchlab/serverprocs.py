@@ -39,13 +39,29 @@ class ServerSpec:
     model: str | None
 
 
-def batchlab_spec(batch_size: int, max_queue: int = 100_000, engine: str = "stallfree",
-                  *options: str) -> ServerSpec:
+def batchlab_spec(
+    batch_size: int, max_queue: int = 100_000, engine: str = "stallfree", *options: str
+) -> ServerSpec:
     """``batchlab serve``: ``engine`` (a kind, or module:Class imported from the current
     folder) with ``batch_size`` slots, plus any further command-line ``options``."""
-    return ServerSpec("batchlab serve", [sys.executable, "-m", "batchlab.cli", "serve",
-                                         "--engine", engine, "--batch-size", str(batch_size),
-                                         "--max-queue", str(max_queue), *options], {}, None)
+    return ServerSpec(
+        "batchlab serve",
+        [
+            sys.executable,
+            "-m",
+            "batchlab.cli",
+            "serve",
+            "--engine",
+            engine,
+            "--batch-size",
+            str(batch_size),
+            "--max-queue",
+            str(max_queue),
+            *options,
+        ],
+        {},
+        None,
+    )
 
 
 def mlx_lm_spec(model_dir: str | Path, batch_size: int) -> ServerSpec:
@@ -54,10 +70,27 @@ def mlx_lm_spec(model_dir: str | Path, batch_size: int) -> ServerSpec:
     prompts together (``--prompt-concurrency``; it would raise the decode batch to match
     a larger value anyway). Greedy by default (``--temp 0``)."""
     env = {"LD_PRELOAD": _blas.STATUS.path} if _blas.STATUS.path and sys.platform == "linux" else {}
-    return ServerSpec("mlx_lm.server", [sys.executable, "-m", "mlx_lm", "server", "--model",
-                                        str(model_dir), "--decode-concurrency", str(batch_size),
-                                        "--prompt-concurrency", str(batch_size), "--temp", "0",
-                                        "--log-level", "WARNING"], env, "default_model")
+    return ServerSpec(
+        "mlx_lm.server",
+        [
+            sys.executable,
+            "-m",
+            "mlx_lm",
+            "server",
+            "--model",
+            str(model_dir),
+            "--decode-concurrency",
+            str(batch_size),
+            "--prompt-concurrency",
+            str(batch_size),
+            "--temp",
+            "0",
+            "--log-level",
+            "WARNING",
+        ],
+        env,
+        "default_model",
+    )
 
 
 @dataclass
@@ -105,9 +138,12 @@ def running(spec: ServerSpec, ready_within_s: float = 180) -> Iterator[ServerPro
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(spec.command + ["--host", "127.0.0.1", "--port", str(port)],
-                                env={**os.environ, **spec.env}, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            spec.command + ["--host", "127.0.0.1", "--port", str(port)],
+            env={**os.environ, **spec.env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             try:
                 _wait_ready(proc, url, ready_within_s)

@@ -22,6 +22,7 @@ from .trace import Trace
 from .driver import run_workload
 from .workloads import Workload
 
+
 class VirtualClock:
     """Seconds of simulated time; callable like the engine's clock."""
 
@@ -74,8 +75,9 @@ def make_sim_engine(kind: str = "stallfree", cost: CostModel | None = None, **op
     from .engine import make_engine
 
     clock = VirtualClock()
-    return make_engine(kind, SIM_MODEL, runner=sim_runner(cost or CostModel.load(), clock),
-                       clock=clock, **options)
+    return make_engine(
+        kind, SIM_MODEL, runner=sim_runner(cost or CostModel.load(), clock), clock=clock, **options
+    )
 
 
 def simulate(engine, workload: Workload, priorities: dict[str, int] | None = None) -> Trace:
@@ -86,8 +88,9 @@ def simulate(engine, workload: Workload, priorities: dict[str, int] | None = Non
     return run_workload(engine, workload, progress=False, priorities=priorities)
 
 
-def service_rate(workload: Workload, kind: str = "stallfree", cost: CostModel | None = None,
-                 **options) -> float:
+def service_rate(
+    workload: Workload, kind: str = "stallfree", cost: CostModel | None = None, **options
+) -> float:
     """μ: requests per second the engine completes when it never runs out of work --
     every request of ``workload`` arrives at once, and the rate is measured over the
     run. (Arrivals faster than this build a queue that only grows.)"""

@@ -21,42 +21,64 @@ _CONTROL = 3
 class Tokenizer:
     """Text <-> token ids, plus the special tokens a server needs to know."""
 
-    def __init__(self, backend: _HFTokenizer, eos_token_ids: Iterable[int],
-                 chat_template: str | None, bos_token: str = "", eos_token: str = ""):
+    def __init__(
+        self,
+        backend: _HFTokenizer,
+        eos_token_ids: Iterable[int],
+        chat_template: str | None,
+        bos_token: str = "",
+        eos_token: str = "",
+    ):
         self.backend = backend
         self.eos_token_ids = frozenset(eos_token_ids)
         self.chat_template = chat_template
         self.bos_token, self.eos_token = bos_token, eos_token
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self.special_tokens = {t.content: i for i, t in backend.get_added_tokens_decoder().items()
-                               if t.special}
+        self.special_tokens = {
+            t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special
+        }
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict) -> "Tokenizer":
         """Rebuild the byte-level BPE tokenizer stored in a GGUF file's metadata."""
         if meta["tokenizer.ggml.model"] != "gpt2":
-            raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, "
-                             f"not {meta['tokenizer.ggml.model']!r}")
+            raise ValueError(
+                f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, "
+                f"not {meta['tokenizer.ggml.model']!r}"
+            )
         tokens = list(meta["tokenizer.ggml.tokens"])
         merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
         types = list(meta["tokenizer.ggml.token_type"])
-        backend = _HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges,
-                                          fuse_unk=False, byte_fallback=False))
+        backend = _HFTokenizer(
+            models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False, byte_fallback=False)
+        )
         # llama.cpp's "smollm" pre-tokenizer: every digit on its own, then GPT-2's regex.
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
+        )
         backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                                    for i, kind in enumerate(types) if kind == _CONTROL])
+        backend.add_special_tokens(
+            [
+                AddedToken(tokens[i], special=True, normalized=False)
+                for i, kind in enumerate(types)
+                if kind == _CONTROL
+            ]
+        )
         eos = int(meta["tokenizer.ggml.eos_token_id"])
         eos_ids = {eos}
         if "<|endoftext|>" in tokens:  # end of document: a sensible stop for any prompt
             eos_ids.add(tokens.index("<|endoftext|>"))
         bos = meta.get("tokenizer.ggml.bos_token_id")
-        return cls(backend, eos_ids, meta.get("tokenizer.chat_template"),
-                   bos_token=tokens[int(bos)] if bos is not None else "", eos_token=tokens[eos])
+        return cls(
+            backend,
+            eos_ids,
+            meta.get("tokenizer.chat_template"),
+            bos_token=tokens[int(bos)] if bos is not None else "",
+            eos_token=tokens[eos],
+        )
 
     @classmethod
     def from_transformers(cls, hf_tokenizer, eos_token_ids: Iterable[int]) -> "Tokenizer":
@@ -64,8 +86,13 @@ class Tokenizer:
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ValueError("batchlab needs a fast (tokenizers-backed) tokenizer")
-        return cls(backend, eos_token_ids, hf_tokenizer.chat_template,
-                   bos_token=hf_tokenizer.bos_token or "", eos_token=hf_tokenizer.eos_token or "")
+        return cls(
+            backend,
+            eos_token_ids,
+            hf_tokenizer.chat_template,
+            bos_token=hf_tokenizer.bos_token or "",
+            eos_token=hf_tokenizer.eos_token or "",
+        )
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in the text are recognised."""
@@ -80,12 +107,21 @@ class Tokenizer:
         """Render ``messages`` with the model's own template (it adds the default system prompt)."""
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead")
-        if not messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                   and isinstance(m.get("content"), str) for m in messages):
+        if not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
-        return _template_env().from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token, eos_token=self.eos_token)
+        return (
+            _template_env()
+            .from_string(self.chat_template)
+            .render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        )
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.encode(self.apply_chat_template(messages))
@@ -125,9 +161,9 @@ class IncrementalDetokenizer:
 
     def _advance(self, final: bool) -> str:
         decode = self.tokenizer.decode
-        shown = decode(self.tokens[self.prefix_offset:self.read_offset])
-        text = decode(self.tokens[self.prefix_offset:])
+        shown = decode(self.tokens[self.prefix_offset : self.read_offset])
+        text = decode(self.tokens[self.prefix_offset :])
         if len(text) > len(shown) and (final or not text.endswith("\ufffd")):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
-            return text[len(shown):]
+            return text[len(shown) :]
         return ""

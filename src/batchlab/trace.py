@@ -73,9 +73,19 @@ class Trace:
     @classmethod
     def from_json(cls, text: str) -> "Trace":
         data = json.loads(text)
-        steps = [StepRecord(**{**s, "prefill": [tuple(p) for p in s["prefill"]],
-                                "slot_of": s.get("slot_of", {})}) for s in data["steps"]]
-        requests = {k: RequestRecord(**{**r, "state_times": [tuple(t) for t in r["state_times"]]})
-                    for k, r in data["requests"].items()}
-        return cls(data["kind"], data["max_batch_size"], steps, requests, data.get("num_kv_blocks"),
-                   data.get("prefill_lane", False))
+        steps = [
+            StepRecord(**{**s, "prefill": [tuple(p) for p in s["prefill"]], "slot_of": s.get("slot_of", {})})
+            for s in data["steps"]
+        ]
+        requests = {
+            k: RequestRecord(**{**r, "state_times": [tuple(t) for t in r["state_times"]]})
+            for k, r in data["requests"].items()
+        }
+        return cls(
+            data["kind"],
+            data["max_batch_size"],
+            steps,
+            requests,
+            data.get("num_kv_blocks"),
+            data.get("prefill_lane", False),
+        )

@@ -4,6 +4,7 @@ comparisons that many exercises share (numbers, whole numbers, optional values, 
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 import os
@@ -153,37 +154,21 @@ def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
     return Verdict(name, passed, total, "\n".join(lines), [c.label for _, c, _ in failures])
 
 
-# ---------------------------------------------------------------------------------------
-# Comparing what came back. Each ``*_compare`` builds a case's ``compare``: it rejects an
-# answer of the wrong kind with a sentence, accepts the right one, and otherwise asks the
-# exercise's ``diagnose(got, expected)`` to name the likely mistake ("" if it knows none).
-
-Diagnose = Callable[[Any, Any], str]
+# Comparing what came back. Each ``*_compare`` rejects an answer of the wrong kind with a
+# sentence, accepts the right one, and otherwise asks ``diagnose(got, expected)`` to name
+# the likely mistake ("" if it knows none).
 Compare = Callable[[Any, Any], "str | None"]
 
 
-def _knows_none(got: Any, expected: Any) -> str:
-    return ""
-
-
 def close(got: float, expected: float, rel: float = 1e-6) -> bool:
-    """Equal up to a relative tolerance (answers computed in another order differ in the last bits)."""
     return math.isclose(got, expected, rel_tol=rel, abs_tol=1e-12)
 
 
-def is_whole_number(got: Any) -> bool:
-    """An int or numpy integer, but not a bool (which Python counts as an int)."""
-    return isinstance(got, (int, np.integer)) and not isinstance(got, bool)
-
-
 def as_number(got: Any) -> tuple[float | None, str | None]:
-    """(value, None) for a real number; (None, why not) otherwise."""
     if isinstance(got, bool) or not isinstance(got, (int, float, np.integer, np.floating)):
         return None, f"expected a number (a Python float), but you returned {show(got)}"
     value = float(got)
-    if math.isnan(value):
-        return None, "you returned NaN (not a number)"
-    return value, None
+    return (None, "you returned NaN (not a number)") if math.isnan(value) else (value, None)
 
 
 def as_numbers(got: Any) -> tuple[list[float] | None, str | None]:
@@ -203,60 +188,31 @@ def as_numbers(got: Any) -> tuple[list[float] | None, str | None]:
     return out, None
 
 
-def as_pairs(got: Any, pair: str, check: Callable[[Any, Any], str | None] | None = None
-             ) -> tuple[list[tuple] | None, str | None]:
-    """A list of 2-tuples from a list or tuple of pairs; or why not. ``pair`` names the two
-    parts for the learner, e.g. "(start, length)"; ``check(a, b)`` says what is wrong with
-    one pair (None if nothing)."""
-    if not isinstance(got, (list, tuple)):
-        return None, f"expected a list of {pair} pairs, but you returned a {type(got).__name__}"
-    out = []
-    for i, item in enumerate(got):
-        if not isinstance(item, (list, tuple)) or len(item) != 2:
-            return None, f"item {i} is {show(item)}, not a {pair} pair"
-        problem = check(*item) if check else None
-        if problem:
-            return None, f"item {i} is {show(item)}: {problem}"
-        out.append(tuple(item))
-    return out, None
-
-
-def answer_compare(read: Callable[[Any], tuple[Any, str | None]], diagnose: Diagnose = _knows_none,
-                   same: Callable[[Any, Any], bool] = operator.eq) -> Compare:
-    """A case's compare: ``read(got)`` gives (value, None), or (None, why it is the wrong
-    kind of answer); a value that is ``same`` as the expected one is right."""
-    def compare(got, expected):
-        value, problem = read(got)
-        if problem:
-            return problem
-        if same(value, expected):
-            return None
-        return diagnose(value, expected)
-    return compare
-
-
 def as_whole_number(got: Any) -> tuple[int | None, str | None]:
-    """(got, None) for a whole number; (None, why not) otherwise."""
-    if is_whole_number(got):
+    if isinstance(got, (int, np.integer)) and not isinstance(got, bool):
         return got, None
     return None, f"expected a whole number (a Python int), but you returned a {type(got).__name__}"
 
 
-def number_compare(diagnose: Diagnose = _knows_none, rel: float = 1e-6) -> Compare:
-    """A case's compare for answers that are numbers, right within ``rel``."""
+def answer_compare(read: Callable, diagnose: Callable = lambda got, expected: "",
+                   same: Callable[[Any, Any], bool] = operator.eq) -> Compare:
+    """``read(got)`` gives (value, None) or (None, why it is the wrong kind of answer)."""
+    def compare(got, expected):
+        value, problem = read(got)
+        return problem or (None if same(value, expected) else diagnose(value, expected))
+    return compare
+
+
+def number_compare(diagnose: Callable = lambda got, expected: "", rel: float = 1e-6) -> Compare:
     return answer_compare(as_number, diagnose, lambda got, expected: close(got, expected, rel))
 
 
-def whole_number_compare(diagnose: Diagnose = _knows_none) -> Compare:
-    """A case's compare for answers that are whole numbers (counts, sizes)."""
+def whole_number_compare(diagnose: Callable = lambda got, expected: "") -> Compare:
     return answer_compare(as_whole_number, diagnose)
 
 
-def optional_compare(compare: Compare, when_none_expected: str, when_none_got: str | None = None
-                     ) -> Compare:
-    """``compare`` for answers that may rightly be None: when None is right, anything else
-    gets ``when_none_expected``; when a value is right, None gets ``when_none_got`` (if
-    given, else ``compare`` judges it)."""
+def optional_compare(compare: Compare, when_none_expected: str, when_none_got: str | None = None) -> Compare:
+    """``compare`` for answers that may rightly be None."""
     def optional(got, expected):
         if expected is None:
             return None if got is None else when_none_expected
@@ -264,3 +220,19 @@ def optional_compare(compare: Compare, when_none_expected: str, when_none_got: s
             return when_none_got
         return compare(got, expected)
     return optional
+
+
+def mistakes(*known, rel: float = 1e-6) -> Callable[[Any, Any], str]:
+    """A diagnose for numeric answers: ``known`` are (the value a mistake gives, or None
+    where it cannot occur, what to say); the first one the answer is close to."""
+    return lambda got, expected: next((why for value, why in known
+                                       if value is not None and close(got, value, rel)), "")
+
+
+def table(name: str, fn: Any, rows, right: Callable | None, judge: Callable, hint: str = "", **case) -> Verdict:
+    """One case per row ``(label, *args)``: ``fn`` gets copies of ``args``, the answer is
+    ``right(*args)`` (the library's own code wherever it has one; None: each row ends with
+    its answer written out), ``judge(*args)`` the compare."""
+    rows = [(r[0], r[1:-1], r[-1]) if right is None else (r[0], r[1:], right(*r[1:])) for r in rows]
+    return run_cases(name, fn, [Case(label, lambda f, a=args: f(*copy.deepcopy(a)), expected, judge(*args),
+                                     hint, **case) for label, args, expected in rows])

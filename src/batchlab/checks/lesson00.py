@@ -1,10 +1,6 @@
-"""Checkers for lesson 0 (the model and one request).
-
-* ``greedy_pick(fn, lm=None)``: ``fn(logits) -> int``, the greedy token of a row of logits;
-* ``greedy_generate(fn, lm)``: ``fn(lm, ids, n) -> list[int]``, greedy decoding with a KV cache,
-  compared with ``batchlab.generate`` on the real model;
-* ``tokens_per_second(fn)``: ``fn(step_times, batch) -> float``, decode throughput.
-"""
+"""Checkers for lesson 0 (the model and one request): ``greedy_pick(fn, lm=None)``,
+``greedy_generate(fn, lm)`` (against ``batchlab.generate`` on the real model) and
+``tokens_per_second(fn)``."""
 
 from __future__ import annotations
 
@@ -15,13 +11,12 @@ from .. import _blas  # noqa: F401  (before mlx)
 import mlx.core as mx
 import numpy as np
 
-from ._core import Case, Verdict, close, number_compare, run_cases, show
+from ._core import Case, Verdict, mistakes, number_compare, run_cases, show, table
 
 __all__ = ["greedy_pick", "greedy_generate", "tokens_per_second"]
 
 
 def _not_python_int(got: Any) -> str | None:
-    """Why ``got`` is not a plain Python int token id (None if it is one)."""
     if isinstance(got, bool):
         return f"{got} is a bool, not a token id"
     if isinstance(got, int):
@@ -34,16 +29,10 @@ def _not_python_int(got: Any) -> str | None:
 
 def _same_token(got: Any, expected: int) -> str | None:
     problem = _not_python_int(got)
-    if problem is None and got == expected:
-        return None
-    return problem or ""
+    return None if problem is None and got == expected else problem or ""
 
 
-def _row(values) -> mx.array:
-    return mx.array(np.asarray(values, dtype=np.float32))
-
-
-_LOGITS_CACHE: dict = {}
+_CACHE: dict = {}  # (kind, id(model), prompt) -> (model, value): holding the model keeps its id unique
 
 
 def _france_ids(lm) -> list[int]:
@@ -51,17 +40,16 @@ def _france_ids(lm) -> list[int]:
 
 
 def _last_logits(lm, ids: list[int]) -> mx.array:
-    key = (id(lm.model), tuple(ids))
-    if key not in _LOGITS_CACHE:
+    key = ("logits", id(lm.model), tuple(ids))
+    if key not in _CACHE:
         row = lm.model(mx.array([ids]))[0, -1]
         mx.eval(row)
-        _LOGITS_CACHE[key] = (lm.model, row)  # holding the model keeps its id unique
-    return _LOGITS_CACHE[key][1]
+        _CACHE[key] = (lm.model, row)
+    return _CACHE[key][1]
 
 
 def greedy_pick(fn: Callable, lm=None) -> Verdict:
-    """Check ``fn(logits) -> int``: the id of the largest logit in a 1-D row of logits.
-    With ``lm``, one more case uses the real model's logits."""
+    """Check ``fn(logits) -> int``, the id of the largest logit (with ``lm``, also on the real model's)."""
     big = np.full(49152, -3.0, dtype=np.float32)
     big[40000] = 1.5
     rows = [
@@ -71,7 +59,8 @@ def greedy_pick(fn: Callable, lm=None) -> Verdict:
          [-5.0, -2.0, -9.0, -1.5]),
         ("a vocabulary-sized row (49152 logits) whose largest is at id 40000", big),
     ]
-    cases = [Case(label, lambda f, v=values: f(_row(v)), int(np.argmax(values)), _same_token,
+    cases = [Case(label, lambda f, v=values: f(mx.array(np.asarray(v, dtype=np.float32))),
+                  int(np.argmax(values)), _same_token,
                   hint="greedy picks the position (the token id) of the largest logit, "
                        "not the logit itself: mx.argmax gives it")
              for label, values in rows]
@@ -85,55 +74,36 @@ def greedy_pick(fn: Callable, lm=None) -> Verdict:
 
 
 class _Recorder:
-    """Wraps an mlx-lm model and notes, for every forward pass, the input shape and
-    whether a KV cache was passed."""
+    """Wraps an mlx-lm model and notes, per forward pass, the input shape and whether a cache was passed."""
 
     def __init__(self, model):
-        self._model = model
-        self.calls: list[tuple[tuple[int, ...], bool]] = []
+        self._model, self.calls = model, []
 
     def __call__(self, inputs, *args, **kwargs):
-        cache = kwargs.get("cache", args[0] if args else None)
-        self.calls.append((tuple(inputs.shape), cache is not None))
+        self.calls.append((tuple(inputs.shape), kwargs.get("cache", args[0] if args else None) is not None))
         return self._model(inputs, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._model, name)
 
 
-_GENERATED: dict = {}
-
-
 def _reference_tokens(lm, ids: list[int], n: int) -> list[int]:
     from ..baseline import generate
 
-    key = (id(lm.model), tuple(ids))
-    longest = _GENERATED.get(key, (None, []))[1]
-    done = bool(longest) and longest[-1] in lm.tokenizer.eos_token_ids
-    if len(longest) < n and not done:  # greedy is deterministic: a shorter run is a prefix
-        longest = generate(lm, list(ids), max_new_tokens=n).token_ids
-        _GENERATED[key] = (lm.model, longest)  # holding the model keeps its id unique
+    key = ("tokens", id(lm.model), tuple(ids))
+    longest = _CACHE.get(key, (None, []))[1]
+    if len(longest) < n and not (longest and longest[-1] in lm.tokenizer.eos_token_ids):
+        longest = generate(lm, list(ids), max_new_tokens=n).token_ids  # greedy: a shorter run is a prefix
+        _CACHE[key] = (lm.model, longest)
     return longest[:n]
 
 
-def _token_list_problem(got: Any) -> str | None:
-    if isinstance(got, (mx.array, np.ndarray)):
-        return "that is an array: return a Python list of ints (array.tolist() makes one)"
-    if not isinstance(got, (list, tuple)):
-        return f"expected a list of token ids, but you returned a {type(got).__name__}"
-    for i, t in enumerate(got):
-        problem = _not_python_int(t)
-        if problem:
-            return f"item {i} is {show(t)}: {problem}"
-    return None
-
-
 def greedy_generate(fn: Callable, lm) -> Verdict:
-    """Check ``fn(lm, ids, n) -> list[int]``: greedy decoding with a KV cache of up to
-    ``n`` new tokens after the prompt ``ids``, stopping after an EOS token (kept in the
-    list). The right answer is ``batchlab.generate(lm, ids, max_new_tokens=n).token_ids``."""
+    """Check ``fn(lm, ids, n) -> list[int]``: greedy decoding with a KV cache of up to ``n``
+    new tokens, stopping after an EOS token (kept); the answer is ``batchlab.generate``'s."""
     tok = lm.tokenizer
     france = _france_ids(lm)
+    eos = tok.eos_token_ids
 
     def show_ids(ids):
         if isinstance(ids, (list, tuple)) and all(isinstance(t, int) for t in ids):
@@ -141,50 +111,48 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         return show(ids)
 
     def compare(got, expected):
-        problem = _token_list_problem(got)
-        if problem:
-            return problem
+        if isinstance(got, (mx.array, np.ndarray)):
+            return "that is an array: return a Python list of ints (array.tolist() makes one)"
+        if not isinstance(got, (list, tuple)):
+            return f"expected a list of token ids, but you returned a {type(got).__name__}"
+        for i, t in enumerate(got):
+            if _not_python_int(t):
+                return f"item {i} is {show(t)}: {_not_python_int(t)}"
         got = list(got)
         if got == expected:
             return None
-        if got[:len(expected)] == expected and expected and expected[-1] in tok.eos_token_ids:
+        if got[:len(expected)] == expected and expected and expected[-1] in eos:
             return (f"the first {len(expected)} tokens are right, but you kept going after the "
                     f"EOS token {expected[-1]} ({tok.decode([expected[-1]])!r})")
-        if got == expected[:-1] and expected[-1] in tok.eos_token_ids:
+        if got == expected[:-1] and expected[-1] in eos:
             return (f"you stopped at the EOS token {expected[-1]} ({tok.decode([expected[-1]])!r}) "
                     f"but left it out: append it, then stop")
         if len(got) > len(expected) and got[len(got) - len(expected):] == expected:
             return (f"the new tokens are right, but {len(got) - len(expected)} tokens come before "
                     f"them (the prompt?): return only the new tokens")
-        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
-                     min(len(got), len(expected)))
+        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
         return f"they first differ at position {first} (counting from 0)"
 
     recorded: dict[str, list] = {}
 
     def case(label, ids, n, hint="", record=None):
-        expected = _reference_tokens(lm, ids, n)
-
         def call(f):
             recorder = _Recorder(lm.model)
-            if record:
-                recorded[record] = recorder.calls
+            recorded[record or ""] = recorder.calls
             return f(replace(lm, model=recorder), list(ids), n)
-        return Case(label, call, expected, compare, hint, show_ids)
+        return Case(label, call, _reference_tokens(lm, ids, n), compare, hint, show_ids)
 
     answer = _reference_tokens(lm, france, 12)
-    stop = tok.decode(answer[-1:])
     cases = [
         case("the France question (chat template), n=1: just the first new token", france, 1,
              "the first new token comes from the last row of the prefill's logits"),
         case("the France question, n=5: five tokens, each fed back in as the next input", france, 5,
              "each step feeds the token just picked, as mx.array([[token]]), with the same cache",
              record="france5"),
-        case(f"the France question, n=12: the answer ends with {stop} (an EOS token) after "
-             f"{len(answer)} tokens, so stop there and keep it", france, 12,
+        case(f"the France question, n=12: the answer ends with {tok.decode(answer[-1:])} (an EOS token) "
+             f"after {len(answer)} tokens, so stop there and keep it", france, 12,
              "after appending a token, stop if it is in lm.tokenizer.eos_token_ids"),
-        case("a plain text prompt (no chat template) 'Once upon a time', n=6",
-             tok.encode("Once upon a time"), 6),
+        case("a plain text prompt (no chat template) 'Once upon a time', n=6", tok.encode("Once upon a time"), 6),
         case("a one-token prompt [504] ('The'), n=4", [504], 4),
     ]
 
@@ -206,32 +174,15 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         parts = [f"[{', '.join(map(str, s))}]{'' if c else ' (no cache)'}" for s, c in calls]
         return "input shapes " + ", ".join(parts[:8]) + (" ..." if len(parts) > 8 else "")
 
-    cases.append(Case(
-        "uses the KV cache: the prompt in one pass, then one new token per pass "
-        "(the forward passes of case 2)",
-        lambda f: recorded.get("france5", []),
-        f"input shapes [1, {len(france)}], then [1, 1] for every step, all with the cache",
-        cache_ok, show=show_calls))
+    cases.append(Case("uses the KV cache: the prompt in one pass, then one new token per pass "
+                      "(the forward passes of case 2)", lambda f: recorded.get("france5", []),
+                      f"input shapes [1, {len(france)}], then [1, 1] for every step, all with the cache",
+                      cache_ok, show=show_calls))
     return run_cases("greedy_generate", fn, cases)
 
 
 def tokens_per_second(fn: Callable) -> Verdict:
-    """Check ``fn(step_times, batch) -> float``: the decode throughput of steps that each
-    took ``step_times[i]`` seconds and each produced one token for every one of ``batch``
-    sequences."""
-
-    def compare_for(steps, batch):
-        def diagnose(got, expected):
-            if close(got, float(np.mean([batch / t for t in steps]))):
-                return ("that is the average of the per-step rates; throughput is all the tokens "
-                        "made divided by all the time taken")
-            if close(got, len(steps) / sum(steps)) and batch != 1:
-                return f"that leaves out the batch: every step makes {batch} tokens, one per sequence"
-            if got and close(1 / got, expected):
-                return "that is seconds per token; tokens per second is the other way up"
-            return ""
-        return number_compare(diagnose)
-
+    """Check ``fn(step_times, batch) -> float``: tokens made (one per sequence a step) per second."""
     rows = [
         ("10 steps of 0.1 s at batch 1", [0.1] * 10, 1),
         ("the same 10 steps at batch 16 (every step makes 16 tokens)", [0.1] * 10, 16),
@@ -239,8 +190,10 @@ def tokens_per_second(fn: Callable) -> Verdict:
         ("1 step of 62 ms at batch 1", [0.062], 1),
         ("3 steps of 238 ms at batch 64", [0.238] * 3, 64),
     ]
-    cases = [Case(label, lambda f, s=steps, b=batch: f(list(s), b), batch * len(steps) / sum(steps),
-                  compare_for(steps, batch),
-                  hint="tokens made = batch x number of steps; time taken = the sum of the step times")
-             for label, steps, batch in rows]
-    return run_cases("tokens_per_second", fn, cases)
+    return table("tokens_per_second", fn, rows, lambda s, b: b * len(s) / sum(s), lambda s, b: number_compare(
+        mistakes((float(np.mean([b / t for t in s])), "that is the average of the per-step rates; throughput "
+                  "is all the tokens made divided by all the time taken"),
+                 (len(s) / sum(s) if b != 1 else None,
+                  f"that leaves out the batch: every step makes {b} tokens, one per sequence"),
+                 (sum(s) / (b * len(s)), "that is seconds per token; tokens per second is the other way up"))),
+        hint="tokens made = batch x number of steps; time taken = the sum of the step times")

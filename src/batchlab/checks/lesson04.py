@@ -1,14 +1,5 @@
-"""Checkers for lesson 4, chunked prefill.
-
-* ``chunked_scheduler(cls)``: the learner's ``MyChunkedScheduler``, whose ``prefill_chunk()``
-  cuts a prompt into chunks of ``prefill_step`` tokens, run in a fake-model engine on small
-  cases and whole workloads (instant);
-* ``predict_long_ttft(fn)``: ``fn(prompt_len, prefill_step, prefill_tokens_per_s,
-  decode_step_s)``, the time to first token of a long prompt that is prefilled chunk by
-  chunk while others decode;
-* ``largest_chunk(fn)``: ``fn(tbt_target_s, prefill_tokens_per_s, decode_step_s, choices)``,
-  the largest chunk size whose predicted time between tokens meets a target.
-"""
+"""Checkers for lesson 4, chunked prefill: ``chunked_scheduler(cls)`` (the learner's
+``prefill_chunk()`` in a fake-model engine), ``predict_long_ttft(fn)`` and ``largest_chunk(fn)``."""
 
 from __future__ import annotations
 
@@ -16,7 +7,7 @@ import math
 from typing import Callable
 
 from ..scheduler import ContinuousScheduler
-from ._core import Case, Verdict, close, number_compare, optional_compare, run_cases, whole_number_compare
+from ._core import Verdict, mistakes, number_compare, optional_compare, run_cases, table, whole_number_compare
 from ._pieces import fake_workload, piece_case, prefill_chunks, pressure_case, random_rows
 from .lesson02 import continuous_judge
 
@@ -27,9 +18,6 @@ def _n_chunks(prompt_len: int, prefill_step: int | None) -> int:
     return 1 if prefill_step is None else math.ceil(prompt_len / prefill_step)
 
 
-# ---------------------------------------------------------------------------------------
-# Exercise 1: your chunked scheduler.
-
 HINTS = {
     "memory": ("take each chunk's blocks with self.make_room(req, n) before yielding it (it "
                "preempts when the pool is short; if it returns False, the request gave way: "
@@ -39,7 +27,6 @@ PLACED = "a request whose prompt is done awaits a slot, then place() sets it DEC
 
 
 def _chunk_rules(prefill_step, chunks_of=None):
-    """The rules of chunked prefill, read off a trace."""
     limit = prefill_step or math.inf
 
     def rules(trace, B, workload):
@@ -74,19 +61,14 @@ def _chunk_rules(prefill_step, chunks_of=None):
 
 
 def _judge(rows, prefill_step, batch=3, max_seq_len=None, chunks_of=None, seed=0, **pool):
-    """A judge for ``piece_case``: run ``rows`` (prompt length, new tokens) on the learner's
-    class and on the reference, and name the first thing that is not as it should be.
-    ``chunks_of=(request id, [(start, length), ...])`` also checks that request's chunks."""
+    """A judge for ``piece_case``; ``chunks_of=(request id, [(start, length), ...])`` also checks its chunks."""
     return continuous_judge(ContinuousScheduler, _chunk_rules(prefill_step, chunks_of), HINTS, PLACED,
                             rows, batch, seed, max_seq_len=max_seq_len, prefill_step=prefill_step, **pool)
 
 
 def chunked_scheduler(cls) -> Verdict:
-    """Check a ``ContinuousScheduler`` subclass whose ``prefill_chunk()`` runs one chunk of
-    at most ``prefill_step`` tokens of the prefilling request as a pass of its own (its
-    blocks taken with ``make_room``), the chunk that ends the prompt sampling the first
-    token; then the request waits for a slot. Every case runs the class in a fake-model
-    engine and reads the trace; the last in a KV pool small enough to force preemption."""
+    """Check a ``ContinuousScheduler`` subclass whose ``prefill_chunk()`` runs one chunk of at most
+    ``prefill_step`` tokens as a pass of its own (blocks from ``make_room``); the last case forces preemption."""
     two = [(5, 12), (5, 12)]  # two short requests that decode while the long prompt prefills
     hint = ("n = min(self.prefill_step, req.prefill_left); if self.make_room(req, n): "
             "yield Batch(prefill=[(req, n)])")
@@ -126,33 +108,19 @@ def chunked_scheduler(cls) -> Verdict:
     return run_cases("chunked_scheduler", cls, cases)
 
 
-# ---------------------------------------------------------------------------------------
-# Exercise 2: the long prompt's time to first token.
-
 def predict_long_ttft(fn: Callable) -> Verdict:
-    """Check ``fn(prompt_len, prefill_step, prefill_tokens_per_s, decode_step_s) -> seconds``:
-    the TTFT of a prompt admitted at once while other requests decode. Each step runs one
-    chunk of it, then a decode pass for the others; the step with the last chunk produces
-    the first token right after that chunk. So TTFT = prompt_len / prefill_tokens_per_s
-    + (number of chunks - 1) x decode_step_s."""
-
-    def compare_for(p, step, rate, dec):
-        def diagnose(value, expected):
-            n = _n_chunks(p, step)
-            if close(value, p / rate + n * dec):
-                if n == 1:
-                    return ("that adds a decode pass; with the whole prompt in one step, the first "
-                            "token is sampled right after the prefill pass, before the decode pass")
-                return (f"that counts one decode pass per chunk ({n}); the step with the last chunk "
-                        f"samples the first token right after that chunk, before its decode pass, "
-                        f"so only {n - 1} decode passes come first")
-            if step is not None and close(value, p / rate + (p // step - 1) * dec) and p % step:
-                return ("the number of chunks is off: a last, shorter chunk is a step too "
-                        "(round the division up)")
-            if close(value, p / rate):
-                return "that leaves out the decode passes that run between the chunks"
-            return ""
-        return number_compare(diagnose)
+    """Check ``fn(prompt_len, prefill_step, prefill_tokens_per_s, decode_step_s) -> seconds``: the TTFT
+    of a prompt prefilled one chunk a step while others decode = prompt_len / rate + (chunks - 1) x decode."""
+    def judge(p, step, rate, dec):
+        n = _n_chunks(p, step)
+        return number_compare(mistakes(
+            (p / rate + n * dec, "that adds a decode pass; with the whole prompt in one step, the first "
+                                 "token is sampled right after the prefill pass, before the decode pass" if n == 1 else
+             f"that counts one decode pass per chunk ({n}); the step with the last chunk samples the first "
+             f"token right after that chunk, before its decode pass, so only {n - 1} decode passes come first"),
+            (p / rate + (p // step - 1) * dec if step is not None and p % step else None,
+             "the number of chunks is off: a last, shorter chunk is a step too (round the division up)"),
+            (p / rate, "that leaves out the decode passes that run between the chunks")))
 
     rows = [
         ("512 tokens, whole prompt (prefill_step=None), 256 tokens/s, decode pass 0.1 s: no "
@@ -163,32 +131,21 @@ def predict_long_ttft(fn: Callable) -> Verdict:
         ("100 tokens in chunks of 128 (1 chunk), 250 tokens/s, decode pass 0.1 s", 100, 128, 250.0, 0.1),
         ("512 tokens in chunks of 32 (16 chunks), 256 tokens/s, decode pass 0.05 s", 512, 32, 256.0, 0.05),
     ]
-    cases = [Case(label, lambda f, a=(p, s, r, d): f(*a), p / r + (_n_chunks(p, s) - 1) * d,
-                  compare_for(p, s, r, d),
-                  hint="all the prompt's tokens are prefilled once whatever the chunk size; "
-                       "between two chunks comes one decode pass")
-             for label, p, s, r, d in rows]
-    return run_cases("predict_long_ttft", fn, cases)
+    return table("predict_long_ttft", fn, rows, lambda p, s, r, d: p / r + (_n_chunks(p, s) - 1) * d, judge,
+                 "all the prompt's tokens are prefilled once whatever the chunk size; "
+                 "between two chunks comes one decode pass")
 
-
-# ---------------------------------------------------------------------------------------
-# Exercise 3: pick the chunk size.
 
 def _largest(target, rate, dec, choices):
-    fits = [c for c in choices if c / rate + dec <= target]
-    return max(fits) if fits else None
+    return max((c for c in choices if c / rate + dec <= target), default=None)
 
 
 def largest_chunk(fn: Callable) -> Verdict:
-    """Check ``fn(tbt_target_s, prefill_tokens_per_s, decode_step_s, choices) -> int | None``:
-    the largest chunk size in ``choices`` whose predicted time between tokens (one chunk,
-    then the decode pass: ``chunk / prefill_tokens_per_s + decode_step_s``) is at most the
-    target; None when not even the smallest fits."""
-
-    def compare_for(target, rate, dec, choices):
+    """Check ``fn(tbt_target_s, prefill_tokens_per_s, decode_step_s, choices) -> int | None``: the largest
+    chunk c with ``c / prefill_tokens_per_s + decode_step_s <= tbt_target_s``; None when none fits."""
+    def judge(target, rate, dec, choices):
         def diagnose(got, expected):
-            fits = [c for c in choices if c / rate + dec <= target]
-            if got == min(fits, default=None):
+            if got == min((c for c in choices if c / rate + dec <= target), default=None):
                 return "that is the smallest chunk that fits; we want the largest"
             if got == _largest(target, rate, 0.0, choices):
                 return ("that leaves out the decode pass: a decoding request waits for the chunk "
@@ -201,8 +158,7 @@ def largest_chunk(fn: Callable) -> Verdict:
             return ""
         return optional_compare(whole_number_compare(diagnose),
                                 "no chunk size meets this target, so the answer is None (then the "
-                                "target cannot be met by chunking alone)",
-                                "a chunk size does fit this target")
+                                "target cannot be met by chunking alone)", "a chunk size does fit this target")
 
     sizes = [32, 64, 128, 256]
     rows = [
@@ -215,9 +171,6 @@ def largest_chunk(fn: Callable) -> Verdict:
         ("target 0.1 s with a 0.1 s decode pass: no chunk fits, None", 0.1, 256.0, 0.1, sizes),
         ("a slow machine: target 2.0 s, 44 tokens/s, decode pass 0.45 s", 2.0, 44.0, 0.45, sizes),
     ]
-    cases = [Case(label, lambda f, a=(t, r, d, c): f(a[0], a[1], a[2], list(a[3])), _largest(t, r, d, c),
-                  compare_for(t, r, d, c),
-                  hint="predicted TBT for a chunk c = c / prefill_tokens_per_s + decode_step_s; "
-                       "keep the chunks with that <= target, return the largest (or None)")
-             for label, t, r, d, c in rows]
-    return run_cases("largest_chunk", fn, cases)
+    return table("largest_chunk", fn, rows, _largest, judge,
+                 "predicted TBT for a chunk c = c / prefill_tokens_per_s + decode_step_s; "
+                 "keep the chunks with that <= target, return the largest (or None)")

@@ -1,34 +1,26 @@
-"""Checkers for lesson 5 (token budget and hybrid batches).
-
-``stallfree_planner`` the learner's ``MyStallFreeScheduler`` class, whose ``plan()`` is the
-                    token-budget rule (Sarathi-Serve's stall-free batching), run in a
-                    fake-model engine;
-``pack_chunks``     how a hybrid batch is packed into one ``[1, T]`` sequence;
-``skipped_decodes`` the invariant "no decoding request skips a step", read from a trace.
-
-Every case runs on plain Python data or on the fake model, so each checker is instant.
-"""
+"""Checkers for lesson 5 (token budget and hybrid batches): ``stallfree_planner`` (the learner's
+``plan()``, the token-budget rule, in a fake-model engine), ``pack_chunks``, ``skipped_decodes`` and
+``fused_saving`` (lesson 5b); plain data or the fake model, so each is instant."""
 
 from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
+
 from ..batch import Batch
 from ..runner import Chunk
 from ..scheduler import ContinuousScheduler, StallFreeScheduler
 from ..trace import StepRecord, Trace
-from ._core import Case, Verdict, close, number_compare, run_cases, show
+from ._core import Case, Verdict, mistakes, number_compare, run_cases, show, table
 from ._pieces import (blocks_problem, early_decode_problem, fake_workload, gap_problem, needs_subclass,
                       output_problem, piece_case, pressure_case, random_rows, run_piece, slot_problem)
 
-__all__ = ["stallfree_planner", "pack_chunks", "skipped_decodes"]
+__all__ = ["stallfree_planner", "pack_chunks", "skipped_decodes", "fused_saving"]
 
-
-# ---------------------------------------------------------------------------------------
-# Exercise 1: your stall-free planner.
 
 def _skipped(trace: Trace) -> list[tuple[int, str]]:
-    """(step index, request) for every step a decoding request had no decode row in."""
+    """(step index, request) for every step a decoding request had no decode row in (the exercise's answer)."""
     steps = list(trace.steps)
     emitted_at: dict[str, list[int]] = {}
     for k, s in enumerate(steps):
@@ -51,8 +43,6 @@ HINTS = {
 
 
 def _planner_judge(rows, batch, budget, seed=0, **pool):
-    """A judge for ``piece_case``: ``rows`` on the learner's class and on the reference;
-    the first broken rule, or the first step planned differently."""
     workload = fake_workload("stall-free", rows, seed)
 
     def judge(cls):
@@ -95,12 +85,8 @@ TIGHT = random_rows(5, 10, (20, 120), (20, 50))
 
 
 def stallfree_planner(cls) -> Verdict:
-    """Check a ``StallFreeScheduler`` subclass whose ``plan()`` returns the step's one
-    ``Batch`` by the token-budget rule: every decoding request first (one token each), then
-    the partial prefills in admission order, then admissions from the queue while budget and
-    free slots remain. Every case runs the class in a fake-model engine and reads the trace:
-    the budget is never exceeded, no decode row waits, one pass a step, no slot held twice,
-    the right outputs, and the rule's schedule step by step."""
+    """Check a ``StallFreeScheduler`` subclass whose ``plan()`` returns the step's one ``Batch``:
+    every decode first, then partial prefills in admission order, then admissions while budget and slots remain."""
     hint = "budget = self.token_budget - len(decode); partial prefills take min(budget, left)"
     cases = [
         piece_case("3 slots, prompts of 20, 6, 30 and 5 tokens, budget 16 (the lesson's example)",
@@ -131,23 +117,15 @@ def stallfree_planner(cls) -> Verdict:
     return run_cases("stallfree_planner", cls, cases)
 
 
-# ---------------------------------------------------------------------------------------
-# Exercise 2: packing a hybrid batch into one sequence.
-
 def _pack_reference(chunks):
-    tokens = [t for c in chunks for t in c.tokens]
-    positions = [p for c in chunks for p in range(c.start, c.start + len(c.tokens))]
-    ends, total = [], 0
-    for c in chunks:
-        total += len(c.tokens)
-        ends.append(total - 1)
-    return tokens, positions, ends
+    ends = np.cumsum([len(c.tokens) for c in chunks]) - 1
+    return ([t for c in chunks for t in c.tokens], [p for c in chunks for p in range(c.start, c.end)],
+            [int(e) for e in ends])
 
 
 def pack_chunks(fn: Callable) -> Verdict:
-    """Check ``fn(chunks) -> (tokens, positions, last)`` for a list of ``Chunk``s, in the
-    order given: all their tokens in one flat list, each token's position in its own
-    sequence, and the index (in the flat list) of each chunk's last token."""
+    """Check ``fn(chunks) -> (tokens, positions, last)``: the chunks' tokens in one flat list, each
+    token's position in its own sequence, and the flat index of each chunk's last token."""
 
     def compare(got, expected):
         if not isinstance(got, (tuple, list)) or len(got) != 3:
@@ -193,9 +171,6 @@ def pack_chunks(fn: Callable) -> Verdict:
     ])
 
 
-# ---------------------------------------------------------------------------------------
-# Exercise 3: no decode is skipped.
-
 class _PrefillFirst(StallFreeScheduler):
     """A wrong policy for the checker: prefill takes the budget first, decodes get what is left."""
 
@@ -211,29 +186,15 @@ def _fake_trace(scheduler_cls, batch: int, budget: int, seed: int) -> Trace:
     return run_piece(scheduler_cls, workload, max_batch_size=batch, token_budget=budget).trace
 
 
-def _hand_trace() -> Trace:
-    """Five steps, two requests; b gets no decode row in step 2."""
-    def step(i, decoded, emitted):
-        return StepRecord(i, float(i), float(i) + 1, decoded=decoded, emitted=emitted)
-    steps = [step(0, [], {"a": [5]}),
-             step(1, ["a"], {"a": [6], "b": [9]}),
-             step(2, ["a"], {"a": [7]}),
-             step(3, ["a", "b"], {"a": [8], "b": [3]}),
-             step(4, ["b"], {"b": [4]})]
-    return Trace("hand-made", 2, steps, {})
-
-
-def _one_token_trace() -> Trace:
-    steps = [StepRecord(0, 0.0, 1.0, emitted={"a": [1], "b": [2]}),
-             StepRecord(1, 1.0, 2.0, decoded=["a"], emitted={"a": [3]}),
-             StepRecord(2, 2.0, 3.0, decoded=["a"], emitted={"a": [4]})]
-    return Trace("hand-made", 2, steps, {})
+def _hand_trace(*steps) -> Trace:
+    """A trace of steps given as (decode rows, tokens emitted)."""
+    return Trace("hand-made", 2, [StepRecord(i, float(i), float(i) + 1, decoded=d, emitted=e)
+                                  for i, (d, e) in enumerate(steps)], {})
 
 
 def skipped_decodes(fn: Callable) -> Verdict:
-    """Check ``fn(trace) -> [(step index, request id), ...]``: every step in which a request
-    that is decoding (it got its first token in an earlier step, and its last token in
-    this step or later) has no decode row."""
+    """Check ``fn(trace) -> [(step index, request id), ...]``: every step in which a decoding request
+    (first token in an earlier step, last token in this step or later) has no decode row."""
 
     def compare(got, expected):
         if not isinstance(got, (list, tuple, set)):
@@ -266,41 +227,29 @@ def skipped_decodes(fn: Callable) -> Verdict:
         case("a stall-free run on the fake model (B=4, budget 12): nobody is skipped",
              lambda: _fake_trace(StallFreeScheduler, 4, 12, 3)),
         case("a hand-made trace: b gets its first token in step 1, no decode row in step 2, "
-             "then decodes in steps 3 and 4", _hand_trace,
+             "then decodes in steps 3 and 4",
+             lambda: _hand_trace(([], {"a": [5]}), (["a"], {"a": [6], "b": [9]}), (["a"], {"a": [7]}),
+                                 (["a", "b"], {"a": [8], "b": [3]}), (["b"], {"b": [4]})),
              "b is decoding from step 2 (the step after its first token) to step 4"),
         case("a request that got only one token (it never decoded) is never skipped",
-             _one_token_trace, "a request with a single token has no decoding steps"),
+             lambda: _hand_trace(([], {"a": [1], "b": [2]}), (["a"], {"a": [3]}), (["a"], {"a": [4]})),
+             "a request with a single token has no decoding steps"),
         case(f"a wrong policy that gives the budget to prefill first and decodes what is left "
              f"(B=4, budget 12): {len(_skipped(wrong))} skipped decodes",
              lambda: wrong),
     ])
 
 
-# ---------------------------------------------------------------------------------------
-# Exercise (lesson 5b): what one fused pass saves.
-
 def fused_saving(fn: Callable) -> Verdict:
-    """Check ``fn(chunk_alone_s, decode_alone_s, fused_s) -> fraction``: the share of the
-    two separate passes' time (chunk pass + decode pass) that one fused pass saves,
-    ``1 - fused / (chunk + decode)``; negative when fusing is slower."""
-
-    def diagnose(value, expected, c, d, f):
-        if close(value, 1 - f / c):
-            return "that compares with the chunk pass alone; the saving is against BOTH separate passes"
-        if close(value, f / (c + d)):
-            return "that is the fused time as a share of the separate time; the saving is 1 minus that"
-        if close(value, 100 * expected):
-            return "that looks like a percentage: return a fraction (0.25, not 25)"
-        return ""
-
+    """Check ``fn(chunk_alone_s, decode_alone_s, fused_s) -> fraction``: ``1 - fused / (chunk + decode)``."""
     rows = [
         ("a small chunk: chunk 0.10 s, decodes 0.10 s, fused 0.12 s", 0.10, 0.10, 0.12),
         ("a big chunk: chunk 0.46 s, decodes 0.11 s, fused 0.54 s", 0.46, 0.11, 0.54),
         ("fusing slower than the two passes: 0.2 s + 0.1 s against 0.33 s", 0.2, 0.1, 0.33),
         ("the decode rows free: chunk 0.3 s, decodes 0.1 s, fused 0.3 s", 0.3, 0.1, 0.3),
     ]
-    cases = [Case(label, lambda fn, a=(c, d, f): fn(*a), 1 - f / (c + d),
-                  number_compare(lambda v, e, a=(c, d, f): diagnose(v, e, *a)),
-                  hint="separate = chunk_alone_s + decode_alone_s; saving = 1 - fused_s / separate")
-             for label, c, d, f in rows]
-    return run_cases("fused_saving", fn, cases)
+    return table("fused_saving", fn, rows, lambda c, d, f: 1 - f / (c + d), lambda c, d, f: number_compare(mistakes(
+        (1 - f / c, "that compares with the chunk pass alone; the saving is against BOTH separate passes"),
+        (f / (c + d), "that is the fused time as a share of the separate time; the saving is 1 minus that"),
+        (100 * (1 - f / (c + d)), "that looks like a percentage: return a fraction (0.25, not 25)"))),
+        "separate = chunk_alone_s + decode_alone_s; saving = 1 - fused_s / separate")

@@ -1,25 +1,15 @@
-"""Checkers for lesson 7 (serving).
-
-``stream_metrics``  TTFT, ITL and TPOT of one request from its client-side timestamps;
-``parse_sse``       the text deltas of a chat-completion stream of server-sent events;
-``goodput``         good requests per second under a TTFT and a TPOT objective.
-
-All cases are small and hand-made, with the answers written out, so a verdict can say
-exactly which stream or which request was handled wrongly.
-"""
+"""Checkers for lesson 7 (serving): ``stream_metrics`` (TTFT, ITL, TPOT from client timestamps),
+``parse_sse`` (the text deltas of a chat-completion stream) and ``goodput``; small hand-made cases."""
 
 from __future__ import annotations
 
 import json
 from typing import Callable
 
-from ._core import Case, Verdict, close, number_compare, run_cases
+from ._core import Verdict, close, mistakes, number_compare, table
 
 __all__ = ["stream_metrics", "parse_sse", "goodput"]
 
-
-# ---------------------------------------------------------------------------------------
-# Exercise 1: TTFT, ITL and TPOT from timestamps.
 
 def stream_metrics(fn: Callable) -> Verdict:
     """Check ``fn(sent_s, chunk_times_s, done_s, output_tokens) -> (ttft_s, itl_s, tpot_s)``:
@@ -58,7 +48,7 @@ def stream_metrics(fn: Callable) -> Verdict:
             return ""
         return compare
 
-    rows = [
+    rows = [  # (label, sent, chunks, done, tokens, the answer written out)
         ("sent at 10.0 s; 4 chunks at 10.5, 10.6, 10.7, 10.8 s; done at 10.8 s; 4 tokens",
          10.0, [10.5, 10.6, 10.7, 10.8], 10.8, 4, (0.5, [0.1, 0.1, 0.1], 0.1)),
         ("uneven gaps: sent at 0; chunks at 1.0, 1.2, 2.0 s; done at 2.0 s; 3 tokens",
@@ -68,16 +58,10 @@ def stream_metrics(fn: Callable) -> Verdict:
         ("the server packed 6 tokens into 3 chunks: sent at 0; chunks at 0.4, 0.6, 0.8; done at "
          "0.9 s; usage says 6 tokens", 0.0, [0.4, 0.6, 0.8], 0.9, 6, (0.4, [0.2, 0.2], 0.1)),
     ]
-    cases = [Case(label, lambda f, s=s, c=c, d=d, n=n: f(s, list(c), d, n), expected,
-                  compare_for(s, c, d, n),
-                  hint="TTFT = chunk_times_s[0] - sent_s; ITL = differences of consecutive chunk "
-                       "times; TPOT = (done_s - sent_s - TTFT) / (output_tokens - 1)")
-             for label, s, c, d, n, expected in rows]
-    return run_cases("stream_metrics", fn, cases)
+    return table("stream_metrics", fn, rows, None, compare_for,
+                 "TTFT = chunk_times_s[0] - sent_s; ITL = differences of consecutive chunk "
+                 "times; TPOT = (done_s - sent_s - TTFT) / (output_tokens - 1)")
 
-
-# ---------------------------------------------------------------------------------------
-# Exercise 2: parse a stream of server-sent events.
 
 def _event(content: str | None = None, role: str | None = None, finish: str | None = None,
            usage: dict | None = None) -> str:
@@ -128,15 +112,10 @@ def parse_sse(fn: Callable) -> Verdict:
             return "you kept reading after 'data: [DONE]'"
         return ""
 
-    cases = [Case(label, lambda f, ls=lines: f(list(ls)), expected, compare,
-                  hint="for each line starting with 'data: ': stop at '[DONE]', else json.loads the "
-                       "rest and take choices[0]['delta'].get('content') when there are choices")
-             for label, lines, expected in streams]
-    return run_cases("parse_sse", fn, cases)
+    return table("parse_sse", fn, streams, None, lambda lines: compare,
+                 "for each line starting with 'data: ': stop at '[DONE]', else json.loads the "
+                 "rest and take choices[0]['delta'].get('content') when there are choices")
 
-
-# ---------------------------------------------------------------------------------------
-# Exercise 3: goodput.
 
 def goodput(fn: Callable) -> Verdict:
     """Check ``fn(requests, duration_s, slo_ttft_s, slo_tpot_s) -> float``: the requests
@@ -164,36 +143,23 @@ def goodput(fn: Callable) -> Verdict:
         within = (lambda v, lim: v < lim) if strict else (lambda v, lim: v <= lim)
         n = 0
         for q in reqs:
-            if not (q["ok"] or any_ok) or q["ttft_s"] is None:
-                continue
-            ttft_ok = within(q["ttft_s"], 1.0)
-            tpot_ok = (not none_misses) if q["tpot_s"] is None else within(q["tpot_s"], 0.2)
-            n += (ttft_ok or tpot_ok) if either else (ttft_ok and tpot_ok)
+            if (q["ok"] or any_ok) and q["ttft_s"] is not None:
+                ttft_ok = within(q["ttft_s"], 1.0)
+                tpot_ok = (not none_misses) if q["tpot_s"] is None else within(q["tpot_s"], 0.2)
+                n += (ttft_ok or tpot_ok) if either else (ttft_ok and tpot_ok)
         return n
 
-    def compare_for(reqs, duration):
-        def diagnose(got, expected):
-            good = round(expected * duration)
-            if close(got, good / len(reqs), 1e-9):
-                return ("that is the share of good requests; goodput divides their number by "
-                        "the duration in seconds")
-            if close(got, good, 1e-9) and duration != 1:
-                return f"that is the number of good requests ({good}); divide by duration_s"
-            mistakes = [(dict(strict=True), "a request exactly at a limit meets it: compare with "
-                                            "<=, not <"),
-                        (dict(none_misses=True), "a tpot_s of None (one token) should not count "
-                                                 "as a miss"),
-                        (dict(either=True), "a request must meet BOTH objectives to be good"),
-                        (dict(any_ok=True), "count only requests with ok True")]
-            for rule, why in mistakes:
-                if close(got, count(reqs, **rule) / duration, 1e-9):
-                    return why
-            return ""
-        return number_compare(diagnose, rel=1e-9)
+    def judge(reqs, d, *slo):
+        good = count(reqs)
+        return number_compare(mistakes(
+            (good / len(reqs), "that is the share of good requests; goodput divides their number by "
+                               "the duration in seconds"),
+            (good if d != 1 else None, f"that is the number of good requests ({good}); divide by duration_s"),
+            (count(reqs, strict=True) / d, "a request exactly at a limit meets it: compare with <=, not <"),
+            (count(reqs, none_misses=True) / d, "a tpot_s of None (one token) should not count as a miss"),
+            (count(reqs, either=True) / d, "a request must meet BOTH objectives to be good"),
+            (count(reqs, any_ok=True) / d, "count only requests with ok True"), rel=1e-9), rel=1e-9)
 
-    cases = [Case(label, lambda f, q=reqs, d=d, a=a, b=b: f([dict(x) for x in q], d, a, b),
-                  expected, compare_for(reqs, d),
-                  hint="good = ok and ttft_s <= slo_ttft_s and (tpot_s is None or tpot_s <= "
-                       "slo_tpot_s); goodput = number good / duration_s")
-             for label, reqs, d, a, b, expected in sets]
-    return run_cases("goodput", fn, cases)
+    return table("goodput", fn, sets, None, judge,
+                 "good = ok and ttft_s <= slo_ttft_s and (tpot_s is None or tpot_s <= "
+                 "slo_tpot_s); goodput = number good / duration_s")

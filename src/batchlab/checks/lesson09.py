@@ -1,12 +1,7 @@
-"""Checkers for lesson 9 (policies and overload).
-
-* ``mean_in_system(fn)``: ``fn(arrivals, departures) -> L``, the time-average number of
-  requests in the system from time 0 to the last departure (Little's law: L = λ W);
-* ``to_shed(fn)``: ``fn(queue, now, ttft_slo_s, prefill_tokens_per_s) -> [ids]``, the
-  queued requests that can no longer meet their time-to-first-token objective;
-* ``admission_policy(cls)``: the learner's ``MyAdmission(Admission).to_shed(queue, now)``,
-  on small cases and on whole simulated overloads next to the library's ``Admission``.
-"""
+"""Checkers for lesson 9 (policies and overload): ``mean_in_system(fn)`` (L over [0, last
+departure], Little's law L = λ W), ``to_shed(fn)`` (the queued requests that can no longer meet
+their TTFT objective) and ``admission_policy(cls)`` (the learner's ``Admission.to_shed``, on small
+cases and whole simulated overloads next to the library's)."""
 
 from __future__ import annotations
 
@@ -15,37 +10,13 @@ from typing import Any
 
 from ..policies import Admission
 from ..request import State
-from ._core import Case, Verdict, close, number_compare, run_cases
+from ._core import Case, Verdict, mistakes, number_compare, run_cases, table
 
 __all__ = ["mean_in_system", "to_shed", "admission_policy"]
 
 
-# ---------------------------------------------------------------------------------------
-# Exercise 1: L from a trace, and Little's law.
-
-def _littles_l(arrivals: list[float], departures: list[float]) -> float:
-    """L = λ W over [0, last departure]: n / T requests per second times the mean stay."""
-    horizon = max(departures)
-    return sum(d - a for a, d in zip(arrivals, departures)) / horizon
-
-
 def mean_in_system(fn: Any) -> Verdict:
-    """Check ``fn(arrivals, departures)``: the average over time, from 0 to the last
-    departure, of how many requests are in the system (arrived, not yet departed)."""
-
-    def compare_for(arrivals, departures):
-        horizon = max(departures)
-        stays = [d - a for a, d in zip(arrivals, departures)]
-
-        def diagnose(got, expected):
-            if close(got, sum(stays) / len(stays)):
-                return ("that is W, the mean time one request spends in the system; L is how "
-                        "many are in it on average, L = λ W with λ = n / (last departure)")
-            if close(got, len(stays) / horizon):
-                return "that is λ, the arrival rate; L = λ W"
-            return ""
-        return number_compare(diagnose)
-
+    """Check ``fn(arrivals, departures)``: the time-average number of requests in the system."""
     rows = [
         ("one request, in the system from 0 s to 2 s (so L = 1)", [0.0], [2.0]),
         ("two requests, one after the other: 0-1 s and 1-2 s", [0.0, 1.0], [1.0, 2.0]),
@@ -54,27 +25,21 @@ def mean_in_system(fn: Any) -> Verdict:
         ("five requests queueing behind each other (arrive together at 0, leave 1 s apart)",
          [0.0] * 5, [1.0, 2.0, 3.0, 4.0, 5.0]),
     ]
-    cases = [Case(label, lambda f, a=a, d=d: f(list(a), list(d)), _littles_l(a, d),
-                  compare_for(a, d),
-                  hint="add up, over all requests, the time each spends in the system "
-                       "(departure - arrival), and divide by the length of the window")
-             for label, a, d in rows]
-    return run_cases("mean_in_system", fn, cases)
 
+    def stays(a, d):
+        return [y - x for x, y in zip(a, d)]
 
-# ---------------------------------------------------------------------------------------
-# Exercise 2: a shedding policy that sees the future a little.
-
-def _to_shed(queue, now, slo, speed) -> list[str]:
-    return [rid for rid, arrival, prompt_len in queue if (now - arrival) + prompt_len / speed > slo]
+    return table("mean_in_system", fn, rows, lambda a, d: sum(stays(a, d)) / max(d), lambda a, d: number_compare(
+        mistakes((sum(stays(a, d)) / len(a), "that is W, the mean time one request spends in the system; L is "
+                  "how many are in it on average, L = λ W with λ = n / (last departure)"),
+                 (len(a) / max(d), "that is λ, the arrival rate; L = λ W"))),
+        "add up, over all requests, the time each spends in the system "
+        "(departure - arrival), and divide by the length of the window")
 
 
 def to_shed(fn: Any) -> Verdict:
-    """Check ``fn(queue, now, ttft_slo_s, prefill_tokens_per_s)``: queue is a list of
-    ``(request id, arrival_s, prompt_len)`` in queue order; return, in that order, the
-    ids whose first token cannot come within ``ttft_slo_s`` of arrival even if their
-    prefill started right now."""
-
+    """Check ``fn(queue, now, ttft_slo_s, prefill_tokens_per_s)``: the ids (in queue order) of the
+    ``(id, arrival_s, prompt_len)`` entries whose first token cannot come within the SLO of arrival."""
     def compare(got, expected):
         if not isinstance(got, (list, tuple)):
             return f"return a list of request ids, not a {type(got).__name__}"
@@ -84,44 +49,33 @@ def to_shed(fn: Any) -> Verdict:
         if sorted(got) == sorted(expected):
             return "the right ids, but keep them in queue order"
         missing = [r for r in expected if r not in got]
-        extra = [r for r in got if r not in expected]
         if missing:
             return (f"{missing} cannot make it but you keep them: count the time its prefill "
                     "will take (prompt_len / prefill_tokens_per_s) on top of the wait so far")
-        return f"{extra} can still make it; shed only those that would be late (> the SLO)"
+        return f"{[r for r in got if r not in expected]} can still make it; shed only those that would be late (> the SLO)"
 
-    speed = 100.0  # prompt tokens per second
     rows = [
-        ("an empty queue", [], 10.0),
-        ("nobody late: waits of 1 and 2 s, prefills of 0.5 s, SLO 5 s",
-         [("a", 9.0, 50), ("b", 8.0, 50)], 10.0),
-        ("one has waited 6 s already (SLO 5 s)", [("a", 4.0, 50), ("b", 9.5, 50)], 10.0),
+        ("an empty queue", []),
+        ("nobody late: waits of 1 and 2 s, prefills of 0.5 s, SLO 5 s", [("a", 9.0, 50), ("b", 8.0, 50)]),
+        ("one has waited 6 s already (SLO 5 s)", [("a", 4.0, 50), ("b", 9.5, 50)]),
         ("a long prompt that just arrived: 800 tokens take 8 s to prefill (SLO 5 s)",
-         [("short", 9.0, 40), ("long", 10.0, 800)], 10.0),
-        ("exactly on time: waited 4 s + 1 s of prefill = the 5 s SLO (keep it)",
-         [("edge", 6.0, 100)], 10.0),
-        ("several late ones, in queue order", [("x", 1.0, 10), ("y", 9.9, 10), ("z", 2.0, 10),
-                                               ("w", 3.0, 900)], 10.0),
+         [("short", 9.0, 40), ("long", 10.0, 800)]),
+        ("exactly on time: waited 4 s + 1 s of prefill = the 5 s SLO (keep it)", [("edge", 6.0, 100)]),
+        ("several late ones, in queue order", [("x", 1.0, 10), ("y", 9.9, 10), ("z", 2.0, 10), ("w", 3.0, 900)]),
     ]
-    cases = [Case(label, lambda f, q=q, now=now: f(list(q), now, 5.0, speed),
-                  _to_shed(q, now, 5.0, speed), compare,
-                  hint="late if (now - arrival) + prompt_len / prefill_tokens_per_s > ttft_slo_s")
-             for label, q, now in rows]
-    return run_cases("to_shed", fn, cases)
+    return table("to_shed", fn, [(label, q, 10.0, 5.0, 100.0) for label, q in rows],
+                 lambda q, now, slo, speed: [rid for rid, t, n in q if (now - t) + n / speed > slo],
+                 lambda *a: compare, "late if (now - arrival) + prompt_len / prefill_tokens_per_s > ttft_slo_s")
 
 
-# ---------------------------------------------------------------------------------------
-# The main exercise: the engine's shedding policy (an Admission subclass).
-
-def _queued(rid, arrival_s, preempted=False, state=State.QUEUED):
-    """A queue entry as ``to_shed`` sees it (a preempted request has begun its answer)."""
+def _queued(rid, arrival_s, preempted=False, state=State.QUEUED):  # a preempted one has begun its answer
     return SimpleNamespace(id=rid, arrival_s=arrival_s, state=state, prompt_len=64,
                            output_ids=[5, 6] if preempted else [])
 
 
 def _shed_run(admission, name):
-    """A simulated overload (stall-free, 8 slots): every request's finish reason, and the
-    number of preemptions (scenario "tight" runs on a KV pool too small for everyone)."""
+    """A simulated overload (stall-free, 8 slots; "tight": a KV pool too small for everyone):
+    every request's finish reason, the number of preemptions, the preempted."""
     from ..simulator import make_sim_engine, simulate
     from ..workloads import synthetic_workload
 
@@ -139,11 +93,8 @@ def _shed_run(admission, name):
 
 
 def admission_policy(cls: Any) -> Verdict:
-    """Check ``MyAdmission(Admission)``: ``to_shed(queue, now)`` returns, in queue order,
-    the queued requests that never started (``state`` QUEUED and no ``output_ids``: a
-    preempted request has begun its answer and stays) and have waited more than
-    ``self.max_wait_s`` (None: shed nothing). Small cases, then whole simulated overloads
-    with ``admission=cls(max_wait_s=...)`` against the library's ``Admission``."""
+    """Check ``MyAdmission(Admission).to_shed(queue, now)``: the queued requests that never started
+    and waited more than ``max_wait_s``, against the library's ``Admission``."""
 
     def unit(label, queue, now, max_wait_s, hint=""):
         def call(f):

@@ -18,7 +18,7 @@ from ..fake import FakeModel, FakeRunner, TickClock, reference_output
 from ..prompts import clamp_new_tokens
 from ..trace import Trace
 from ..workloads import Workload, WorkloadRequest
-from ._core import Case, _where, whole_number_compare
+from ._core import Case, _where, table, whole_number_compare
 
 VOCAB = 64
 MAX_PASSES = 5000  # far more than any case needs: a scheduler that loops is stopped here
@@ -267,16 +267,11 @@ def schedule_problem(got: Trace, expected: Trace, key: Callable, words: Callable
     return None
 
 
-# ---------------------------------------------------------------------------------------
-# Count exercises (lessons 1 and 2): fn(output_lens, B) -> int, judged against a run.
-
 MIXED_OUTPUTS = [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14]  # the mixed workload's
 
 
-def output_lens_cases(rows, truth: Callable[[list[int], int], int],
-                      diagnose_for: Callable[[list[int], int], Callable], hint: str) -> list[Case]:
-    """Cases for a count ``fn(output_lens, B) -> int``, from rows of (label, output_lens, B):
-    the right count is ``truth(lens, B)``, a wrong one is explained by ``diagnose_for(lens, B)``."""
-    return [Case(label, lambda f, ls=lens, b=B: f(list(ls), b), truth(lens, B),
-                 whole_number_compare(diagnose_for(lens, B)), hint=hint)
-            for label, lens, B in rows]
+def count_exercise(name: str, fn, rows, truth: Callable, diagnose: Callable, hint: str):
+    """A count ``fn(output_lens, B) -> int`` (lessons 1 and 2) on rows of (label, output_lens, B):
+    the right count is ``truth(lens, B)``, read off a library run; ``diagnose(lens, B, got, expected)``."""
+    return table(name, fn, rows, truth,
+                 lambda lens, B: whole_number_compare(lambda got, want: diagnose(lens, B, got, want)), hint)

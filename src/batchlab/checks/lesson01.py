@@ -1,15 +1,7 @@
-"""Checkers for lesson 1 (static batching).
-
-Every checker here runs on the fake model (``batchlab.fake``) through the one harness
-(``_pieces``), so it answers at once. The right answers are not written down by hand:
-each case runs the library's own ``StaticScheduler`` on the same requests and compares.
-
-- ``static_scheduler(MyStaticScheduler)``: a ``StaticScheduler`` subclass whose
-  ``batches()`` the learner wrote (``my_engine/static.py``), on small cases step by step,
-  on whole workloads, and in a KV pool too small for everyone at once;
-- ``wasted_slot_steps(fn)``: ``fn(output_lens, B)``, the slot-steps one static batch wastes;
-- ``static_steps(fn)``: ``fn(output_lens, B)``, the engine steps a whole workload takes.
-"""
+"""Checkers for lesson 1 (static batching), on the fake model through the one harness
+(``_pieces``): ``static_scheduler(MyStaticScheduler)`` (the learner's ``batches()``, against the
+library's ``StaticScheduler`` on the same requests, also in a KV pool too small for everyone),
+``wasted_slot_steps(fn)`` and ``static_steps(fn)`` (counts read off the library's static runs)."""
 
 from __future__ import annotations
 
@@ -20,14 +12,11 @@ import numpy as np
 from ..scheduler import StaticScheduler
 from ..trace import Trace
 from ._core import Verdict, run_cases
-from ._pieces import (MIXED_OUTPUTS, blocks_problem, fake_workload, output_lens_cases, needs_subclass, output_problem, piece_case,
-                      pressure_case, run_piece, schedule_problem, slot_problem, state_problem)
+from ._pieces import (MIXED_OUTPUTS, blocks_problem, count_exercise, fake_workload, needs_subclass, output_problem,
+                      piece_case, pressure_case, run_piece, schedule_problem, slot_problem, state_problem)
 
 __all__ = ["static_scheduler", "wasted_slot_steps", "static_steps"]
 
-
-# ---------------------------------------------------------------------------------------
-# Exercise: the static scheduler (my_engine/static.py).
 
 HINTS = {
     "stuck": ("when every request of the batch is done, free them all (self.release(req)), so "
@@ -42,8 +31,7 @@ BEGIN = ("start each request of the batch with self.begin(req): it leaves the qu
 
 
 def _names(ids) -> str:
-    ids = list(ids)
-    return ", ".join(ids) if ids else "none"
+    return ", ".join(ids) or "none"
 
 
 def _key(s):
@@ -52,7 +40,6 @@ def _key(s):
 
 
 def _words(s, other) -> str:
-    """One step in words (``other``: the step it is compared with, to show what differs)."""
     parts = []
     if s.prefill:
         parts.append("prefill " + ", ".join(f"{rid} ({n} tokens)" for rid, _, n in s.prefill))
@@ -90,10 +77,8 @@ def _static_hint(g, e) -> str | None:
 
 
 def static_invariants(trace: Trace, B: int) -> str | None:
-    """The rules of static batching, read off a trace: a batch starts only when the last
-    one has left its slots (nobody joins mid-batch), and until it ends every request of
-    the batch has a row in every decode step: a decode row while it runs, a padding row
-    once it is done."""
+    """The rules of static batching: nobody joins a running batch, and until it ends every request
+    of the batch has a row in every decode step (a decode row, or a padding row once done)."""
     batch: set[str] = set()
     previous_slots: list = []
     finished: set[str] = set()
@@ -121,27 +106,20 @@ def static_invariants(trace: Trace, B: int) -> str | None:
 
 
 def _static_judge(rows, B, seed=0, **pool):
-    """A judge for ``piece_case``: ``rows`` (prompt length, new tokens) on the learner's
-    class and on the library's, in a pool of ``pool`` options; the first thing wrong."""
     workload = fake_workload("static", rows, seed)
     ref = run_piece(StaticScheduler, workload, max_batch_size=B, **pool).trace
 
     def judge(cls):
         run = run_piece(cls, workload, max_batch_size=B, hints=HINTS, **pool)
-        if run.problem:
-            return run.problem
         trace = run.trace
-        return (output_problem(trace, workload) or slot_problem(trace, B, rectangular=True)
+        return run.problem or (output_problem(trace, workload) or slot_problem(trace, B, rectangular=True)
                 or state_problem(trace, BEGIN) or static_invariants(trace, B)
                 or schedule_problem(trace, ref, _key, _words, _static_hint) or blocks_problem(run))
     return needs_subclass(StaticScheduler, judge)
 
 
 def static_scheduler(cls) -> Verdict:
-    """Check ``MyStaticScheduler`` (a ``StaticScheduler`` subclass whose ``batches()`` the
-    learner wrote): small cases and whole workloads step by step against the library's
-    scheduler, with the rules of static batching checked on every trace, then in a KV pool
-    too small to hold everybody at once (a batch takes only what ``reserve`` promises)."""
+    """Check ``MyStaticScheduler`` (a ``StaticScheduler`` subclass whose ``batches()`` the learner wrote)."""
     rng = np.random.default_rng(0)  # lengths drawn like the mixed workload's
     mixed = list(zip(rng.integers(40, 301, 16).tolist(), rng.integers(4, 65, 16).tolist()))
     thirty = list(zip(rng.integers(3, 30, 30).tolist(), rng.integers(1, 41, 30).tolist()))
@@ -174,40 +152,28 @@ def static_scheduler(cls) -> Verdict:
 
 
 def _static_trace(output_lens: list[int], B: int) -> Trace:
-    """The static engine (fake model) on short prompts with these output lengths, all at once."""
+    """The library's static engine on short prompts with these output lengths, all at once."""
     return run_piece(StaticScheduler, fake_workload("static", [(5, o) for o in output_lens], 60),
                      max_batch_size=B).trace
 
 
 def static_step_count(output_lens: list[int], B: int) -> int:
-    """The engine steps static batching takes for these output lengths, all arriving at once."""
     return len(_static_trace(output_lens, B).steps)
 
 
-# ---------------------------------------------------------------------------------------
-# Exercise: the slot-steps one static batch wastes.
-
 def wasted_slot_steps(fn: Callable) -> Verdict:
-    """Check ``fn(output_lens, B) -> int``: one static batch of ``len(output_lens) <= B``
-    requests runs ``max(output_lens) - 1`` decode steps of ``B`` slots each; the slot-steps
-    that make no token (padding rows and empty slots) are wasted."""
-
-    def truth(lens, B):
-        return sum(B - len(s.decoded) for s in _static_trace(lens, B).steps if s.decoded)
-
-    def diagnose_for(lens, B):
-        def diagnose(got, expected):
-            m = max(lens)
-            if got == sum(m - o for o in lens) and len(lens) < B:
-                empty = B - len(lens)
-                return (f"that counts the padding rows, but {empty} of the {B} slots "
-                        f"{'holds' if empty == 1 else 'hold'} no request at all: "
-                        f"{'it wastes' if empty == 1 else 'they waste'} every decode step too")
-            if got == B * m - sum(lens) or got == sum(m - o for o in lens) + (B - len(lens)) * m:
-                return (f"the batch runs max - 1 = {m - 1} decode steps, not {m}: each request's "
-                        "first token comes from the prefill, not from a decode row")
-            return ""
-        return diagnose
+    """Check ``fn(output_lens, B) -> int``: the slot-steps one static batch wastes (padding rows, empty slots)."""
+    def diagnose(lens, B, got, expected):
+        m = max(lens)
+        if got == sum(m - o for o in lens) and len(lens) < B:
+            empty = B - len(lens)
+            return (f"that counts the padding rows, but {empty} of the {B} slots "
+                    f"{'holds' if empty == 1 else 'hold'} no request at all: "
+                    f"{'it wastes' if empty == 1 else 'they waste'} every decode step too")
+        if got == B * m - sum(lens) or got == sum(m - o for o in lens) + (B - len(lens)) * m:
+            return (f"the batch runs max - 1 = {m - 1} decode steps, not {m}: each request's "
+                    "first token comes from the prefill, not from a decode row")
+        return ""
 
     rows = [
         ("outputs [5, 2, 3] filling B=3 slots", [5, 2, 3], 3),
@@ -215,38 +181,29 @@ def wasted_slot_steps(fn: Callable) -> Verdict:
         ("four equal outputs [6, 6, 6, 6], B=4: nothing wasted", [6, 6, 6, 6], 4),
         ("outputs [1, 10], B=2: one short request beside a long one", [1, 10], 2),
         ("outputs [1, 1], B=2: the prefill makes every token, there is no decode step", [1, 1], 2),
-        ("the first batch of the mixed workload: [42, 37, 38, 61, 20, 53, 44, 4], B=8",
-         MIXED_OUTPUTS[:8], 8),
+        ("the first batch of the mixed workload: [42, 37, 38, 61, 20, 53, 44, 4], B=8", MIXED_OUTPUTS[:8], 8),
     ]
-    return run_cases("wasted_slot_steps", fn, output_lens_cases(
-        rows, truth, diagnose_for,
+    return count_exercise(
+        "wasted_slot_steps", fn, rows,
+        lambda lens, B: sum(B - len(s.decoded) for s in _static_trace(lens, B).steps if s.decoded), diagnose,
         "count, over the max(output_lens) - 1 decode steps, the slots that made no "
-        "token: B slots per step minus the decode rows of requests still running"))
+        "token: B slots per step minus the decode rows of requests still running")
 
-
-# ---------------------------------------------------------------------------------------
-# Exercise: how many steps static batching takes.
 
 def static_steps(fn: Callable) -> Verdict:
-    """Check ``fn(output_lens, B) -> int``: the engine steps a static engine with ``B`` slots
-    takes for requests that all arrive at once and generate ``output_lens`` tokens."""
-
-    def diagnose_for(lens, B):
+    """Check ``fn(output_lens, B) -> int``: the engine steps static batching takes, all arriving at once."""
+    def diagnose(lens, B, got, expected):
         groups = [lens[i:i + B] for i in range(0, len(lens), B)]
-
-        def diagnose(got, expected):
-            if got == sum(max(g) for g in groups):
-                return ("each batch takes max - 1 steps, not max: the prefill makes every "
-                        "request's first token in the batch's first step, together with the "
-                        "first decode row")
-            if got == sum(max(g) - 1 for g in groups):
-                return ("a batch whose requests all want a single token still takes one step "
-                        "(its prefill)")
-            if len(groups) > 1 and got in (max(lens) - 1, max(lens)):
-                return (f"with B={B}, the {len(lens)} requests run as {len(groups)} batches, one "
-                        f"after the other, in arrival order")
-            return ""
-        return diagnose
+        if got == sum(max(g) for g in groups):
+            return ("each batch takes max - 1 steps, not max: the prefill makes every "
+                    "request's first token in the batch's first step, together with the "
+                    "first decode row")
+        if got == sum(max(g) - 1 for g in groups):
+            return "a batch whose requests all want a single token still takes one step (its prefill)"
+        if len(groups) > 1 and got in (max(lens) - 1, max(lens)):
+            return (f"with B={B}, the {len(lens)} requests run as {len(groups)} batches, one "
+                    f"after the other, in arrival order")
+        return ""
 
     rows = [
         ("one request with 3 output tokens, B=1", [3], 1),
@@ -257,7 +214,6 @@ def static_steps(fn: Callable) -> Verdict:
         ("the mixed workload's outputs, B=8", MIXED_OUTPUTS, 8),
         ("the mixed workload's outputs, B=16 (a single batch)", MIXED_OUTPUTS, 16),
     ]
-    return run_cases("static_steps", fn, output_lens_cases(
-        rows, static_step_count, diagnose_for,
-        "split the requests into batches of B in arrival order; a batch lasts "
-        "until its longest request is done"))
+    return count_exercise("static_steps", fn, rows, static_step_count, diagnose,
+                          "split the requests into batches of B in arrival order; a batch lasts "
+                          "until its longest request is done")

@@ -1,16 +1,7 @@
-"""Checkers for lesson 2 (continuous batching).
-
-- ``continuous_scheduler(MyContinuousScheduler)``: a ``ContinuousScheduler`` subclass whose
-  phases ``admit()``, ``prefill_chunk()`` (the whole prompt as one pass) and ``place()``
-  the learner wrote (``my_engine/continuous.py``); the library's ``batches()`` runs
-  admit -> prefill_chunk -> place -> decode_rows around them;
-- ``continuous_steps(fn)``: ``fn(output_lens, B)``, the steps continuous batching takes.
-
-The scheduler runs on the fake model through the one harness (``_pieces``), on small
-workloads, whole ones, and in KV pools small enough to force preemption; the trace must
-keep the rules of continuous batching, every request must get its reference tokens, every
-block must come back, and the schedule must be the library's.
-"""
+"""Checkers for lesson 2 (continuous batching): ``continuous_scheduler(MyContinuousScheduler)``
+(the learner's ``admit()``, ``prefill_chunk()`` and ``place()``, on the fake model through the one
+harness, also in KV pools that force preemption: the rules of continuous batching on the trace,
+the reference tokens, every block back, the library's schedule) and ``continuous_steps(fn)``."""
 
 from __future__ import annotations
 
@@ -20,9 +11,9 @@ import numpy as np
 
 from ..scheduler import ContinuousScheduler
 from ._core import Verdict, run_cases
-from ._pieces import (MIXED_OUTPUTS, blocks_problem, early_decode_problem, fake_workload, gap_problem, needs_subclass,
-                      output_problem, piece_case, pressure_case, run_piece, schedule_problem,
-                      output_lens_cases, slot_problem, state_problem)
+from ._pieces import (MIXED_OUTPUTS, blocks_problem, count_exercise, early_decode_problem, fake_workload,
+                      gap_problem, needs_subclass, output_problem, piece_case, pressure_case, run_piece,
+                      schedule_problem, slot_problem, state_problem)
 from .lesson01 import static_step_count
 
 __all__ = ["continuous_scheduler", "continuous_steps"]
@@ -179,26 +170,19 @@ PRESSURE = [  # (label, rows, B, KV blocks of 16 tokens): the reference preempts
 ]
 
 
-# ---------------------------------------------------------------------------------------
-# Exercise: counting steps.
-
 def continuous_steps(fn: Callable) -> Verdict:
-    """Check ``fn(output_lens, B) -> int``: the steps a continuous engine with ``B`` slots
-    (whole-prompt prefill) takes for requests that all arrive at once and generate
-    ``output_lens`` tokens each."""
+    """Check ``fn(output_lens, B) -> int``: the steps continuous batching (whole-prompt prefill) takes."""
     def truth(lens, B):
         return len(run_piece(ContinuousScheduler, fake_workload("req", [(5, o) for o in lens], 400),
                              max_batch_size=B).trace.steps)
 
-    def diagnose_for(lens, B):
-        def diagnose(got, expected):
-            if got == static_step_count(lens, B) and got != expected:
-                return "that is the count for static batching (lesson 1), not continuous batching"
-            if got == expected + 1 or got == expected - 1:
-                return ("off by one: a request's first token comes from its prefill, and it "
-                        "decodes in the very step it is placed")
-            return ""
-        return diagnose
+    def diagnose(lens, B, got, expected):
+        if got == static_step_count(lens, B) and got != expected:
+            return "that is the count for static batching (lesson 1), not continuous batching"
+        if got in (expected + 1, expected - 1):
+            return ("off by one: a request's first token comes from its prefill, and it "
+                    "decodes in the very step it is placed")
+        return ""
 
     rows = [
         ("one request with 3 output tokens, B=1", [3], 1),
@@ -209,9 +193,7 @@ def continuous_steps(fn: Callable) -> Verdict:
         ("the mixed workload's outputs, B=8", MIXED_OUTPUTS, 8),
         ("the mixed workload's outputs, B=16", MIXED_OUTPUTS, 16),
     ]
-    cases = output_lens_cases(
-        rows, truth, diagnose_for,
-        "simulate the step: admit one request if none waits for a slot (its prefill "
-        "makes its first token), place waiting requests into free slots, then every "
-        "occupied slot makes one token; a request leaves its slot when done")
-    return run_cases("continuous_steps", fn, cases)
+    return count_exercise("continuous_steps", fn, rows, truth, diagnose,
+                          "simulate the step: admit one request if none waits for a slot (its prefill "
+                          "makes its first token), place waiting requests into free slots, then every "
+                          "occupied slot makes one token; a request leaves its slot when done")

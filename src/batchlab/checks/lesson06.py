@@ -18,6 +18,7 @@ from typing import Any, Callable
 from ..engine import Engine, make_engine
 from ..fake import FakeModel, FakeRunner, reference_output
 from ._core import Case, Verdict, answer_compare, run_cases, show
+from ._pieces import piece_case
 
 __all__ = ["engine_front", "stream_text"]
 
@@ -117,17 +118,13 @@ def once_locked(f):
     _steps(engine, 2)
     spy.acquisitions = 0
     engine.poll("a")
-    return spy.acquisitions
-
-
-def lock_compare(got, expected):
-    if got == expected:
-        return None
-    if got == 0:
+    if spy.acquisitions == 0:
         return "your poll never takes self._lock: the engine thread can change the request while you read it"
-    return (f"your poll takes self._lock {got} times: the engine can run a step between "
-            f"two of them (next case); drain the tokens and read the status in ONE "
-            f"`with self._lock:` block")
+    if spy.acquisitions > 1:
+        return (f"your poll takes self._lock {spy.acquisitions} times: the engine can run a step between "
+                f"two of them (next case); drain the tokens and read the status in ONE "
+                f"`with self._lock:` block")
+    return None
 
 
 def interleaved(f):
@@ -146,21 +143,14 @@ def interleaved(f):
             got += result[0]
             if result[1] != "running":
                 break
+        if got != _right("a", n) and len(got) < n:
+            return (f"with {n} token(s) to make, the client received {got}, "
+                    f"{n - len(got)} short: a step made the last token(s) and finished "
+                    f"the request between your drain and your status read, so the client saw "
+                    f"'done' without them")
         if got != _right("a", n):
-            return n, got
-    return "all right"
-
-
-def interleave_compare(got, expected):
-    if got == expected or isinstance(got, str):
-        return None if got == expected else got
-    n, received = got
-    if len(received) < n:
-        return (f"with {n} token(s) to make, the client received {received}, "
-                f"{n - len(received)} short: a step made the last token(s) and finished "
-                f"the request between your drain and your status read, so the client saw "
-                f"'done' without them")
-    return f"with {n} token(s), the client received {received}: tokens twice or out of order"
+            return f"with {n} token(s), the client received {got}: tokens twice or out of order"
+    return None
 
 
 def threaded(f):
@@ -195,15 +185,10 @@ def threaded(f):
             t.join()
     if loop.error is not None:
         return f"the engine thread died: {type(loop.error).__name__}: {loop.error}"
-    return errors[0] if errors else wrong or "all right"
-
-
-def threaded_compare(got, expected):
-    if got == expected or isinstance(got, str):
-        return None if got == expected else got
-    rid, n = got[0]
-    return (f"{len(got)} of 30 requests came out wrong, e.g. {rid}: {n} tokens received of "
-            f"8 (tokens lost or handed out twice between a drain and a status read)")
+    if errors or not wrong:
+        return errors[0] if errors else None
+    return (f"{len(wrong)} of 30 requests came out wrong, e.g. {wrong[0][0]}: {wrong[0][1]} tokens received "
+            f"of 8 (tokens lost or handed out twice between a drain and a status read)")
 
 
 def cancel_running(f):
@@ -214,35 +199,31 @@ def cancel_running(f):
     _steps(engine, 3)
     made = list(engine.trace.requests["a"].output_ids)
     first, second, polled = engine.cancel("a"), engine.cancel("a"), engine.poll("a")
-    engine.step()
-    slots = list(engine.trace.steps[-1].slots)
-    engine.run_until_idle()
-    return {"cancel": first, "again": second, "poll": polled, "made": made, "slots after a step": slots,
-            "b": engine.poll("b"), "free blocks at the end": _free_blocks(engine)}
-
-
-def cancel_compare(got, expected):
-    if not isinstance(got["cancel"], bool) or not isinstance(got["again"], bool):
-        return f"cancel returns True or False, not {show(got['cancel'])} / {show(got['again'])}"
-    if got["cancel"] is not True:
+    if not isinstance(first, bool) or not isinstance(second, bool):
+        return f"cancel returns True or False, not {show(first)} / {show(second)}"
+    if first is not True:
         return "cancel of a decoding request must return True: this call stopped it"
-    if got["again"] is not False:
+    if second is not False:
         return ("the second cancel returned True: only the call that stopped the request "
                 "returns True; a request already finished (cancelled) gives False")
-    want_poll = (got["made"], "done", "cancelled")
-    if tuple(got["poll"]) != want_poll:
+    if tuple(polled) != (made, "done", "cancelled"):
         return (f"after cancel, poll should hand out the tokens made so far with 'done' and "
-                f"'cancelled': expected {show(want_poll)}, got {show(got['poll'])} (finish "
+                f"'cancelled': expected {show((made, 'done', 'cancelled'))}, got {show(polled)} (finish "
                 f"the request with self._finish(req, 'cancelled'))")
-    if got["slots after a step"] != expected["slots after a step"]:
+    engine.step()
+    if list(engine.trace.steps[-1].slots) != ["b"]:
         return ("after the next step the cancelled request's slot should hold b: put the "
                 "request on self._cancelled, so the next step's sweep frees its slot")
-    if tuple(got["b"]) != expected["b"]:
-        return f"b, served after the cancel, should finish with {show(expected['b'])}"
-    if got["free blocks at the end"] != expected["free blocks at the end"]:
-        return (f"{_BLOCKS - got['free blocks at the end']} KV block(s) never came back: "
-                f"a cancelled request's blocks are freed by the next step's sweep")
-    return None
+    engine.run_until_idle()
+    if tuple(engine.poll("b")) != (_right("b", 3), "done", "length"):
+        return f"b, served after the cancel, should finish with {show((_right('b', 3), 'done', 'length'))}"
+    return _blocks_back(engine)
+
+
+def _blocks_back(engine):
+    lost = _BLOCKS - engine.stats()["free_kv_blocks"]
+    return (f"{lost} KV block(s) never came back: a cancelled request's blocks are freed by the next "
+            f"step's sweep") if lost else None
 
 
 def cancel_queued(f):
@@ -253,39 +234,29 @@ def cancel_queued(f):
     engine.step()
     said, polled = engine.cancel("b"), engine.poll("b")
     engine.run_until_idle()
-    ran = any("b" in s.decoded or any(p[0] == "b" for p in s.prefill) for s in engine.trace.steps)
-    return said, tuple(polled), ran, tuple(engine.poll("a"))
-
-
-def queued_compare(got, expected):
-    if got == expected:
-        return None
-    said, polled, ran, a = got
     if said is not True:
         return "cancel of a queued request must return True: it was waiting to run"
-    if polled != expected[1]:
-        return f"poll after cancelling a queued request: expected {show(expected[1])}"
-    if ran:
+    if tuple(polled) != ([], "done", "cancelled"):
+        return f"poll after cancelling a queued request: expected {show(([], 'done', 'cancelled'))}"
+    if any("b" in s.decoded or any(p[0] == "b" for p in s.prefill) for s in engine.trace.steps):
         return "b ran after it was cancelled: a cancelled request must never be scheduled"
-    return "a, the other request, should still finish normally"
+    if tuple(engine.poll("a")) != (_right("a", 4), "done", "length"):
+        return "a, the other request, should still finish normally"
+    return None
 
 
 def cancel_done(f):
     engine = _front(f)
     _submit(engine, "a", 3)
     engine.run_until_idle()
-    before = engine.cancel("a")  # finished, "done" not yet polled
+    got = [engine.cancel("a")]  # finished, "done" not yet polled
     engine.poll("a")
-    return before, engine.cancel("a"), engine.cancel("zzz")
-
-
-def done_compare(got, expected):
-    if got == expected:
-        return None
-    labels = ["a finished request (not polled yet)", "a request already reported done",
-              "an id the engine never had"]
-    k = next(i for i, (g, e) in enumerate(zip(got, expected)) if g != e)
-    return f"cancel of {labels[k]} must return False (nothing was running), got {show(got[k])}"
+    got += [engine.cancel("a"), engine.cancel("zzz")]
+    for said, what in zip(got, ["a finished request (not polled yet)", "a request already reported done",
+                                "an id the engine never had"]):
+        if said is not False:
+            return f"cancel of {what} must return False (nothing was running), got {show(said)}"
+    return None
 
 
 def cancel_mid_pass(f):
@@ -306,27 +277,16 @@ def cancel_mid_pass(f):
     _steps(engine, 3)
     seen["armed"] = True
     engine.run_until_idle()
-    return {"cancel": seen.get("said"), "held during the pass": seen.get("held", False),
-            "b": tuple(engine.poll("b")), "free blocks at the end": _free_blocks(engine)}
-
-
-def mid_pass_compare(got, expected):
-    if got == expected:
-        return None
-    if got["cancel"] is not True:
+    if seen.get("said") is not True:
         return "cancel of a request in the middle of a pass must return True"
-    if not got["held during the pass"]:
+    if not seen["held"]:
         return ("your cancel freed the request's slot or KV blocks while a forward pass was "
                 "still computing it (the runner writes into those blocks; another request "
                 "could be given them): only mark it cancelled and put it on "
                 "self._cancelled; the next step's sweep frees it")
-    if got["b"] != expected["b"]:
-        return f"b should still finish normally: expected {show(expected['b'])}"
-    return "KV blocks were not all returned at the end"
-
-
-def _show_dict(v):
-    return ", ".join(f"{k}: {show(x)}" for k, x in v.items())
+    if tuple(engine.poll("b")) != (_right("b", 6), "done", "length"):
+        return f"b should still finish normally: expected {show((_right('b', 6), 'done', 'length'))}"
+    return _blocks_back(engine)
 
 
 def engine_front(cls: Any) -> Verdict:
@@ -361,31 +321,21 @@ def engine_front(cls: Any) -> Verdict:
                   "self._requests.get(rid) is None for it"),
         poll_case("another request's tokens are not yours: b's poll sees only b's",
                   then_poll(("a",), ("b",), 2, rid="b"), slots=2),
-        Case("one poll takes self._lock exactly once", once_locked, 1, lock_compare),
-        Case("a forced interleaving: the engine runs a step each time your poll lets go of the "
-             "lock; a client polling until 'done' must receive every token (1 to 6 tokens)",
-             interleaved, "all right", interleave_compare,
-             "drain the tokens and read the status under one hold of the lock"),
-        Case("cancel a decoding request (b waits for its slot): True, then False; poll says "
-             "'cancelled'; after the next step b has the slot; every block comes back",
-             cancel_running, {"cancel": True, "again": False, "poll": "tokens made so far, 'done', 'cancelled'",
-                              "slots after a step": ["b"], "b": (_right("b", 3), "done", "length"),
-                              "free blocks at the end": _BLOCKS}, cancel_compare,
-             "self._finish(req, 'cancelled') and self._cancelled.append(req), under the lock", show=_show_dict),
-        Case("cancel a request still in the queue: True, poll says cancelled, it never runs",
-             cancel_queued, (True, ([], "done", "cancelled"), False, (_right("a", 4), "done", "length")),
-             queued_compare),
-        Case("cancel of a finished request, of one already reported done, of an unknown id: "
-             "False each time", cancel_done, (False, False, False), done_compare,
-             "return False when self._requests has no such request or it is finished"),
-        Case("cancel while a forward pass computes the request: True, and its slot and blocks "
-             "stay held until the pass ends; the next step frees them",
-             cancel_mid_pass, {"cancel": True, "held during the pass": True,
-                               "b": (_right("b", 6), "done", "length"), "free blocks at the end": _BLOCKS},
-             mid_pass_compare, show=_show_dict),
-        Case("real threads: an EngineLoop serving 6 clients, 5 requests each, polling every "
-             "millisecond until 'done': every answer equals the fake model's",
-             threaded, "all right", threaded_compare),
+        piece_case("one poll takes self._lock exactly once", once_locked),
+        piece_case("a forced interleaving: the engine runs a step each time your poll lets go of the "
+                   "lock; a client polling until 'done' must receive every token (1 to 6 tokens)",
+                   interleaved, "drain the tokens and read the status under one hold of the lock"),
+        piece_case("cancel a decoding request (b waits for its slot): True, then False; poll says "
+                   "'cancelled'; after the next step b has the slot; every block comes back", cancel_running,
+                   "self._finish(req, 'cancelled') and self._cancelled.append(req), under the lock"),
+        piece_case("cancel a request still in the queue: True, poll says cancelled, it never runs", cancel_queued),
+        piece_case("cancel of a finished request, of one already reported done, of an unknown id: "
+                   "False each time", cancel_done,
+                   "return False when self._requests has no such request or it is finished"),
+        piece_case("cancel while a forward pass computes the request: True, and its slot and blocks "
+                   "stay held until the pass ends; the next step frees them", cancel_mid_pass),
+        piece_case("real threads: an EngineLoop serving 6 clients, 5 requests each, polling every "
+                   "millisecond until 'done': every answer equals the fake model's", threaded),
     ]
     return run_cases("engine_front", cls, cases)
 

@@ -1,14 +1,8 @@
-"""Checkers for lesson 8 (memory as the limit).
-
-``kv_slots``       where tokens live: a block table turned into flat KV-pool slots;
-``cached_prefix``  the prefix-cache lookup: a chain of block keys, longest cached run;
-``memory_scheduler``  the learner's ``MyMemoryScheduler.fits`` (admission by free blocks) and
-                  ``MyVictimPolicy.victim`` (who gives way when the pool runs dry).
-
-Every answer is compared with the library's own code (``BlockManager.slots``,
-``BlockManager.lookup``, ``Scheduler.fits``, ``PriorityPolicy.victim``); the memory pieces
-also run in fake-model engines on whole workloads under small pools.
-"""
+"""Checkers for lesson 8 (memory as the limit): ``kv_slots`` (a block table turned into flat
+KV-pool addresses), ``cached_prefix`` (the prefix-cache lookup) and ``memory_scheduler`` (the
+learner's ``fits`` and ``victim``). Every answer comes from the library's own code
+(``Chunk.kv_addresses``, ``BlockManager.lookup``, ``Scheduler.fits``, ``PriorityPolicy.victim``);
+the memory pieces also run in fake-model engines on whole workloads under small pools."""
 
 from __future__ import annotations
 
@@ -22,7 +16,7 @@ from ..request import State
 from ..runner import Chunk
 from ..scheduler import Scheduler
 from ..workloads import Workload, WorkloadRequest
-from ._core import Case, Verdict, answer_compare, run_cases, show
+from ._core import Case, Verdict, answer_compare, run_cases, show, table
 from ._pieces import VOCAB, run_piece
 
 __all__ = ["kv_slots", "cached_prefix", "memory_scheduler"]
@@ -38,53 +32,36 @@ def _ints(why_not: str):
     return read
 
 
-# ---------------------------------------------------------------------------------------
-# Exercise 1: block table -> slots.
-
-def _slots_reference(table, start, stop, block_size):
-    return Chunk("r", [], 0, list(table)).kv_addresses(start, stop, block_size).tolist()
-
-
 def kv_slots(fn: Callable) -> Verdict:
-    """Check ``fn(table, start, stop, block_size) -> list of ints``: the flat KV-pool slot of
-    each token ``start .. stop-1`` of a request whose block table is ``table``."""
-
-    def compare_for(table, start, stop, block_size):
+    """Check ``fn(table, start, stop, block_size) -> list of ints``: the flat KV-pool slot of tokens start..stop-1."""
+    def judge(table, start, stop, size):
         def diagnose(got, expected):
+            positions = range(start, stop)
             if len(got) != len(expected):
                 return f"{len(got)} slots for {stop - start} tokens: one slot per token start..stop-1"
-            naive = list(range(start, stop))
-            if got == naive:
+            if got == list(positions):
                 return ("those are the token positions themselves; a token lives in block "
                         "table[position // block_size], at offset position % block_size")
-            wrong_block = [(p // block_size) * block_size + p % block_size for p in range(start, stop)]
-            if got == wrong_block:
+            if got == [(p // size) * size + p % size for p in positions]:
                 return "look the block number up in the table: table[position // block_size]"
-            if got == [table[p // block_size] + p % block_size for p in range(start, stop)]:
-                return ("a block holds block_size slots: block b starts at slot b * block_size, "
-                        "not at slot b")
+            if got == [table[p // size] + p % size for p in positions]:
+                return "a block holds block_size slots: block b starts at slot b * block_size, not at slot b"
             return ""
         return answer_compare(_ints("return a list of slot numbers (ints), one per token"), diagnose)
 
     rows = [
-        ("one block, table [0], tokens 0..3, block size 4", [0], 0, 4, 4, ""),
-        ("table [5], tokens 0..2: block 5 starts at slot 20", [5], 0, 3, 4,
-         "block b holds slots b * block_size .. b * block_size + block_size - 1"),
-        ("table [3, 0, 7], tokens 0..9, block size 4: the tokens cross from block 3 to 0 to 7",
-         [3, 0, 7], 0, 10, 4, "token i sits in block table[i // block_size]"),
-        ("the same table, tokens 5..8 only (a later chunk starts mid-block)", [3, 0, 7], 5, 9, 4, ""),
-        ("a decode row: one token, position 33, table [2, 9, 4], block size 16",
-         [2, 9, 4], 33, 34, 16, ""),
-        ("no tokens (start == stop): an empty list", [1], 2, 2, 4, ""),
+        ("one block, table [0], tokens 0..3, block size 4", [0], 0, 4, 4),
+        (("table [5], tokens 0..2: block 5 starts at slot 20",
+          "block b holds slots b * block_size .. b * block_size + block_size - 1"), [5], 0, 3, 4),
+        (("table [3, 0, 7], tokens 0..9, block size 4: the tokens cross from block 3 to 0 to 7",
+          "token i sits in block table[i // block_size]"), [3, 0, 7], 0, 10, 4),
+        ("the same table, tokens 5..8 only (a later chunk starts mid-block)", [3, 0, 7], 5, 9, 4),
+        ("a decode row: one token, position 33, table [2, 9, 4], block size 16", [2, 9, 4], 33, 34, 16),
+        ("no tokens (start == stop): an empty list", [1], 2, 2, 4),
     ]
-    cases = [Case(label, lambda f, t=table, a=start, b=stop, s=size: f(list(t), a, b, s),
-                  _slots_reference(table, start, stop, size), compare_for(table, start, stop, size), hint)
-             for label, table, start, stop, size, hint in rows]
-    return run_cases("kv_slots", fn, cases)
+    return table("kv_slots", fn, rows, lambda t, a, b, s: Chunk("r", [], 0, list(t)).kv_addresses(a, b, s).tolist(),
+                 judge)
 
-
-# ---------------------------------------------------------------------------------------
-# Exercise 2: the prefix-cache lookup.
 
 def _cache_of(sequence, block_size, blocks):
     """A cache holding ``sequence``'s full blocks as the given block numbers."""
@@ -102,14 +79,13 @@ def _lookup_reference(token_ids, cached, block_size):
 
 
 def cached_prefix(fn: Callable) -> Verdict:
-    """Check ``fn(token_ids, cached, block_size) -> list of blocks``: the blocks of the
-    longest run of full blocks at the start of ``token_ids`` found in ``cached`` (block
-    key -> block), keys chained with ``BlockManager.block_key(parent_key, tokens)`` from
-    ``b""``; never the block that holds the last token."""
+    """Check ``fn(token_ids, cached, block_size) -> list of blocks``: the longest run of full blocks at
+    the start of ``token_ids`` in ``cached`` (keys chained with ``BlockManager.block_key`` from ``b""``),
+    never the block that holds the last token."""
     system = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # 3 blocks of 4
     cache = _cache_of(system, 4, [7, 2, 5])
 
-    def compare_for(token_ids, cached, block_size):
+    def judge(token_ids, cached, block_size):
         full = (len(token_ids) - 1) // block_size
 
         def diagnose(got, expected):
@@ -123,32 +99,25 @@ def cached_prefix(fn: Callable) -> Verdict:
             if len(got) < len(expected) and got == expected[:len(got)]:
                 return "you stopped early: keep going while the next block's key is in the cache"
             return ""
-        return answer_compare(_ints("return a list of block numbers (the values of the cache)"),
-                              diagnose)
+        return answer_compare(_ints("return a list of block numbers (the values of the cache)"), diagnose)
 
     rows = [
-        ("nothing cached: no hit", system + [1, 2], {}, 4, ""),
-        ("a prompt that starts with the 3 cached blocks, then 2 more tokens: all 3 are shared",
-         system + [1, 2], cache, 4, "hash block by block, each key from the previous key and the block's tokens"),
-        ("the same 12 tokens and nothing after: only 2 blocks, the third holds the last token",
-         list(system), cache, 4, "stop before the block that holds the last token"),
-        ("the prompt differs in its 6th token: only the first block matches",
-         system[:5] + [99] + system[6:] + [1], cache, 4, "stop at the first key not in the cache"),
-        ("the second block's tokens, but after a different first block: no hit",
-         [1, 1, 1, 1] + system[4:8] + [3], cache, 4,
-         "a key includes everything before the block (through the parent's key)"),
-        ("a prompt shorter than one block: no full block, no hit", system[:3], cache, 4, ""),
+        ("nothing cached: no hit", system + [1, 2], {}, 4),
+        (("a prompt that starts with the 3 cached blocks, then 2 more tokens: all 3 are shared",
+          "hash block by block, each key from the previous key and the block's tokens"), system + [1, 2], cache, 4),
+        (("the same 12 tokens and nothing after: only 2 blocks, the third holds the last token",
+          "stop before the block that holds the last token"), list(system), cache, 4),
+        (("the prompt differs in its 6th token: only the first block matches",
+          "stop at the first key not in the cache"), system[:5] + [99] + system[6:] + [1], cache, 4),
+        (("the second block's tokens, but after a different first block: no hit",
+          "a key includes everything before the block (through the parent's key)"),
+         [1, 1, 1, 1] + system[4:8] + [3], cache, 4),
+        ("a prompt shorter than one block: no full block, no hit", system[:3], cache, 4),
         ("block size 2: a 9-token prompt over a cache of its first 3 blocks",
-         [5, 6, 7, 8, 9, 10, 11, 12, 13], _cache_of([5, 6, 7, 8, 9, 10], 2, [0, 3, 1]), 2, ""),
+         [5, 6, 7, 8, 9, 10, 11, 12, 13], _cache_of([5, 6, 7, 8, 9, 10], 2, [0, 3, 1]), 2),
     ]
-    cases = [Case(label, lambda f, t=tokens, c=cached, s=size: f(list(t), dict(c), s),
-                  _lookup_reference(tokens, cached, size), compare_for(tokens, cached, size), hint)
-             for label, tokens, cached, size, hint in rows]
-    return run_cases("cached_prefix", fn, cases)
+    return table("cached_prefix", fn, rows, _lookup_reference, judge)
 
-
-# ---------------------------------------------------------------------------------------
-# The main exercise: admission by free blocks (fits) and the preemption victim.
 
 def _req(rid, priority, arrival_s):
     return SimpleNamespace(id=rid, priority=priority, arrival_s=arrival_s)

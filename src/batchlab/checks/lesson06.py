@@ -361,10 +361,8 @@ def _scripted(fn, tokenizer, script, rid="req-0"):
 
 
 def stream_text(fn: Callable, lm) -> Verdict:
-    """Check ``fn(poll, rid, detokenizer)``: a generator that polls ``rid`` until its status
-    is no longer "running", feeds every new token to ``detokenizer.add`` and yields each
-    non-empty piece of text at once, and at the end yields what ``detokenizer.flush()``
-    returns."""
+    """Check ``fn(poll, rid, detokenizer)``: a generator that polls ``rid`` while "running", feeds
+    every new token to ``detokenizer.add``, yields each non-empty piece at once, then ``flush()``'s."""
     tok = lm.tokenizer
 
     def expect(script):
@@ -438,7 +436,6 @@ def stream_text(fn: Callable, lm) -> Verdict:
     ]
 
     def real(f):
-        from ..engine import make_engine
         from ..loop import EngineLoop
 
         ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
@@ -461,16 +458,11 @@ def stream_text(fn: Callable, lm) -> Verdict:
                     break
         return "".join(pieces), tok.decode(seen)
 
-    def real_compare(got, expected):
-        text, truth = got
-        if text == truth == expected:
-            return None
-        if text != truth:
-            return f"the engine made {truth!r}, your stream showed {text!r}"
-        return ""
+    def real_compare(got, expected):  # against what the engine made: no near-tie can flip it
+        return None if got[0] == got[1] else f"the engine made {got[1]!r}, your stream showed {got[0]!r}"
 
     if lm is not None:
         cases.append(Case("the real model on an EngineLoop: the France question streamed to the end",
-                          real, "The capital of France is Paris.<|im_end|>", real_compare,
-                          show=lambda v: repr(v[0]) if isinstance(v, tuple) else repr(v)))
+                          real, "the text the engine made", real_compare,
+                          show=lambda v: repr(v[0]) if isinstance(v, tuple) else v))
     return run_cases("stream_text", fn, cases)

@@ -17,7 +17,7 @@ from ..runner import Chunk
 from ..scheduler import Scheduler
 from ..workloads import Workload, WorkloadRequest
 from ._core import Case, Verdict, answer_compare, run_cases, show, table
-from ._pieces import VOCAB, run_piece
+from ._pieces import VOCAB, piece_case, run_piece
 
 __all__ = ["kv_slots", "cached_prefix", "memory_scheduler"]
 
@@ -123,41 +123,29 @@ def _req(rid, priority, arrival_s):
     return SimpleNamespace(id=rid, priority=priority, arrival_s=arrival_s)
 
 
-def _scenario_workload(name):
-    """Fake-model workloads (token ids < 60, all arriving at once) and how to run them:
-    (requests, engine options, priorities or None, must preempt)."""
-    def prompt(i, n, offset=0):
-        return [(7 * i + 3 * j + offset) % 59 + 1 for j in range(n)]
-
-    if name == "tight":  # a pool too small for everyone's growth: preemptions must happen
-        reqs = [WorkloadRequest(f"r{i}", prompt(i, 6 + 3 * i), 14 + 2 * i) for i in range(6)]
-        return reqs, dict(max_batch_size=4, token_budget=24, num_kv_blocks=14), None, True
-    if name == "priorities":  # the same pool, mixed priorities: victims by importance
-        reqs = [WorkloadRequest(f"p{i}", prompt(i, 6 + i, 5), 20) for i in range(6)]
-        return (reqs, dict(max_batch_size=4, token_budget=24, num_kv_blocks=14),
-                {f"p{i}": prio for i, prio in enumerate([1, 0, 2, 1, 0, 2])}, True)
-    if name == "long prompts":  # prompts longer than the budget: only the first chunk counts
-        reqs = [WorkloadRequest(f"l{i}", prompt(i, 30 + 5 * i), 6) for i in range(5)]
-        return reqs, dict(max_batch_size=4, token_budget=12, num_kv_blocks=24), None, False
-    # a shared prefix on a prefix-cached pool: cached blocks need no new block
-    system = prompt(99, 16)
-    reqs = [WorkloadRequest(f"s{i}", system + prompt(i, 3 + i), 8) for i in range(6)]
-    return (reqs, dict(max_batch_size=4, token_budget=24, num_kv_blocks=11,
-                       enable_prefix_cache=True), None, False)
+def _prompt(i, n, offset=0):  # token ids < 60
+    return [(7 * i + 3 * j + offset) % 59 + 1 for j in range(n)]
 
 
-SCENARIOS = {
-    "tight": "6 requests growing on a pool of 14 blocks of 4 tokens (preemptions must happen)",
-    "priorities": "6 requests of priorities [1, 0, 2, 1, 0, 2] on 14 blocks (preemptions must happen)",
-    "long prompts": "5 prompts of 30-50 tokens, a budget of 12 tokens a step (chunked admission)",
-    "shared prefix": "6 requests sharing a 16-token prefix, prefix cache on",
+_POOL = dict(max_batch_size=4, token_budget=24, num_kv_blocks=14)
+SCENARIOS = {  # name: (in words, requests arriving at once, engine options, priorities, must preempt)
+    "tight": ("6 requests growing on a pool of 14 blocks of 4 tokens (preemptions must happen)",
+              [WorkloadRequest(f"r{i}", _prompt(i, 6 + 3 * i), 14 + 2 * i) for i in range(6)], _POOL, None, True),
+    "priorities": ("6 requests of priorities [1, 0, 2, 1, 0, 2] on 14 blocks (preemptions must happen)",
+                   [WorkloadRequest(f"p{i}", _prompt(i, 6 + i, 5), 20) for i in range(6)], _POOL,
+                   {f"p{i}": prio for i, prio in enumerate([1, 0, 2, 1, 0, 2])}, True),
+    "long prompts": ("5 prompts of 30-50 tokens, a budget of 12 tokens a step (chunked admission)",
+                     [WorkloadRequest(f"l{i}", _prompt(i, 30 + 5 * i), 6) for i in range(5)],
+                     dict(max_batch_size=4, token_budget=12, num_kv_blocks=24), None, False),
+    "shared prefix": ("6 requests sharing a 16-token prefix, prefix cache on",
+                      [WorkloadRequest(f"s{i}", _prompt(99, 16) + _prompt(i, 3 + i), 8) for i in range(6)],
+                      dict(max_batch_size=4, token_budget=24, num_kv_blocks=11, enable_prefix_cache=True),
+                      None, False),
 }
 
 
 def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
-    """A sentence naming the likely mistake when the learner's fits disagrees with the
-    reference's (``Scheduler.fits``), from the situation only: which way it erred, and
-    whether a cached prefix, decoding requests or a prompt longer than the chunk were in play."""
+    """The likely mistake when the learner's fits disagrees with ``Scheduler.fits``, from the situation only."""
     hits, _, _ = sched.first_chunk(req, max_tokens)
     decoding = len(sched.in_state(State.DECODING))
     situation = (f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, "
@@ -176,17 +164,17 @@ def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
     return situation
 
 
-def _whole_run(scheduler_cls, policy_cls, name):
-    """Run scenario ``name`` with the learner's classes; every disagreement of fits and
-    victim with the reference is noted (the learner's decision is the one that runs)."""
-    reqs, options, priorities, _ = _scenario_workload(name)
+def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
+    """Scenario ``name`` with the learner's classes (their decisions run); the first disagreement of
+    fits or victim with the reference, or the first thing wrong with the run."""
+    _, reqs, options, priorities, must_preempt = SCENARIOS[name]
     notes: dict[str, str] = {}
 
     class Probe(scheduler_cls):
         def fits(self, req, max_tokens):
             got = super().fits(req, max_tokens)
             if bool(got) != Scheduler.fits(self, req, max_tokens) and "fits" not in notes:
-                notes["fits"] = _why_fits_differs(self, req, max_tokens, bool(got))
+                notes["fits"] = f"fits: {_why_fits_differs(self, req, max_tokens, bool(got))}"
             return got
 
     class PolicyProbe(policy_cls):
@@ -194,32 +182,36 @@ def _whole_run(scheduler_cls, policy_cls, name):
             got = super().victim(running)
             want = PriorityPolicy.victim(self, running)
             if got is not want and "victim" not in notes:
-                notes["victim"] = (f"among {[(r.id, r.priority) for r in running]} (id, priority), "
-                                   f"your victim was {getattr(got, 'id', got)!r}, the reference's "
-                                   f"{want.id!r}")
+                notes["victim"] = (f"victim: among {[(r.id, r.priority) for r in running]} (id, priority), "
+                                   f"your victim was {getattr(got, 'id', got)!r}, the reference's {want.id!r}")
             if got not in running:
                 raise RuntimeError(f"victim returned {show(got)}, not one of the running requests")
             return got
 
     run = run_piece(Probe, Workload(name, name, reqs), kv_block_size=4, policy=PolicyProbe(),
                     priorities=priorities, hints={"stuck": "does your fits ever say True?"}, **options)
-    if run.problem:
-        return {"problem": run.problem}
-    trace = run.trace
-    wrong = [r.id for r in reqs if trace.requests[r.id].output_ids !=
+    if run.problem or notes:
+        return run.problem or notes.get("fits") or notes["victim"]
+    wrong = [r.id for r in reqs if run.trace.requests[r.id].output_ids !=
              reference_output(r.prompt_ids, r.max_new_tokens, VOCAB, frozenset())]
-    return {"problem": None, "notes": notes, "wrong": wrong, "held at the end": run.blocks_held,
-            "preemptions": run.preemptions,
-            "over budget": [s.index for s in trace.steps if s.num_tokens > options["token_budget"]]}
+    over = [s.index for s in run.trace.steps if s.num_tokens > options["token_budget"]]
+    if wrong:
+        return f"the outputs of {wrong} differ from the fake model's"
+    if run.blocks_held:
+        return f"{run.blocks_held} KV block(s) still held after every request ended"
+    if over:
+        return f"steps {over[:5]} ran more tokens than the budget"
+    if must_preempt and not run.preemptions:
+        return ("this scenario must preempt (the pool is too small for everyone's "
+                "growth) but no preemption happened: the run did not test the victim")
+    return None
 
 
 def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
-    """Check the learner's ``MyMemoryScheduler(StallFreeScheduler).fits(req, max_tokens)``
-    (admission by free blocks: the first chunk after any cached prefix, plus one block of
-    headroom per decoding request) and ``MyVictimPolicy(PriorityPolicy).victim(running)``
-    (the least important, the newest among equals, the latest admitted on a full tie):
-    the victim on small cases, then both together in fake-model engines on whole workloads
-    under small pools, each decision compared with the reference's."""
+    """Check the learner's ``MyMemoryScheduler.fits(req, max_tokens)`` (the first chunk after any cached
+    prefix, plus one block of headroom per decoding request) and ``MyVictimPolicy.victim(running)``
+    (the least important, the newest among equals, the latest admitted on a full tie): the victim on
+    small cases, then both in fake-model engines on whole workloads, each decision against the reference's."""
     missing = next((p for p in (scheduler_cls, policy_cls) if getattr(p, "missing_reason", None)), None)
 
     def victim_case(label, running, hint=""):
@@ -230,49 +222,20 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
         def compare(got, expected):
             if got == expected:
                 return None
-            if isinstance(got, str) and got in {r.id for r in running}:
-                picked = next(r for r in running if r.id == got)
-                want = next(r for r in running if r.id == expected)
-                if picked.priority < want.priority:
-                    return (f"{got} has priority {picked.priority}, more important than "
-                            f"{expected}'s {want.priority}: lower numbers are MORE important")
-                if picked.priority == want.priority and picked.arrival_s < want.arrival_s:
-                    return (f"{got} and {expected} have the same priority; the NEWER one "
-                            f"(later arrival) gives way: it has the least work to lose")
-                if picked.priority == want.priority:
-                    return "on a full tie, the one admitted last (the end of the list) gives way"
-                return ""
-            return "return one of the running requests (the object itself)"
+            if not (isinstance(got, str) and got in {r.id for r in running}):
+                return "return one of the running requests (the object itself)"
+            picked, want = (next(r for r in running if r.id == i) for i in (got, expected))
+            if picked.priority < want.priority:
+                return (f"{got} has priority {picked.priority}, more important than "
+                        f"{expected}'s {want.priority}: lower numbers are MORE important")
+            if picked.priority == want.priority and picked.arrival_s < want.arrival_s:
+                return (f"{got} and {expected} have the same priority; the NEWER one "
+                        f"(later arrival) gives way: it has the least work to lose")
+            if picked.priority == want.priority:
+                return "on a full tie, the one admitted last (the end of the list) gives way"
+            return ""
 
         return Case(label, call, PriorityPolicy().victim(running).id, compare, hint)
-
-    def run_case(name):
-        _, _, _, must_preempt = _scenario_workload(name)
-
-        def compare(got, expected):
-            if got.get("problem"):
-                return got["problem"]
-            notes = got["notes"]
-            if "fits" in notes:
-                return f"fits: {notes['fits']}"
-            if "victim" in notes:
-                return f"victim: {notes['victim']}"
-            if got["wrong"]:
-                return f"the outputs of {got['wrong']} differ from the fake model's"
-            if got["held at the end"]:
-                return f"{got['held at the end']} KV block(s) still held after every request ended"
-            if got["over budget"]:
-                return f"steps {got['over budget'][:5]} ran more tokens than the budget"
-            if must_preempt and not got["preemptions"]:
-                return ("this scenario must preempt (the pool is too small for everyone's "
-                        "growth) but no preemption happened: the run did not test the victim")
-            return None
-
-        return Case(f"a whole run: {SCENARIOS[name]}; every fits and victim decision matches "
-                    f"the reference, outputs are the fake model's, every block comes back",
-                    lambda pieces: _whole_run(*pieces(), name), "all right", compare,
-                    show=lambda v: v if isinstance(v, str) else
-                    f"{v.get('preemptions', 0)} preemptions, {v.get('problem') or 'see below'}")
 
     cases = [
         victim_case("victim: all priority 0, arrivals 1, 2, 3: the newest gives way",
@@ -287,8 +250,9 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
         victim_case("victim: equal priority and arrival: the one admitted last (end of the list)",
                     [_req("p", 1, 2.0), _req("q", 1, 2.0), _req("r", 0, 2.0)],
                     "break a full tie by admission order: the last in the list"),
-        *[run_case(name) for name in SCENARIOS],
+        *[piece_case(f"a whole run: {words}; every fits and victim decision matches the reference, "
+                     f"outputs are the fake model's, every block comes back",
+                     lambda pieces, name=name: _whole_run(*pieces(), name))
+          for name, (words, *_) in SCENARIOS.items()],
     ]
-    if missing is not None:
-        return run_cases("memory_scheduler", missing, cases)
-    return run_cases("memory_scheduler", lambda: (scheduler_cls, policy_cls), cases)
+    return run_cases("memory_scheduler", (lambda: (scheduler_cls, policy_cls)) if missing is None else missing, cases)

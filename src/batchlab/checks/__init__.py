@@ -17,8 +17,6 @@ A new exercise: rows for ``_core.table`` (``lesson00.tokens_per_second`` is a sm
 a list of :class:`Case` for ``run_cases``; a scheduler piece runs through ``_pieces.run_piece``.
 """
 
-from . import (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07, lesson08,
-               lesson09)
 from ._core import FAIL, OK, Case, CheckFailed, Verdict, run_cases, whole_number_compare
 from .lesson00 import greedy_generate, greedy_pick, tokens_per_second
 from .lesson01 import static_scheduler, static_steps, wasted_slot_steps
@@ -31,6 +29,12 @@ from .lesson07 import goodput, parse_sse, stream_metrics
 from .lesson08 import cached_prefix, kv_slots, memory_scheduler
 from .lesson09 import admission_policy, mean_in_system, to_shed
 
-__all__ = ["OK", "FAIL", "Case", "CheckFailed", "Verdict", "run_cases", "whole_number_compare",
-           *[name for m in (lesson00, lesson01, lesson02, lesson03, lesson04, lesson05, lesson06, lesson07,
-                            lesson08, lesson09) for name in m.__all__]]
+__all__ = [
+    "OK", "FAIL", "Case", "CheckFailed", "Verdict", "run_cases", "whole_number_compare",
+    "greedy_pick", "greedy_generate", "tokens_per_second", "static_scheduler", "wasted_slot_steps",
+    "static_steps", "continuous_scheduler", "continuous_steps", "time_between_tokens", "percentile_linear",
+    "predict_stall", "chunked_scheduler", "predict_long_ttft", "largest_chunk", "stallfree_planner",
+    "pack_chunks", "skipped_decodes", "fused_saving", "engine_front", "stream_text", "stream_metrics",
+    "parse_sse", "goodput", "kv_slots", "cached_prefix", "memory_scheduler", "mean_in_system", "to_shed",
+    "admission_policy",
+]

@@ -230,14 +230,24 @@ def piece_case(label: str, judge: Callable[[type], str | None], hint: str = "") 
                 show=lambda got: "runs as it should" if got == "ok" else "a problem (below)")
 
 
-def needs_subclass(base: type, judge: Callable[[type], str | None]) -> Callable[[type], str | None]:
-    """``judge``, refusing (TypeError, so the verdict says so) anything but a subclass of ``base``."""
-    def checked(cls):
+def piece_judge(base: type, reference: type, workload: Workload, checks, *, broken=(), schedule=None,
+                hints: dict | None = None, **options) -> Callable[[type], str | None]:
+    """A judge for ``piece_case``: ``workload`` on the learner's class (refused unless a subclass of
+    ``base``) with ``options``; the first problem of ``checks`` (each ``check(trace)``), then of
+    ``schedule(trace, reference's trace)``, then a block still held. A run that broke off says why,
+    after any of ``broken``'s checks that name the cause better."""
+    ref = run_piece(reference, workload, **options).trace if schedule else None
+
+    def judge(cls):
         if not (isinstance(cls, type) and issubclass(cls, base)):
-            raise TypeError(f"pass your scheduler class (a subclass of {base.__name__}), "
-                            f"not {cls!r}")
-        return judge(cls)
-    return checked
+            raise TypeError(f"pass your scheduler class (a subclass of {base.__name__}), not {cls!r}")
+        run = run_piece(cls, workload, hints=hints, **options)
+        first = next(filter(None, (check(run.trace) for check in (broken if run.problem else checks)
+                                   if run.trace)), None)
+        if run.problem:
+            return first or run.problem
+        return first or (schedule and schedule(run.trace, ref)) or blocks_problem(run)
+    return judge
 
 
 def pressure_case(label: str, judge: Callable[[type], str | None], reference: type, workload: Workload,

@@ -12,8 +12,8 @@ import numpy as np
 from ..scheduler import StaticScheduler
 from ..trace import Trace
 from ._core import Verdict, run_cases
-from ._pieces import (MIXED_OUTPUTS, blocks_problem, count_exercise, fake_workload, needs_subclass, output_problem,
-                      piece_case, pressure_case, run_piece, schedule_problem, slot_problem, state_problem)
+from ._pieces import (MIXED_OUTPUTS, count_exercise, fake_workload, output_problem, piece_case, piece_judge,
+                      pressure_case, run_piece, schedule_problem, slot_problem, state_problem)
 
 __all__ = ["static_scheduler", "wasted_slot_steps", "static_steps"]
 
@@ -107,15 +107,11 @@ def static_invariants(trace: Trace, B: int) -> str | None:
 
 def _static_judge(rows, B, seed=0, **pool):
     workload = fake_workload("static", rows, seed)
-    ref = run_piece(StaticScheduler, workload, max_batch_size=B, **pool).trace
-
-    def judge(cls):
-        run = run_piece(cls, workload, max_batch_size=B, hints=HINTS, **pool)
-        trace = run.trace
-        return run.problem or (output_problem(trace, workload) or slot_problem(trace, B, rectangular=True)
-                or state_problem(trace, BEGIN) or static_invariants(trace, B)
-                or schedule_problem(trace, ref, _key, _words, _static_hint) or blocks_problem(run))
-    return needs_subclass(StaticScheduler, judge)
+    return piece_judge(StaticScheduler, StaticScheduler, workload, [
+        lambda t: output_problem(t, workload), lambda t: slot_problem(t, B, rectangular=True),
+        lambda t: state_problem(t, BEGIN), lambda t: static_invariants(t, B)],
+        schedule=lambda t, ref: schedule_problem(t, ref, _key, _words, _static_hint), hints=HINTS,
+        max_batch_size=B, **pool)
 
 
 def static_scheduler(cls) -> Verdict:

@@ -11,9 +11,9 @@ import numpy as np
 
 from ..scheduler import ContinuousScheduler
 from ._core import Verdict, run_cases
-from ._pieces import (MIXED_OUTPUTS, blocks_problem, count_exercise, early_decode_problem, fake_workload,
-                      gap_problem, needs_subclass, output_problem, piece_case, pressure_case, run_piece,
-                      schedule_problem, slot_problem, state_problem)
+from ._pieces import (MIXED_OUTPUTS, count_exercise, early_decode_problem, fake_workload, gap_problem,
+                      output_problem, piece_case, piece_judge, pressure_case, run_piece, schedule_problem,
+                      slot_problem, state_problem)
 from .lesson01 import static_step_count
 
 __all__ = ["continuous_scheduler", "continuous_steps"]
@@ -105,23 +105,15 @@ def _hint(g, e) -> str | None:
 
 
 def continuous_judge(reference, rules, hints, placed, rows, B, seed=0, max_seq_len=None, **options):
-    """A judge for ``piece_case`` shared by the continuous kinds (lessons 2 and 4): ``rows``
-    on the learner's class and on ``reference`` with ``options``; ``rules(trace, B,
-    workload)`` are the kind's own. The first thing wrong, in words."""
-    workload = fake_workload("req", rows, seed)
-    ref = run_piece(reference, workload, max_seq_len=max_seq_len, max_batch_size=B, **options).trace
-
-    def judge(cls):
-        run = run_piece(cls, workload, max_seq_len=max_seq_len, max_batch_size=B, hints=hints, **options)
-        trace = run.trace
-        if run.problem:
-            return (trace and (state_problem(trace, placed) or early_decode_problem(trace, workload))
-                    or run.problem)
-        return (state_problem(trace, placed) or early_decode_problem(trace, workload)
-                or gap_problem(trace, workload) or rules(trace, B, workload) or slot_problem(trace, B)
-                or output_problem(trace, workload, max_seq_len or 4096)
-                or schedule_problem(trace, ref, _key, _words, _hint) or blocks_problem(run))
-    return needs_subclass(ContinuousScheduler, judge)
+    """A judge for ``piece_case`` shared by the continuous kinds (lessons 2 and 4); ``rules(trace, B,
+    workload)`` are the kind's own."""
+    w = fake_workload("req", rows, seed)
+    early = [lambda t: state_problem(t, placed), lambda t: early_decode_problem(t, w)]
+    return piece_judge(ContinuousScheduler, reference, w, early + [
+        lambda t: gap_problem(t, w), lambda t: rules(t, B, w), lambda t: slot_problem(t, B),
+        lambda t: output_problem(t, w, max_seq_len or 4096)], broken=early,
+        schedule=lambda t, ref: schedule_problem(t, ref, _key, _words, _hint), hints=hints,
+        max_seq_len=max_seq_len, max_batch_size=B, **options)
 
 
 def continuous_scheduler(cls) -> Verdict:

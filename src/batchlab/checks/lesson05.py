@@ -13,8 +13,8 @@ from ..runner import Chunk
 from ..scheduler import ContinuousScheduler, StallFreeScheduler
 from ..trace import StepRecord, Trace
 from ._core import Case, Verdict, mistakes, number_compare, run_cases, show, table
-from ._pieces import (blocks_problem, early_decode_problem, fake_workload, gap_problem, needs_subclass,
-                      output_problem, piece_case, pressure_case, random_rows, run_piece, slot_problem)
+from ._pieces import (early_decode_problem, fake_workload, gap_problem, output_problem, piece_case, piece_judge,
+                      pressure_case, random_rows, run_piece, slot_problem)
 
 __all__ = ["stallfree_planner", "pack_chunks", "skipped_decodes", "fused_saving"]
 
@@ -42,43 +42,42 @@ HINTS = {
 }
 
 
-def _planner_judge(rows, batch, budget, seed=0, **pool):
-    workload = fake_workload("stall-free", rows, seed)
+def _planner_rules(trace, budget):
+    for step in trace.steps:
+        if step.passes > 1:
+            return (f"step {step.index} ran {step.passes} forward passes: plan() returns ONE "
+                    f"Batch, run as one fused pass")
+        if step.num_tokens > budget:
+            return (f"step {step.index} ran {step.num_tokens} tokens, over the token budget of "
+                    f"{budget} ({len(step.decoded)} decode rows + prefill chunks "
+                    f"{[(rid, n) for rid, _, n in step.prefill]})")
+    preempted = {rid for s in trace.steps for rid in s.preempted}  # they wait their turn again
+    skipped = [(k, rid) for k, rid in _skipped(trace) if rid not in preempted]
+    if skipped:
+        return (f"step {skipped[0][0]}: {skipped[0][1]} was decoding but got no decode row: every decoding "
+                f"request takes one token of the budget first, before any prefill")
+    return None
 
-    def judge(cls):
-        run = run_piece(cls, workload, max_batch_size=batch, token_budget=budget, hints=HINTS, **pool)
-        if run.problem:
-            return (run.trace and early_decode_problem(run.trace, workload)) or run.problem
-        trace = run.trace
-        for step in trace.steps:
-            if step.passes > 1:
-                return (f"step {step.index} ran {step.passes} forward passes: plan() returns ONE "
-                        f"Batch, run as one fused pass")
-            if step.num_tokens > budget:
-                return (f"step {step.index} ran {step.num_tokens} tokens, over the token budget of "
-                        f"{budget} ({len(step.decoded)} decode rows + prefill chunks "
-                        f"{[(rid, n) for rid, _, n in step.prefill]})")
-        preempted = {rid for s in trace.steps for rid in s.preempted}  # they wait their turn again
-        skipped = [(k, rid) for k, rid in _skipped(trace) if rid not in preempted]
-        if skipped:
-            index, rid = skipped[0]
-            return (f"step {index}: {rid} was decoding but got no decode row: every decoding request "
-                    f"takes one token of the budget first, before any prefill")
-        problem = (early_decode_problem(trace, workload) or gap_problem(trace, workload)
-                   or slot_problem(trace, batch) or output_problem(trace, workload))
-        if problem:
-            return problem
-        ref = run_piece(StallFreeScheduler, workload, max_batch_size=batch, token_budget=budget, **pool).trace
-        for mine, want in zip(trace.steps, ref.steps):
-            if _plan(mine) != _plan(want):
-                (d1, p1), (d2, p2) = _plan(mine), _plan(want)
-                return (f"step {mine.index} ran decode {d1} and prefill chunks {p1}; the stall-free "
-                        f"rule gives decode {d2} and prefill chunks {p2} (decodes, then partial "
-                        f"prefills in admission order, then admissions while budget and slots remain)")
-        if len(trace.steps) != len(ref.steps):
-            return f"your run took {len(trace.steps)} steps, the stall-free rule {len(ref.steps)}"
-        return blocks_problem(run)
-    return needs_subclass(ContinuousScheduler, judge)
+
+def _planner_schedule(trace, ref):
+    for mine, want in zip(trace.steps, ref.steps):
+        if _plan(mine) != _plan(want):
+            (d1, p1), (d2, p2) = _plan(mine), _plan(want)
+            return (f"step {mine.index} ran decode {d1} and prefill chunks {p1}; the stall-free "
+                    f"rule gives decode {d2} and prefill chunks {p2} (decodes, then partial "
+                    f"prefills in admission order, then admissions while budget and slots remain)")
+    if len(trace.steps) != len(ref.steps):
+        return f"your run took {len(trace.steps)} steps, the stall-free rule {len(ref.steps)}"
+    return None
+
+
+def _planner_judge(rows, batch, budget, seed=0, **pool):
+    w = fake_workload("stall-free", rows, seed)
+    early = [lambda t: early_decode_problem(t, w)]
+    return piece_judge(ContinuousScheduler, StallFreeScheduler, w, [
+        lambda t: _planner_rules(t, budget), *early, lambda t: gap_problem(t, w), lambda t: slot_problem(t, batch),
+        lambda t: output_problem(t, w)], broken=early, schedule=_planner_schedule, hints=HINTS,
+        max_batch_size=batch, token_budget=budget, **pool)
 
 
 TIGHT = random_rows(5, 10, (20, 120), (20, 50))

@@ -355,3 +355,31 @@ def _greedy(lm, ids, n, keep_eos=True, with_prompt=False, refeed=False, fresh_ca
 def test_greedy_generate_rejects_a_wrong_solution_naming_the_mistake(lm, mistake, first_case, says):
     verdict = check.greedy_generate(lambda lm, ids, n: _greedy(lm, ids, n, **mistake), lm)
     assert_rejected(verdict, first_case, *says)
+
+
+# --------------------------------------------------------------------------------------
+# The checkers themselves (issue 19: one harness, public behaviour only, small).
+
+def _checker_sources():
+    from pathlib import Path
+
+    return sorted(Path(check.__file__).parent.glob("*.py"))
+
+
+def test_no_checker_reads_private_state():
+    """A checker observes outputs, the trace, stats() and kv_usage(); the only underscored
+    attributes it touches are its own helpers' (``self._...``)."""
+    import ast
+
+    reads = [f"{path.name}:{node.lineno}: .{node.attr}" for path in _checker_sources()
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+             and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    assert reads == []
+
+
+def test_the_checkers_do_not_grow_back():
+    """checks/ was 3,366 lines before issue 19's harness work; it must not grow past where it stands
+    now (the issue aims at half, 1,700)."""
+    lines = sum(len(path.read_text().splitlines()) for path in _checker_sources())
+    assert lines <= 2800, f"checks/ has {lines} lines"

@@ -214,7 +214,7 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
     small cases, then both in fake-model engines on whole workloads, each decision against the reference's."""
     missing = next((p for p in (scheduler_cls, policy_cls) if getattr(p, "missing_reason", None)), None)
 
-    def victim_case(label, running, hint=""):
+    def victim_case(label, running, hint):
         def call(pieces):
             got = pieces()[1]().victim(list(running))
             return getattr(got, "id", got)
@@ -238,18 +238,17 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
         return Case(label, call, PriorityPolicy().victim(running).id, compare, hint)
 
     cases = [
-        victim_case("victim: all priority 0, arrivals 1, 2, 3: the newest gives way",
-                    [_req("a", 0, 1.0), _req("b", 0, 2.0), _req("c", 0, 3.0)],
-                    "with equal priorities, the newest arrival is the victim"),
-        victim_case("victim: an old request of priority 5 among newer ones of priority 0",
-                    [_req("old", 5, 1.0), _req("b", 0, 2.0), _req("c", 0, 3.0)],
-                    "the least important (highest number) goes first, however old"),
-        victim_case("victim: two of priority 2 (arrivals 1 and 4) and one of priority 1 (arrival 9)",
-                    [_req("x", 2, 1.0), _req("y", 1, 9.0), _req("z", 2, 4.0)],
-                    "among the least important, the newest"),
-        victim_case("victim: equal priority and arrival: the one admitted last (end of the list)",
-                    [_req("p", 1, 2.0), _req("q", 1, 2.0), _req("r", 0, 2.0)],
-                    "break a full tie by admission order: the last in the list"),
+        *[victim_case(label, [_req(*r) for r in running], hint) for label, running, hint in [
+            ("victim: all priority 0, arrivals 1, 2, 3: the newest gives way",
+             [("a", 0, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)], "with equal priorities, the newest arrival is the victim"),
+            ("victim: an old request of priority 5 among newer ones of priority 0",
+             [("old", 5, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)],
+             "the least important (highest number) goes first, however old"),
+            ("victim: two of priority 2 (arrivals 1 and 4) and one of priority 1 (arrival 9)",
+             [("x", 2, 1.0), ("y", 1, 9.0), ("z", 2, 4.0)], "among the least important, the newest"),
+            ("victim: equal priority and arrival: the one admitted last (end of the list)",
+             [("p", 1, 2.0), ("q", 1, 2.0), ("r", 0, 2.0)], "break a full tie by admission order: the last in the list"),
+        ]],
         *[piece_case(f"a whole run: {words}; every fits and victim decision matches the reference, "
                      f"outputs are the fake model's, every block comes back",
                      lambda pieces, name=name: _whole_run(*pieces(), name))

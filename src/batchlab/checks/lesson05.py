@@ -12,7 +12,7 @@ from ..batch import Batch
 from ..runner import Chunk
 from ..scheduler import ContinuousScheduler, StallFreeScheduler
 from ..trace import StepRecord, Trace
-from ._core import Case, Verdict, mistakes, number_compare, run_cases, show, table
+from ._core import Verdict, mistakes, number_compare, run_cases, show, table
 from ._pieces import (early_decode_problem, fake_workload, gap_problem, output_problem, piece_case, piece_judge,
                       pressure_case, random_rows, run_piece, slot_problem)
 
@@ -148,26 +148,20 @@ def pack_chunks(fn: Callable) -> Verdict:
             return "off by one: the index of a chunk's last token is (tokens so far) - 1"
         return "the last indices are wrong: where each chunk's last token sits in the flat list"
 
-    def case(label, chunks, hint=""):
-        return Case(label, lambda f: f(list(chunks)), _pack_reference(chunks), compare, hint)
-
     one_step = [Chunk(f"d{i}", [100 + i], s) for i, s in enumerate([52, 7, 130, 88, 41, 64, 19, 23])]
-    one_step.append(Chunk("p", list(range(500, 564)), 128))
-    return run_cases("pack_chunks", fn, [
-        case("one decode row: token 42 at position 9", [Chunk("a", [42], 9)]),
-        case("one prefill chunk starting a prompt: tokens 5, 6, 7 at positions 0, 1, 2",
-             [Chunk("p", [5, 6, 7], 0)]),
-        case("a prefill chunk that continues a prompt: 4 tokens from position 16",
-             [Chunk("p", [11, 12, 13, 14], 16)],
-             "a chunk that continues a prompt starts at c.start, not 0"),
-        case("a hybrid batch: 3 decode rows (positions 40, 7, 100), then a 5-token chunk from 16",
-             [Chunk("a", [1], 40), Chunk("b", [2], 7), Chunk("c", [3], 100),
-              Chunk("p", [20, 21, 22, 23, 24], 16)],
-             "a decode row is a chunk of one token; its last token is itself"),
-        case("two prefill chunks of different requests back to back",
-             [Chunk("p", [9, 8, 7], 0), Chunk("q", [6, 5], 30)]),
-        case("a step like the mixed workload's: 8 decode rows + a 64-token chunk (T = 72)", one_step),
-    ])
+    rows = [
+        ("one decode row: token 42 at position 9", [Chunk("a", [42], 9)]),
+        ("one prefill chunk starting a prompt: tokens 5, 6, 7 at positions 0, 1, 2", [Chunk("p", [5, 6, 7], 0)]),
+        (("a prefill chunk that continues a prompt: 4 tokens from position 16",
+          "a chunk that continues a prompt starts at c.start, not 0"), [Chunk("p", [11, 12, 13, 14], 16)]),
+        (("a hybrid batch: 3 decode rows (positions 40, 7, 100), then a 5-token chunk from 16",
+          "a decode row is a chunk of one token; its last token is itself"),
+         [Chunk("a", [1], 40), Chunk("b", [2], 7), Chunk("c", [3], 100), Chunk("p", [20, 21, 22, 23, 24], 16)]),
+        ("two prefill chunks of different requests back to back", [Chunk("p", [9, 8, 7], 0), Chunk("q", [6, 5], 30)]),
+        ("a step like the mixed workload's: 8 decode rows + a 64-token chunk (T = 72)",
+         one_step + [Chunk("p", list(range(500, 564)), 128)]),
+    ]
+    return table("pack_chunks", fn, rows, _pack_reference, lambda chunks: compare)
 
 
 class _PrefillFirst(StallFreeScheduler):
@@ -214,29 +208,22 @@ def skipped_decodes(fn: Callable) -> Verdict:
                     f"its last")
         return f"missed {missing[:3]}{' ...' if len(missing) > 3 else ''}"
 
-    def show_sorted(value):
-        return show(sorted(value) if isinstance(value, (list, set)) else value)
-
-    def case(label, make, hint=""):
-        trace = make()
-        return Case(label, lambda f: f(trace), _skipped(trace), compare, hint, show_sorted)
-
     wrong = _fake_trace(_PrefillFirst, 4, 12, 3)
-    return run_cases("skipped_decodes", fn, [
-        case("a stall-free run on the fake model (B=4, budget 12): nobody is skipped",
-             lambda: _fake_trace(StallFreeScheduler, 4, 12, 3)),
-        case("a hand-made trace: b gets its first token in step 1, no decode row in step 2, "
-             "then decodes in steps 3 and 4",
-             lambda: _hand_trace(([], {"a": [5]}), (["a"], {"a": [6], "b": [9]}), (["a"], {"a": [7]}),
-                                 (["a", "b"], {"a": [8], "b": [3]}), (["b"], {"b": [4]})),
-             "b is decoding from step 2 (the step after its first token) to step 4"),
-        case("a request that got only one token (it never decoded) is never skipped",
-             lambda: _hand_trace(([], {"a": [1], "b": [2]}), (["a"], {"a": [3]}), (["a"], {"a": [4]})),
-             "a request with a single token has no decoding steps"),
-        case(f"a wrong policy that gives the budget to prefill first and decodes what is left "
-             f"(B=4, budget 12): {len(_skipped(wrong))} skipped decodes",
-             lambda: wrong),
-    ])
+    rows = [
+        ("a stall-free run on the fake model (B=4, budget 12): nobody is skipped",
+         _fake_trace(StallFreeScheduler, 4, 12, 3)),
+        (("a hand-made trace: b gets its first token in step 1, no decode row in step 2, "
+          "then decodes in steps 3 and 4", "b is decoding from step 2 (the step after its first token) to step 4"),
+         _hand_trace(([], {"a": [5]}), (["a"], {"a": [6], "b": [9]}), (["a"], {"a": [7]}),
+                     (["a", "b"], {"a": [8], "b": [3]}), (["b"], {"b": [4]}))),
+        (("a request that got only one token (it never decoded) is never skipped",
+          "a request with a single token has no decoding steps"),
+         _hand_trace(([], {"a": [1], "b": [2]}), (["a"], {"a": [3]}), (["a"], {"a": [4]}))),
+        (f"a wrong policy that gives the budget to prefill first and decodes what is left "
+         f"(B=4, budget 12): {len(_skipped(wrong))} skipped decodes", wrong),
+    ]
+    return table("skipped_decodes", fn, rows, _skipped, lambda trace: compare,
+                 show=lambda v: show(sorted(v) if isinstance(v, (list, set)) else v))
 
 
 def fused_saving(fn: Callable) -> Verdict:

@@ -11,6 +11,7 @@ from typing import Any
 from ..policies import Admission
 from ..request import State
 from ._core import Case, Verdict, mistakes, number_compare, run_cases, table
+from ._pieces import piece_case
 
 __all__ = ["mean_in_system", "to_shed", "admission_policy"]
 
@@ -125,23 +126,17 @@ def admission_policy(cls: Any) -> Verdict:
         return Case(label, call, expected, compare, hint)
 
     def whole(name, label):
-        expected = _shed_run(Admission(max_wait_s=8.0), name)
+        want, preemptions, _ = _shed_run(Admission(max_wait_s=8.0), name)
+        if name == "tight" and not preemptions:
+            raise AssertionError("checker case 'tight': the reference run had no preemption")
 
-        def compare(got, want):
-            reasons, preemptions, preempted = got
-            if name == "tight" and not want[1]:
-                return "(checker) the reference run had no preemption: the scenario is void"
-            if reasons == want[0]:
-                return None
-            wrong = sorted(r for r in want[0] if reasons.get(r) != want[0][r])
-            rid = wrong[0]
-            note = " (it had been preempted)" if rid in preempted else ""
-            return (f"{len(wrong)} request(s) ended differently, e.g. {rid}{note}: yours "
-                    f"{reasons.get(rid)!r}, the reference {want[0][rid]!r}")
-
-        return Case(label, lambda f: _shed_run(f(max_wait_s=8.0), name), expected, compare,
-                    show=lambda v: (f"{sum(x == 'shed' for x in v[0].values())} shed of "
-                                    f"{len(v[0])}, {v[1]} preemptions"))
+        def judge(f):
+            reasons, _, preempted = _shed_run(f(max_wait_s=8.0), name)
+            wrong = sorted(r for r in want if reasons.get(r) != want[r])
+            return wrong and (f"{len(wrong)} request(s) ended differently, e.g. {wrong[0]}"
+                              f"{' (it had been preempted)' if wrong[0] in preempted else ''}: yours "
+                              f"{reasons.get(wrong[0])!r}, the reference {want[wrong[0]]!r}") or None
+        return piece_case(label, judge)
 
     cases = [
         unit("no limit (max_wait_s None): nobody is shed", [_queued("a", 0.0)], 100.0, None),

@@ -373,7 +373,8 @@ def test_no_checker_reads_private_state():
 
     reads = [f"{path.name}:{node.lineno}: .{node.attr}" for path in _checker_sources()
              for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+             if isinstance(node, ast.Attribute) and node.attr.startswith("_")
+             and not node.attr.startswith("__")
              and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
     assert reads == []
 

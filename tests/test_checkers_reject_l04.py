@@ -76,7 +76,7 @@ def test_a_chunk_that_ignores_prefill_step_is_rejected():
 
 def test_a_last_chunk_that_never_runs_is_rejected():
     verdict = check.chunked_scheduler(NoLastChunk)
-    assert_rejected(verdict, "1 of 10", "r2 went on to awaiting a slot with only 256 of its 300 prompt tokens",
+    assert_rejected(verdict, "1 of 10", "r2 went on to awaiting a slot with only 256 of its 300 prompt",
                     "last chunk never ran")
     assert "fails too: a whole workload" in verdict.message
 
@@ -92,7 +92,8 @@ def test_a_chunk_without_make_room_is_rejected_in_the_small_pool():
     assert verdict.passed == 9
 
 
-@pytest.mark.parametrize("piece", [NotWritten, course.Missing("MyChunkedScheduler", "my_engine/chunked.py does not exist yet")])
+@pytest.mark.parametrize("piece", [NotWritten, course.Missing("MyChunkedScheduler",
+                                                            "my_engine/chunked.py does not exist yet")])
 def test_an_unwritten_piece_is_reported_as_not_written(piece):
     verdict = check.chunked_scheduler(piece)
     assert not verdict and verdict.not_written, verdict.message

@@ -229,7 +229,8 @@ def mistakes(*known, rel: float = 1e-6) -> Callable[[Any, Any], str]:
                                        if value is not None and close(got, value, rel)), "")
 
 
-def table(name: str, fn: Any, rows, right: Callable | None, judge: Callable, hint: str = "", **case) -> Verdict:
+def table(name: str, fn: Any, rows, right: Callable | None, judge: Callable, hint: str = "",
+          **case) -> Verdict:
     """One case per row ``(label, *args)``: ``fn`` gets copies of ``args``, the answer is
     ``right(*args)`` (the library's own code wherever it has one; None: each row ends with
     its answer written out), ``judge(*args)`` the compare. A label ``(label, hint)`` has its own hint."""
@@ -237,5 +238,6 @@ def table(name: str, fn: Any, rows, right: Callable | None, judge: Callable, hin
     for row in rows:
         label, own_hint = row[0] if isinstance(row[0], tuple) else (row[0], hint)
         args, expected = (row[1:-1], row[-1]) if right is None else (row[1:], right(*row[1:]))
-        cases.append(Case(label, lambda f, a=args: f(*copy.deepcopy(a)), expected, judge(*args), own_hint, **case))
+        cases.append(Case(label, lambda f, a=args: f(*copy.deepcopy(a)), expected, judge(*args), own_hint,
+                          **case))
     return run_cases(name, fn, cases)

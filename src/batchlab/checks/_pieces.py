@@ -47,7 +47,7 @@ def fake_workload(name: str, rows: list[tuple[int, int]], seed: int = 0) -> Work
                                  for i, (p, n) in enumerate(rows)], seed)
 
 
-def random_rows(seed: int, n: int, prompts: tuple[int, int], outputs: tuple[int, int]) -> list[tuple[int, int]]:
+def random_rows(seed: int, n: int, prompts: tuple[int, int], outputs: tuple[int, int]) -> list[tuple]:
     rng = random.Random(seed)
     return [(rng.randint(*prompts), rng.randint(*outputs)) for _ in range(n)]
 
@@ -94,7 +94,8 @@ def run_piece(cls, workload: Workload, *, max_seq_len: int | None = None, hints:
                                         f"MemoryError: {e}{_where(e)}" + _then(hints.get("memory")))
     except Exception as e:
         why = hints.get("slot") if SLOT_TAKEN in str(e) else None
-        trace, problem = engine.trace, f"your scheduler raised {type(e).__name__}: {e}{_where(e)}" + _then(why)
+        trace, problem = engine.trace, (f"your scheduler raised {type(e).__name__}: {e}{_where(e)}"
+                                        + _then(why))
     stats = engine.stats()
     return Run(trace, problem, stats["num_kv_blocks"] - stats["free_kv_blocks"], stats["preemptions"])
 

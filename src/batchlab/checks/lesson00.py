@@ -130,7 +130,8 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         if len(got) > len(expected) and got[len(got) - len(expected):] == expected:
             return (f"the new tokens are right, but {len(got) - len(expected)} tokens come before "
                     f"them (the prompt?): return only the new tokens")
-        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
+                     min(len(got), len(expected)))
         return f"they first differ at position {first} (counting from 0)"
 
     recorded: dict[str, list] = {}
@@ -152,7 +153,8 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         case(f"the France question, n=12: the answer ends with {tok.decode(answer[-1:])} (an EOS token) "
              f"after {len(answer)} tokens, so stop there and keep it", france, 12,
              "after appending a token, stop if it is in lm.tokenizer.eos_token_ids"),
-        case("a plain text prompt (no chat template) 'Once upon a time', n=6", tok.encode("Once upon a time"), 6),
+        case("a plain text prompt (no chat template) 'Once upon a time', n=6", tok.encode("Once upon a "
+                                                                                          "time"), 6),
         case("a one-token prompt [504] ('The'), n=4", [504], 4),
     ]
 
@@ -195,5 +197,6 @@ def tokens_per_second(fn: Callable) -> Verdict:
                   "is all the tokens made divided by all the time taken"),
                  (len(s) / sum(s) if b != 1 else None,
                   f"that leaves out the batch: every step makes {b} tokens, one per sequence"),
-                 (sum(s) / (b * len(s)), "that is seconds per token; tokens per second is the other way up"))),
+                 (sum(s) / (b * len(s)), "that is seconds per token; tokens per second is the other way "
+                                         "up"))),
         hint="tokens made = batch x number of steps; time taken = the sum of the step times")

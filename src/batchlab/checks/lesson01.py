@@ -61,9 +61,8 @@ def _static_hint(g, e) -> str | None:
         return ("a new batch takes up to max_batch_size requests from the front of the queue "
                 "(in arrival order), all at once")
     if any(ge is None and ee is not None for ge, ee in zip(g.slots, e.slots)):
-        return ("a request left its slot while its batch was still running: a finished request "
-                "keeps its slot as a padding row, and nobody joins until every request of the "
-                "batch is done")
+        return ("a request left its slot while its batch was still running: a finished request keeps its "
+                "slot as a padding row, and nobody joins until every request of the batch is done")
     if e.padding and not g.padding:
         return ("a finished request stays in the batch as a padding row until the whole batch "
                 "ends: yield Batch(decode=<live rows>, padding=<finished rows>)")
@@ -99,7 +98,8 @@ def static_invariants(trace: Trace, B: int) -> str | None:
             return (f"step {step.index}: the decode step ran rows {sorted(rows)}, but the batch is "
                     f"{sorted(batch)}")
         if set(step.decoded) & set(step.padding):
-            return f"step {step.index}: {sorted(set(step.decoded) & set(step.padding))} got a decode row and a padding row"
+            both = sorted(set(step.decoded) & set(step.padding))
+            return f"step {step.index}: {both} got a decode row and a padding row"
         finished |= set(step.finished)
         previous_slots = list(step.slots)
     return None
@@ -158,7 +158,7 @@ def static_step_count(output_lens: list[int], B: int) -> int:
 
 
 def wasted_slot_steps(fn: Callable) -> Verdict:
-    """Check ``fn(output_lens, B) -> int``: the slot-steps one static batch wastes (padding rows, empty slots)."""
+    """Check ``fn(output_lens, B) -> int``: the slot-steps one static batch wastes (padding, empty slots)."""
     def diagnose(lens, B, got, expected):
         m = max(lens)
         if got == sum(m - o for o in lens) and len(lens) < B:
@@ -191,9 +191,8 @@ def static_steps(fn: Callable) -> Verdict:
     def diagnose(lens, B, got, expected):
         groups = [lens[i:i + B] for i in range(0, len(lens), B)]
         if got == sum(max(g) for g in groups):
-            return ("each batch takes max - 1 steps, not max: the prefill makes every "
-                    "request's first token in the batch's first step, together with the "
-                    "first decode row")
+            return ("each batch takes max - 1 steps, not max: the prefill makes every request's first token "
+                    "in the batch's first step, together with the first decode row")
         if got == sum(max(g) - 1 for g in groups):
             return "a batch whose requests all want a single token still takes one step (its prefill)"
         if len(groups) > 1 and got in (max(lens) - 1, max(lens)):

@@ -19,9 +19,8 @@ from .lesson01 import static_step_count
 __all__ = ["continuous_scheduler", "continuous_steps"]
 
 HINTS = {
-    "memory": ("admit only a request that self.fits(req, self.prefill_step), and take each "
-               "chunk's blocks with self.make_room(req, n) before yielding it (it preempts when "
-               "the pool is short)"),
+    "memory": ("admit only a request that self.fits(req, self.prefill_step), and take each chunk's blocks "
+               "with self.make_room(req, n) before yielding it (it preempts when the pool is short)"),
     "stuck": ("nothing stood in the way of the next queued request: admit it (self.start) "
               "when nobody prefills or awaits a slot and it fits"),
 }

@@ -19,9 +19,8 @@ def _n_chunks(prompt_len: int, prefill_step: int | None) -> int:
 
 
 HINTS = {
-    "memory": ("take each chunk's blocks with self.make_room(req, n) before yielding it (it "
-               "preempts when the pool is short; if it returns False, the request gave way: "
-               "yield nothing)"),
+    "memory": ("take each chunk's blocks with self.make_room(req, n) before yielding it (it preempts when "
+               "the pool is short; if it returns False, the request gave way: yield nothing)"),
 }
 PLACED = "a request whose prompt is done awaits a slot, then place() sets it DECODING"
 
@@ -61,14 +60,14 @@ def _chunk_rules(prefill_step, chunks_of=None):
 
 
 def _judge(rows, prefill_step, batch=3, max_seq_len=None, chunks_of=None, seed=0, **pool):
-    """A judge for ``piece_case``; ``chunks_of=(request id, [(start, length), ...])`` also checks its chunks."""
+    """A judge for ``piece_case``; ``chunks_of=(request id, [(start, length), ...])`` checks its chunks."""
     return continuous_judge(ContinuousScheduler, _chunk_rules(prefill_step, chunks_of), HINTS, PLACED,
                             rows, batch, seed, max_seq_len=max_seq_len, prefill_step=prefill_step, **pool)
 
 
 def chunked_scheduler(cls) -> Verdict:
     """Check a ``ContinuousScheduler`` subclass whose ``prefill_chunk()`` runs one chunk of at most
-    ``prefill_step`` tokens as a pass of its own (blocks from ``make_room``); the last case forces preemption."""
+    ``prefill_step`` tokens as a pass of its own (blocks from ``make_room``); the last forces preemption."""
     two = [(5, 12), (5, 12)]  # two short requests that decode while the long prompt prefills
     hint = ("n = min(self.prefill_step, req.prefill_left); if self.make_room(req, n): "
             "yield Batch(prefill=[(req, n)])")
@@ -115,9 +114,11 @@ def predict_long_ttft(fn: Callable) -> Verdict:
         n = _n_chunks(p, step)
         return number_compare(mistakes(
             (p / rate + n * dec, "that adds a decode pass; with the whole prompt in one step, the first "
-                                 "token is sampled right after the prefill pass, before the decode pass" if n == 1 else
+                                 "token is sampled right after the prefill pass, before the decode "
+                                 "pass" if n == 1 else
              f"that counts one decode pass per chunk ({n}); the step with the last chunk samples the first "
-             f"token right after that chunk, before its decode pass, so only {n - 1} decode passes come first"),
+             f"token right after that chunk, before its decode pass, so only {n - 1} decode passes come "
+             f"first"),
             (p / rate + (p // step - 1) * dec if step is not None and p % step else None,
              "the number of chunks is off: a last, shorter chunk is a step too (round the division up)"),
             (p / rate, "that leaves out the decode passes that run between the chunks")))
@@ -158,7 +159,8 @@ def largest_chunk(fn: Callable) -> Verdict:
             return ""
         return optional_compare(whole_number_compare(diagnose),
                                 "no chunk size meets this target, so the answer is None (then the "
-                                "target cannot be met by chunking alone)", "a chunk size does fit this target")
+                                "target cannot be met by chunking alone)", "a chunk size does fit this "
+                                                                           "target")
 
     sizes = [32, 64, 128, 256]
     rows = [

@@ -13,14 +13,15 @@ from ..runner import Chunk
 from ..scheduler import ContinuousScheduler, StallFreeScheduler
 from ..trace import StepRecord, Trace
 from ._core import Verdict, mistakes, number_compare, run_cases, show, table
-from ._pieces import (early_decode_problem, fake_workload, gap_problem, output_problem, piece_case, piece_judge,
+from ._pieces import (early_decode_problem, fake_workload, gap_problem, output_problem, piece_case,
+                      piece_judge,
                       pressure_case, random_rows, run_piece, slot_problem)
 
 __all__ = ["stallfree_planner", "pack_chunks", "skipped_decodes", "fused_saving"]
 
 
 def _skipped(trace: Trace) -> list[tuple[int, str]]:
-    """(step index, request) for every step a decoding request had no decode row in (the exercise's answer)."""
+    """(step index, request) for every step a decoding request had no decode row in (the answer)."""
     steps = list(trace.steps)
     emitted_at: dict[str, list[int]] = {}
     for k, s in enumerate(steps):
@@ -75,7 +76,8 @@ def _planner_judge(rows, batch, budget, seed=0, **pool):
     w = fake_workload("stall-free", rows, seed)
     early = [lambda t: early_decode_problem(t, w)]
     return piece_judge(ContinuousScheduler, StallFreeScheduler, w, [
-        lambda t: _planner_rules(t, budget), *early, lambda t: gap_problem(t, w), lambda t: slot_problem(t, batch),
+        lambda t: _planner_rules(t, budget), *early, lambda t: gap_problem(t, w),
+        lambda t: slot_problem(t, batch),
         lambda t: output_problem(t, w)], broken=early, schedule=_planner_schedule, hints=HINTS,
         max_batch_size=batch, token_budget=budget, **pool)
 
@@ -85,7 +87,8 @@ TIGHT = random_rows(5, 10, (20, 120), (20, 50))
 
 def stallfree_planner(cls) -> Verdict:
     """Check a ``StallFreeScheduler`` subclass whose ``plan()`` returns the step's one ``Batch``:
-    every decode first, then partial prefills in admission order, then admissions while budget and slots remain."""
+    every decode first, then partial prefills in admission order, then admissions while budget and slots
+    remain."""
     hint = "budget = self.token_budget - len(decode); partial prefills take min(budget, left)"
     cases = [
         piece_case("3 slots, prompts of 20, 6, 30 and 5 tokens, budget 16 (the lesson's example)",
@@ -151,13 +154,16 @@ def pack_chunks(fn: Callable) -> Verdict:
     one_step = [Chunk(f"d{i}", [100 + i], s) for i, s in enumerate([52, 7, 130, 88, 41, 64, 19, 23])]
     rows = [
         ("one decode row: token 42 at position 9", [Chunk("a", [42], 9)]),
-        ("one prefill chunk starting a prompt: tokens 5, 6, 7 at positions 0, 1, 2", [Chunk("p", [5, 6, 7], 0)]),
+        ("one prefill chunk starting a prompt: tokens 5, 6, 7 at positions 0, 1, 2",
+         [Chunk("p", [5, 6, 7], 0)]),
         (("a prefill chunk that continues a prompt: 4 tokens from position 16",
           "a chunk that continues a prompt starts at c.start, not 0"), [Chunk("p", [11, 12, 13, 14], 16)]),
         (("a hybrid batch: 3 decode rows (positions 40, 7, 100), then a 5-token chunk from 16",
           "a decode row is a chunk of one token; its last token is itself"),
-         [Chunk("a", [1], 40), Chunk("b", [2], 7), Chunk("c", [3], 100), Chunk("p", [20, 21, 22, 23, 24], 16)]),
-        ("two prefill chunks of different requests back to back", [Chunk("p", [9, 8, 7], 0), Chunk("q", [6, 5], 30)]),
+         [Chunk("a", [1], 40), Chunk("b", [2], 7), Chunk("c", [3], 100),
+          Chunk("p", [20, 21, 22, 23, 24], 16)]),
+        ("two prefill chunks of different requests back to back",
+         [Chunk("p", [9, 8, 7], 0), Chunk("q", [6, 5], 30)]),
         ("a step like the mixed workload's: 8 decode rows + a 64-token chunk (T = 72)",
          one_step + [Chunk("p", list(range(500, 564)), 128)]),
     ]
@@ -203,9 +209,8 @@ def skipped_decodes(fn: Callable) -> Verdict:
         missing = sorted(set(expected) - set(pairs))
         extra = sorted(set(pairs) - set(expected))
         if extra:
-            return (f"{extra[:3]} {'is' if len(extra) == 1 else 'are'} not skips: a request is "
-                    f"decoding only after the step of its first token and up to the step of "
-                    f"its last")
+            return (f"{extra[:3]} {'is' if len(extra) == 1 else 'are'} not skips: a request is decoding only "
+                    f"after the step of its first token and up to the step of its last")
         return f"missed {missing[:3]}{' ...' if len(missing) > 3 else ''}"
 
     wrong = _fake_trace(_PrefillFirst, 4, 12, 3)
@@ -213,7 +218,8 @@ def skipped_decodes(fn: Callable) -> Verdict:
         ("a stall-free run on the fake model (B=4, budget 12): nobody is skipped",
          _fake_trace(StallFreeScheduler, 4, 12, 3)),
         (("a hand-made trace: b gets its first token in step 1, no decode row in step 2, "
-          "then decodes in steps 3 and 4", "b is decoding from step 2 (the step after its first token) to step 4"),
+          "then decodes in steps 3 and 4", "b is decoding from step 2 (the step after its first token) to "
+                                           "step 4"),
          _hand_trace(([], {"a": [5]}), (["a"], {"a": [6], "b": [9]}), (["a"], {"a": [7]}),
                      (["a", "b"], {"a": [8], "b": [3]}), (["b"], {"b": [4]}))),
         (("a request that got only one token (it never decoded) is never skipped",
@@ -234,7 +240,8 @@ def fused_saving(fn: Callable) -> Verdict:
         ("fusing slower than the two passes: 0.2 s + 0.1 s against 0.33 s", 0.2, 0.1, 0.33),
         ("the decode rows free: chunk 0.3 s, decodes 0.1 s, fused 0.3 s", 0.3, 0.1, 0.3),
     ]
-    return table("fused_saving", fn, rows, lambda c, d, f: 1 - f / (c + d), lambda c, d, f: number_compare(mistakes(
+    return table("fused_saving", fn, rows, lambda c, d, f: 1 - f / (c + d),
+                 lambda c, d, f: number_compare(mistakes(
         (1 - f / c, "that compares with the chunk pass alone; the saving is against BOTH separate passes"),
         (f / (c + d), "that is the fused time as a share of the separate time; the saving is 1 minus that"),
         (100 * (1 - f / (c + d)), "that looks like a percentage: return a fraction (0.25, not 25)"))),

@@ -105,7 +105,7 @@ def _diagnose_poll(got, expected):
 
 
 def poll_case(label, actions, hint="", slots=1):
-    """``actions(engine)`` (ending with a poll) on the learner's class; the library's Engine gives the answer."""
+    """``actions(engine)`` (ending with a poll) on the learner's class; the library's Engine answers."""
     def call(f):
         return actions(_front(f, slots))
     return Case(label, call, call(Engine), answer_compare(_poll_triple, _diagnose_poll), hint)
@@ -121,9 +121,8 @@ def once_locked(f):
     if spy.acquisitions == 0:
         return "your poll never takes self._lock: the engine thread can change the request while you read it"
     if spy.acquisitions > 1:
-        return (f"your poll takes self._lock {spy.acquisitions} times: the engine can run a step between "
-                f"two of them (next case); drain the tokens and read the status in ONE "
-                f"`with self._lock:` block")
+        return (f"your poll takes self._lock {spy.acquisitions} times: the engine can run a step between two "
+                f"of them (next case); drain the tokens and read the status in ONE `with self._lock:` block")
     return None
 
 
@@ -144,10 +143,9 @@ def interleaved(f):
             if result[1] != "running":
                 break
         if got != _right("a", n) and len(got) < n:
-            return (f"with {n} token(s) to make, the client received {got}, "
-                    f"{n - len(got)} short: a step made the last token(s) and finished "
-                    f"the request between your drain and your status read, so the client saw "
-                    f"'done' without them")
+            return (f"with {n} token(s) to make, the client received {got}, {n - len(got)} short: a step "
+                    f"made the last token(s) and finished the request between your drain and your status "
+                    f"read, so the client saw 'done' without them")
         if got != _right("a", n):
             return f"with {n} token(s), the client received {got}: tokens twice or out of order"
     return None
@@ -280,10 +278,9 @@ def cancel_mid_pass(f):
     if seen.get("said") is not True:
         return "cancel of a request in the middle of a pass must return True"
     if not seen["held"]:
-        return ("your cancel freed the request's slot or KV blocks while a forward pass was "
-                "still computing it (the runner writes into those blocks; another request "
-                "could be given them): only mark it cancelled and put it on "
-                "self._cancelled; the next step's sweep frees it")
+        return ("your cancel freed the request's slot or KV blocks while a forward pass was still computing "
+                "it (the runner writes into those blocks; another request could be given them): only mark it "
+                "cancelled and put it on self._cancelled; the next step's sweep frees it")
     if tuple(engine.poll("b")) != (_right("b", 6), "done", "length"):
         return f"b should still finish normally: expected {show((_right('b', 6), 'done', 'length'))}"
     return _blocks_back(engine)
@@ -295,7 +292,7 @@ def engine_front(cls: Any) -> Verdict:
     is reported; "unknown" for ids it does not know) and ``cancel(rid)`` (True only if this call
     stopped a running request; its slot and blocks are freed by the next step's sweep, never
     during a pass): single steps, a forced interleaving, cancels mid-pass, and real threads."""
-    def then_poll(*script, rid="a"):  # (request, new tokens) submits, a number runs steps, None runs until idle
+    def then_poll(*script, rid="a"):  # (request, new tokens) submits, n runs n steps, None: until idle
         def actions(e):
             for item in script:
                 if isinstance(item, tuple):
@@ -328,7 +325,8 @@ def engine_front(cls: Any) -> Verdict:
         piece_case("cancel a decoding request (b waits for its slot): True, then False; poll says "
                    "'cancelled'; after the next step b has the slot; every block comes back", cancel_running,
                    "self._finish(req, 'cancelled') and self._cancelled.append(req), under the lock"),
-        piece_case("cancel a request still in the queue: True, poll says cancelled, it never runs", cancel_queued),
+        piece_case("cancel a request still in the queue: True, poll says cancelled, it never "
+                   "runs", cancel_queued),
         piece_case("cancel of a finished request, of one already reported done, of an unknown id: "
                    "False each time", cancel_done,
                    "return False when self._requests has no such request or it is finished"),

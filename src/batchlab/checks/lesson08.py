@@ -33,7 +33,7 @@ def _ints(why_not: str):
 
 
 def kv_slots(fn: Callable) -> Verdict:
-    """Check ``fn(table, start, stop, block_size) -> list of ints``: the flat KV-pool slot of tokens start..stop-1."""
+    """Check ``fn(table, start, stop, block_size) -> list of ints``: the KV slot of tokens start..stop-1."""
     def judge(table, start, stop, size):
         def diagnose(got, expected):
             positions = range(start, stop)
@@ -59,8 +59,8 @@ def kv_slots(fn: Callable) -> Verdict:
         ("a decode row: one token, position 33, table [2, 9, 4], block size 16", [2, 9, 4], 33, 34, 16),
         ("no tokens (start == stop): an empty list", [1], 2, 2, 4),
     ]
-    return table("kv_slots", fn, rows, lambda t, a, b, s: Chunk("r", [], 0, list(t)).kv_addresses(a, b, s).tolist(),
-                 judge)
+    return table("kv_slots", fn, rows,
+                 lambda t, a, b, s: Chunk("r", [], 0, list(t)).kv_addresses(a, b, s).tolist(), judge)
 
 
 def _cache_of(sequence, block_size, blocks):
@@ -90,9 +90,8 @@ def cached_prefix(fn: Callable) -> Verdict:
 
         def diagnose(got, expected):
             if len(got) > full:
-                return (f"only the first {full} block(s) may be shared: the block holding the "
-                        f"last prompt token is always computed, so the request still gets a "
-                        f"next-token distribution")
+                return (f"only the first {full} block(s) may be shared: the block holding the last prompt "
+                        f"token is always computed, so the request still gets a next-token distribution")
             if len(got) > len(expected):
                 return ("a block's key chains its parent's key (b\"\" for the first block); the "
                         "same tokens after a different prefix are a different block")
@@ -104,7 +103,8 @@ def cached_prefix(fn: Callable) -> Verdict:
     rows = [
         ("nothing cached: no hit", system + [1, 2], {}, 4),
         (("a prompt that starts with the 3 cached blocks, then 2 more tokens: all 3 are shared",
-          "hash block by block, each key from the previous key and the block's tokens"), system + [1, 2], cache, 4),
+          "hash block by block, each key from the previous key and the block's "
+          "tokens"), system + [1, 2], cache, 4),
         (("the same 12 tokens and nothing after: only 2 blocks, the third holds the last token",
           "stop before the block that holds the last token"), list(system), cache, 4),
         (("the prompt differs in its 6th token: only the first block matches",
@@ -130,7 +130,8 @@ def _prompt(i, n, offset=0):  # token ids < 60
 _POOL = dict(max_batch_size=4, token_budget=24, num_kv_blocks=14)
 SCENARIOS = {  # name: (in words, requests arriving at once, engine options, priorities, must preempt)
     "tight": ("6 requests growing on a pool of 14 blocks of 4 tokens (preemptions must happen)",
-              [WorkloadRequest(f"r{i}", _prompt(i, 6 + 3 * i), 14 + 2 * i) for i in range(6)], _POOL, None, True),
+              [WorkloadRequest(f"r{i}", _prompt(i, 6 + 3 * i), 14 + 2 * i) for i in range(6)], _POOL, None,
+              True),
     "priorities": ("6 requests of priorities [1, 0, 2, 1, 0, 2] on 14 blocks (preemptions must happen)",
                    [WorkloadRequest(f"p{i}", _prompt(i, 6 + i, 5), 20) for i in range(6)], _POOL,
                    {f"p{i}": prio for i, prio in enumerate([1, 0, 2, 1, 0, 2])}, True),
@@ -145,13 +146,12 @@ SCENARIOS = {  # name: (in words, requests arriving at once, engine options, pri
 
 
 def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
-    """The likely mistake when the learner's fits disagrees with ``Scheduler.fits``, from the situation only."""
+    """The likely mistake when the learner's fits disagrees with ``Scheduler.fits``, from the situation."""
     hits, _, _ = sched.first_chunk(req, max_tokens)
     decoding = len(sched.in_state(State.DECODING))
-    situation = (f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, "
-                 f"{len(hits)} cached block(s), {decoding} request(s) decoding, "
-                 f"{sched.blocks.num_free} free block(s)) your fits said {got}, the reference "
-                 f"{not got}")
+    situation = (f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, {len(hits)} cached block(s), "
+                 f"{decoding} request(s) decoding, {sched.blocks.num_free} free block(s)) your fits said "
+                 f"{got}, the reference {not got}")
     if not got and hits:
         return (f"{situation}: cached prefix blocks (self.blocks.lookup, or self.first_chunk) "
                 f"are shared, not taken: they cost no free block (unless evictable, ref count 0)")
@@ -183,7 +183,8 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
             want = PriorityPolicy.victim(self, running)
             if got is not want and "victim" not in notes:
                 notes["victim"] = (f"victim: among {[(r.id, r.priority) for r in running]} (id, priority), "
-                                   f"your victim was {getattr(got, 'id', got)!r}, the reference's {want.id!r}")
+                                   f"your victim was {getattr(got, 'id', got)!r}, the reference's "
+                                   f"{want.id!r}")
             if got not in running:
                 raise RuntimeError(f"victim returned {show(got)}, not one of the running requests")
             return got
@@ -240,18 +241,21 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
     cases = [
         *[victim_case(label, [_req(*r) for r in running], hint) for label, running, hint in [
             ("victim: all priority 0, arrivals 1, 2, 3: the newest gives way",
-             [("a", 0, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)], "with equal priorities, the newest arrival is the victim"),
+             [("a", 0, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)], "with equal priorities, the newest arrival is "
+                                                            "the victim"),
             ("victim: an old request of priority 5 among newer ones of priority 0",
              [("old", 5, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)],
              "the least important (highest number) goes first, however old"),
             ("victim: two of priority 2 (arrivals 1 and 4) and one of priority 1 (arrival 9)",
              [("x", 2, 1.0), ("y", 1, 9.0), ("z", 2, 4.0)], "among the least important, the newest"),
             ("victim: equal priority and arrival: the one admitted last (end of the list)",
-             [("p", 1, 2.0), ("q", 1, 2.0), ("r", 0, 2.0)], "break a full tie by admission order: the last in the list"),
+             [("p", 1, 2.0), ("q", 1, 2.0), ("r", 0, 2.0)], "break a full tie by admission order: the last "
+                                                            "in the list"),
         ]],
         *[piece_case(f"a whole run: {words}; every fits and victim decision matches the reference, "
                      f"outputs are the fake model's, every block comes back",
                      lambda pieces, name=name: _whole_run(*pieces(), name))
           for name, (words, *_) in SCENARIOS.items()],
     ]
-    return run_cases("memory_scheduler", (lambda: (scheduler_cls, policy_cls)) if missing is None else missing, cases)
+    pieces = (lambda: (scheduler_cls, policy_cls)) if missing is None else missing
+    return run_cases("memory_scheduler", pieces, cases)

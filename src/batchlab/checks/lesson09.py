@@ -30,8 +30,10 @@ def mean_in_system(fn: Any) -> Verdict:
     def stays(a, d):
         return [y - x for x, y in zip(a, d)]
 
-    return table("mean_in_system", fn, rows, lambda a, d: sum(stays(a, d)) / max(d), lambda a, d: number_compare(
-        mistakes((sum(stays(a, d)) / len(a), "that is W, the mean time one request spends in the system; L is "
+    return table("mean_in_system", fn, rows, lambda a, d: sum(stays(a, d)) / max(d),
+                 lambda a, d: number_compare(
+        mistakes((sum(stays(a, d)) / len(a), "that is W, the mean time one request spends in the system; L "
+                                             "is "
                   "how many are in it on average, L = λ W with λ = n / (last departure)"),
                  (len(a) / max(d), "that is λ, the arrival rate; L = λ W"))),
         "add up, over all requests, the time each spends in the system "
@@ -53,7 +55,8 @@ def to_shed(fn: Any) -> Verdict:
         if missing:
             return (f"{missing} cannot make it but you keep them: count the time its prefill "
                     "will take (prompt_len / prefill_tokens_per_s) on top of the wait so far")
-        return f"{[r for r in got if r not in expected]} can still make it; shed only those that would be late (> the SLO)"
+        return (f"{[r for r in got if r not in expected]} can still make it; shed only those that would be "
+                f"late (> the SLO)")
 
     rows = [
         ("an empty queue", []),
@@ -62,11 +65,13 @@ def to_shed(fn: Any) -> Verdict:
         ("a long prompt that just arrived: 800 tokens take 8 s to prefill (SLO 5 s)",
          [("short", 9.0, 40), ("long", 10.0, 800)]),
         ("exactly on time: waited 4 s + 1 s of prefill = the 5 s SLO (keep it)", [("edge", 6.0, 100)]),
-        ("several late ones, in queue order", [("x", 1.0, 10), ("y", 9.9, 10), ("z", 2.0, 10), ("w", 3.0, 900)]),
+        ("several late ones, in queue order",
+         [("x", 1.0, 10), ("y", 9.9, 10), ("z", 2.0, 10), ("w", 3.0, 900)]),
     ]
     return table("to_shed", fn, [(label, q, 10.0, 5.0, 100.0) for label, q in rows],
                  lambda q, now, slo, speed: [rid for rid, t, n in q if (now - t) + n / speed > slo],
-                 lambda *a: compare, "late if (now - arrival) + prompt_len / prefill_tokens_per_s > ttft_slo_s")
+                 lambda *a: compare, "late if (now - arrival) + prompt_len / prefill_tokens_per_s > "
+                                     "ttft_slo_s")
 
 
 def _queued(rid, arrival_s, preempted=False, state=State.QUEUED):  # a preempted one has begun its answer

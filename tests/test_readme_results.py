@@ -36,3 +36,23 @@ def test_every_quoted_figure_matches_the_json():
         assert key in RESULT["figures"], f"{key} is not a figure of the bench run"
         assert float(stated) == round(RESULT["figures"][key], decimals), \
             f"{key}: README says {stated}, the run gave {RESULT['figures'][key]:.4f}"
+
+
+def test_both_standard_workloads_are_reported():
+    """The standard run has the chat-shaped workload (answers averaging >= 64 tokens) and the
+    prefill-heavy one, each of >= 32 requests, and the goals table quotes, for both, the
+    batching ratio, the ceiling, ours / mlx-lm and every engine's fraction of the ceiling."""
+    assert not RESULT["quick"] and RESULT["seconds"] <= 25 * 60
+    chat, heavy = RESULT["workloads"]["chat"], RESULT["workloads"]["high_variance"]
+    assert chat["requests"] >= 32 and heavy["requests"] >= 32
+    assert chat["output_len_mean"] >= 64 > heavy["output_len_mean"]
+    quoted = set(re.findall(r"^\| `(\w+)` \|", results_section(), flags=re.M))
+    for prefix, name in (("chat_", "chat"), ("", "high_variance")):
+        for key in ("continuous_over_static_tokps", "no_waste_over_static_tokps",
+                    "ours_over_mlxlm_tokps"):
+            assert prefix + key in quoted, prefix + key
+        for engine in ("static", "continuous", "chunked", "stallfree", "mlx_lm"):
+            assert f"{name}_fraction_of_no_waste_{engine}" in RESULT["figures"]
+            assert f"{name}_fraction_of_no_waste_{engine}" in results_section()
+    for b in (1, 8, 16):
+        assert f"decode_b{b}_over_roofline" in quoted

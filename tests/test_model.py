@@ -495,3 +495,56 @@ def test_openblas_is_what_mlx_uses():
     a = np.random.default_rng(0).standard_normal((64, 576)).astype(np.float32)
     b = np.random.default_rng(1).standard_normal((576, 1536)).astype(np.float32)
     np.testing.assert_allclose(np.array(mx.array(a) @ mx.array(b)), a @ b, rtol=1e-4, atol=1e-3)
+
+
+# -- the runner's numpy CPU path against MLX's own layers (the code Metal runs) -------------
+@pytest.mark.parametrize("traditional", [True, False])
+def test_numpy_rope_matches_mlx_rope(traditional):
+    import mlx.nn as nn
+
+    from batchlab.model_runner import _rope
+
+    rope = nn.RoPE(64, traditional=traditional, base=100000.0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((7, 3, 64)).astype(np.float32)
+    positions = np.array([0, 1, 5, 17, 300, 301, 1023])
+    want = np.array(rope(mx.array(x)[:, :, None], offset=mx.array(positions))[:, :, 0])
+    inv = 100000.0 ** (-np.arange(0, 64, 2) / 64)
+    angles = positions[:, None] * inv[None, :]
+    cos, sin = (f(angles).astype(np.float32)[:, None, :] for f in (np.cos, np.sin))
+    assert np.max(np.abs(_rope(x, cos, sin, traditional) - want)) < 1e-4
+
+
+def test_cpu_path_matches_mlx_layers_on_mixed_passes(lm):
+    """Decode rows, a first prefill chunk, a continuing one and a request whose KV blocks are
+    not consecutive (gathered, not viewed): the numpy CPU path gives MLX's own layers' logits,
+    and inside ``run`` the LM head runs only for the chunks that sample."""
+    from batchlab.kv import BlockManager
+    from batchlab.model_runner import ModelRunner
+    from batchlab.runner import Chunk
+    from batchlab.sampling import Sampler, SamplingParams
+
+    text = [(i * 7919) % 1000 + 100 for i in range(400)]
+    tables = {"a": list(range(0, 20)), "b": list(range(20, 24)),
+              "c": [30, 25, 31, 26, 32, 27, 33, 28, 34, 29, 35]}  # c: scattered blocks
+    logits = {}
+    for cpu_path in (True, False):
+        runner = ModelRunner(lm, 40, 16, cpu_path=cpu_path)
+        assert runner.cpu_path is cpu_path
+        runner.forward([Chunk("a", text[:300], 0, tables["a"])])
+        runner.forward([Chunk("c", text[:100], 0, tables["c"])])
+        passes = [runner.forward([Chunk("b", text[:40], 0, tables["b"]),
+                                  Chunk("a", [text[300]], 300, tables["a"])]),
+                  runner.forward([Chunk("a", [text[301]], 301, tables["a"]),
+                                  Chunk("c", text[100:160], 100, tables["c"]),
+                                  Chunk("b", [text[40]], 40, tables["b"])])]
+        greedy = Sampler(SamplingParams())
+        tokens = runner.run([Chunk("a", [text[302]], 302, tables["a"], greedy),
+                             Chunk("c", text[160:170], 160, tables["c"]),  # mid-prompt: no logits
+                             Chunk("b", [text[41]], 41, tables["b"], greedy)])
+        logits[cpu_path] = ([np.array(p) for p in passes], tokens)
+    for fast, ref in zip(logits[True][0], logits[False][0]):
+        assert fast.shape == ref.shape
+        assert np.max(np.abs(fast - ref)) < 1e-3
+        assert (fast.argmax(-1) == ref.argmax(-1)).all()
+    assert logits[True][1] == logits[False][1] and logits[True][1][1] is None

@@ -79,6 +79,7 @@ def cpu_path_applies(lm: LoadedModel) -> bool:
     layer = model.layers[0]
     return (model.embed_tokens.weight.dtype == mx.float32
             and type(layer.self_attn.rope) is nn.RoPE
+            and layer.self_attn.rope.dims == layer.self_attn.q_proj.weight.shape[0] // layer.self_attn.n_heads
             and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
             and all(type(n) is nn.RMSNorm for n in (layer.input_layernorm, model.norm))
             and not any(getattr(m, "bias", None) is not None for m in (
@@ -207,8 +208,8 @@ class ModelRunner(Runner):
             self._tick("norms")
             q, k, v = self._matmuls(x, lw.q, lw.k, lw.v)
             self._tick("linears: q k v")
-            q = _rope(q.reshape(T, H, D), cos, sin)
-            k = _rope(k.reshape(T, KH, D), cos, sin)
+            q = _rope(q.reshape(T, H, D), cos, sin, w.traditional)
+            k = _rope(k.reshape(T, KH, D), cos, sin, w.traditional)
             v = v.reshape(T, KH, D)
             self._tick("rope")
             pk, pv = self.pool.keys[i], self.pool.values[i]
@@ -370,7 +371,7 @@ class _NumpyWeights:
         inv = rope.base ** (-np.arange(0, dims, 2, dtype=np.float64) / dims)
         angles = np.arange(positions, dtype=np.float64)[:, None] * rope.scale * inv[None, :]
         self.cos, self.sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-        self.rope_dims, self.traditional = dims, rope.traditional
+        self.traditional = rope.traditional
 
 
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
@@ -378,12 +379,15 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
     return x * (1 / np.sqrt(ms + eps))[:, None] * weight
 
 
-def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Interleaved ("traditional") rotary embedding of ``x`` [T, heads, D] over all D dims."""
-    even, odd = x[..., 0::2], x[..., 1::2]
+def _rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, traditional: bool = True) -> np.ndarray:
+    """Rotary embedding of ``x`` [T, heads, D] over all D dims: pairs (2i, 2i+1) when
+    ``traditional`` (interleaved, as GGUF's permuted q/k need), else (i, i + D/2)."""
+    half = x.shape[-1] // 2
+    a, b = (x[..., 0::2], x[..., 1::2]) if traditional else (x[..., :half], x[..., half:])
     out = np.empty_like(x)
-    out[..., 0::2] = even * cos - odd * sin
-    out[..., 1::2] = even * sin + odd * cos
+    oa, ob = (out[..., 0::2], out[..., 1::2]) if traditional else (out[..., :half], out[..., half:])
+    np.subtract(a * cos, b * sin, out=oa)
+    np.add(a * sin, b * cos, out=ob)
     return out
 
 

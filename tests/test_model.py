@@ -519,7 +519,6 @@ def test_cpu_path_matches_mlx_layers_on_mixed_passes(lm):
     """Decode rows, a first prefill chunk, a continuing one and a request whose KV blocks are
     not consecutive (gathered, not viewed): the numpy CPU path gives MLX's own layers' logits,
     and inside ``run`` the LM head runs only for the chunks that sample."""
-    from batchlab.kv import BlockManager
     from batchlab.model_runner import ModelRunner
     from batchlab.runner import Chunk
     from batchlab.sampling import Sampler, SamplingParams

@@ -93,8 +93,6 @@ def prefill_chunk(q: mx.array, keys: mx.array, values: mx.array, mask, scale: fl
     ``[S, KH, D]``; ``mask`` is additive ``[L, S]`` (None: the keys are exactly the chunk's
     own, causal). Returns ``[L, H * D]``."""
     L, H, D = q.shape
-    S, KH, _ = keys.shape
-    G = H // KH
     if on_gpu():
         out = mx.fast.scaled_dot_product_attention(
             q.transpose(1, 0, 2)[None], keys.transpose(1, 0, 2)[None],
@@ -136,8 +134,6 @@ def decode_rows(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array,
     contexts ``[R, S, KH, D]``; ``mask`` is additive ``[R, S]`` hiding each row's padding.
     Returns ``[R, H * D]``."""
     R, H, D = q.shape
-    _, S, KH, _ = keys.shape
-    G = H // KH
     if on_gpu():
         out = mx.fast.scaled_dot_product_attention(
             q[:, :, None], keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3),

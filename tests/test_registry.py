@@ -26,8 +26,14 @@ from batchlab.scheduler import KINDS, Option
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 NEW_KIND = '''
+from batchlab.policies import PriorityPolicy
 from batchlab.request import State
 from batchlab.scheduler import ContinuousScheduler, Option
+
+
+class OldestGivesWay(PriorityPolicy):
+    def victim(self, running):
+        return running[0]
 
 
 class LongestFirst(ContinuousScheduler):
@@ -131,6 +137,26 @@ def test_a_new_kind_runs_through_make_engine_and_its_option_is_a_flag(new_kind):
     assert "--min-prompt" in sub.choices["serve"].format_help()
     with pytest.raises(ValueError, match="min_prompt does not apply to the continuous engine"):
         make_engine("continuous", FakeModel(), runner=FakeRunner, min_prompt=3)
+
+
+def test_a_learners_policy_from_the_command_line(new_kind):
+    args = cli.build_parser(new_kind).parse_args(
+        [
+            "serve",
+            "--engine",
+            "mykinds:LongestFirst",
+            "--policy",
+            "mykinds:OldestGivesWay",
+            "--min-prompt",
+            "2",
+        ]
+    )
+    options = cli.engine_options(args)
+    assert type(options["policy"]).__name__ == "OldestGivesWay" and options["min_prompt"] == 2
+    engine = make_engine(new_kind, FakeModel(), runner=FakeRunner, **options)
+    assert engine.scheduler.policy is options["policy"]
+    with pytest.raises(SystemExit, match="not a PriorityPolicy subclass"):
+        cli.main(["serve", "--engine", "mykinds:LongestFirst", "--policy", "mykinds:LongestFirst"])
 
 
 def test_a_new_kind_in_the_demo(new_kind):

@@ -127,7 +127,21 @@ def engine_options(args) -> dict:
         options["num_kv_blocks"] = args.num_kv_blocks
     if getattr(args, "enable_prefix_cache", False):
         options["enable_prefix_cache"] = True
+    if getattr(args, "policy", None):
+        options["policy"] = policy_from(args.policy)
     return options
+
+
+def policy_from(spec: str):
+    """A ``PriorityPolicy`` subclass named as module:Class (e.g. the learner's
+    ``my_engine.memory:MyVictimPolicy``), made with no arguments."""
+    from .engine import import_from_here
+    from .policies import PriorityPolicy
+
+    found = import_from_here(spec, "--policy")
+    if not (isinstance(found, type) and issubclass(found, PriorityPolicy)):
+        raise ValueError(f"--policy {spec}: not a PriorityPolicy subclass")
+    return found()
 
 
 def _cmd_generate(args) -> int:
@@ -187,6 +201,7 @@ def _cmd_serve(args) -> int:
     from .server import check_exposure, serve
 
     check_exposure(args.host, args.api_key, args.insecure)  # before the model takes its seconds to load
+    options = engine_options(args)  # a bad --policy fails before the model loads, too
     serve(
         load_model(args.model),
         args.engine_class,
@@ -197,7 +212,7 @@ def _cmd_serve(args) -> int:
         insecure=args.insecure,
         max_running_per_user=args.max_running_per_user,
         show_prompts=args.show_prompts,
-        **engine_options(args),
+        **options,
     )
     return 0
 
@@ -319,6 +334,13 @@ def _add_engine_options(parser, default: str, extra=None):
             help=text,
         )
     parser.set_defaults(scheduler_options=tuple(flags))
+    parser.add_argument(
+        "--policy",
+        default=None,
+        metavar="module:Class",
+        help="who is served next and who gives way (kinds that take a policy): your "
+        "PriorityPolicy subclass, e.g. my_engine.memory:MyVictimPolicy",
+    )
     parser.add_argument(
         "--num-kv-blocks",
         type=int,

@@ -380,10 +380,12 @@ def scheduler_class(kind: str | type[Scheduler]) -> type[Scheduler]:
     return KINDS[kind]
 
 
-def _import_scheduler(spec: str) -> type[Scheduler]:
+def import_from_here(spec: str, flag: str = "--engine"):
+    """``module:Name`` imported with the current folder on the path (the uvicorn
+    convention); a ValueError that says what was wrong otherwise."""
     module_name, _, name = spec.partition(":")
     if not module_name or not name or ":" in name:
-        raise ValueError(f"--engine {spec!r}: write module:Class, e.g. my_engine.memory:MyMemoryScheduler")
+        raise ValueError(f"{flag} {spec!r}: write module:Class, e.g. my_engine.memory:MyMemoryScheduler")
     here = os.getcwd()
     if here not in sys.path and "" not in sys.path:
         sys.path.insert(0, here)
@@ -392,18 +394,23 @@ def _import_scheduler(spec: str) -> type[Scheduler]:
     except ModuleNotFoundError as e:
         if e.name and module_name.startswith(e.name):
             raise ValueError(
-                f"--engine {spec}: there is no module {e.name!r} here ({here}); run "
+                f"{flag} {spec}: there is no module {e.name!r} here ({here}); run "
                 f"the command from the folder that holds it"
             ) from None
-        raise ValueError(f"--engine {spec}: importing {module_name} failed: {e}") from None
+        raise ValueError(f"{flag} {spec}: importing {module_name} failed: {e}") from None
     except Exception as e:  # a learner's module that does not import: say where
         where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
         raise ValueError(
-            f"--engine {spec}: importing {module_name} raised {type(e).__name__}: {e}{where}"
+            f"{flag} {spec}: importing {module_name} raised {type(e).__name__}: {e}{where}"
         ) from None
-    found = getattr(module, name, None)
-    if found is None:
-        raise ValueError(f"--engine {spec}: {module_name} defines no {name!r}")
+    if not hasattr(module, name):
+        raise ValueError(f"{flag} {spec}: {module_name} defines no {name!r}")
+    return getattr(module, name)
+
+
+def _import_scheduler(spec: str) -> type[Scheduler]:
+    found = import_from_here(spec)
+    name = spec.partition(":")[2]
     if not (isinstance(found, type) and issubclass(found, Scheduler)):
         what = "a class" if isinstance(found, type) else f"a {type(found).__name__}"
         raise ValueError(

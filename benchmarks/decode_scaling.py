@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from batchlab.microbench import decode_scaling
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 64])
@@ -39,10 +40,13 @@ def main(argv: list[str] | None = None) -> int:
     info = lm.info
     print(f"model  {info.name}, {info.dtype}, on {info.backend} ({mx.default_device()})")
     print(f"BLAS   {batchlab._blas.STATUS.name}")
-    print(f"host   {platform.machine()}, {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.2f} at start")
-    print(f"run    prompts of {args.prompt_len} tokens, {args.warmup} warm-up + {args.steps} timed "
-          f"decode steps, median step time\n")
+    print(
+        f"host   {platform.machine()}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} at start"
+    )
+    print(
+        f"run    prompts of {args.prompt_len} tokens, {args.warmup} warm-up + {args.steps} timed "
+        f"decode steps, median step time\n"
+    )
     print(f"{'batch':>5} {'step ms':>9} {'min..max ms':>15} {'tokens/s':>9} {'x batch 1':>9}")
     rows = []
     for batch in args.batches:
@@ -50,9 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         base = rows[0]["tokens_per_s"] if rows[0]["batch"] == 1 else float("nan")
         row["speedup_vs_batch_1"] = row["tokens_per_s"] / base
-        print(f"{batch:>5} {1000 * row['step_s']:>9.1f} {1000 * row['step_min_s']:>7.1f}.."
-              f"{1000 * row['step_max_s']:<7.1f} {row['tokens_per_s']:>9.1f} "
-              f"{row['speedup_vs_batch_1']:>8.1f}x", flush=True)
+        print(
+            f"{batch:>5} {1000 * row['step_s']:>9.1f} {1000 * row['step_min_s']:>7.1f}.."
+            f"{1000 * row['step_max_s']:<7.1f} {row['tokens_per_s']:>9.1f} "
+            f"{row['speedup_vs_batch_1']:>8.1f}x",
+            flush=True,
+        )
     by_batch = {r["batch"]: r for r in rows}
     ratio = None
     if 1 in by_batch and 16 in by_batch:
@@ -61,10 +68,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nbatch 16 / batch 1 tokens/s = {ratio:.1f}x ({verdict} the >= 8x target)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": info.name, "dtype": info.dtype, "backend": info.backend,
-                       "blas": batchlab._blas.STATUS.name, "prompt_len": args.prompt_len,
-                       "warmup": args.warmup, "steps": args.steps, "cpus": os.cpu_count(),
-                       "results": rows, "ratio_16_to_1": ratio}, f, indent=2)
+            json.dump(
+                {
+                    "model": info.name,
+                    "dtype": info.dtype,
+                    "backend": info.backend,
+                    "blas": batchlab._blas.STATUS.name,
+                    "prompt_len": args.prompt_len,
+                    "warmup": args.warmup,
+                    "steps": args.steps,
+                    "cpus": os.cpu_count(),
+                    "results": rows,
+                    "ratio_16_to_1": ratio,
+                },
+                f,
+                indent=2,
+            )
         print(f"wrote {args.json}")
     return 0
 

@@ -27,15 +27,19 @@ def main(argv: list[str] | None = None) -> int:
     configs = [("sequential", 1, dict(kind="sequential"))]
     configs += [(name, b, cfg) for b in (8, 16) for name, cfg in engines(b).items()]
     rows = []
-    print(f"{'engine':>11} {'B':>3} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TBT p50':>8} {'TBT p99':>8}")
+    print(
+        f"{'engine':>11} {'B':>3} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TBT p50':>8} {'TBT p99':>8}"
+    )
     for name, b, cfg in configs:
         cfg = dict(cfg)
-        trace = driver.run_workload(batchlab.make_engine(cfg.pop("kind"), lm, **cfg), wl,
-                                       progress=False)
+        trace = driver.run_workload(batchlab.make_engine(cfg.pop("kind"), lm, **cfg), wl, progress=False)
         s = metrics.summarize(trace)
         rows.append({"engine": name, "batch_size": b, **s})
-        print(f"{name:>11} {b:>3} {s['output_tokens_per_s']:>7.1f} {s['ttft_p50_s']:>9.2f} "
-              f"{s['ttft_p99_s']:>9.2f} {s['tbt_p50_s']:>8.3f} {s['tbt_p99_s']:>8.3f}", flush=True)
+        print(
+            f"{name:>11} {b:>3} {s['output_tokens_per_s']:>7.1f} {s['ttft_p50_s']:>9.2f} "
+            f"{s['ttft_p99_s']:>9.2f} {s['tbt_p50_s']:>8.3f} {s['tbt_p99_s']:>8.3f}",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": wl.summary(), "runs": rows}, f, indent=2)

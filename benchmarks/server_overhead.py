@@ -25,24 +25,36 @@ from batchlab import make_engine
 from batchlab.server import serve_in_thread
 
 ACTIVE, IDLE, MAX_NEW = 8, 16, 64
-QUESTIONS = ["Write a long story about a dragon.", "Explain how a bicycle works, in detail.",
-             "Describe a day in the life of a baker.", "Write a long poem about the sea.",
-             "Tell me everything about the planet Mars.", "Write a letter to a friend abroad.",
-             "Explain how bread is made, step by step.", "Describe your favourite city at night."]
+QUESTIONS = [
+    "Write a long story about a dragon.",
+    "Explain how a bicycle works, in detail.",
+    "Describe a day in the life of a baker.",
+    "Write a long poem about the sea.",
+    "Tell me everything about the planet Mars.",
+    "Write a letter to a friend abroad.",
+    "Explain how bread is made, step by step.",
+    "Describe your favourite city at night.",
+]
 MEASURED = {f"req-{i}" for i in range(ACTIVE)}  # the engine's ids of the first 8 requests
 
 
 def median_step_ms(trace) -> float:
-    steps = [s.duration_s for s in trace.steps
-             if not s.prefill and len(s.decoded) == ACTIVE and set(s.decoded) == MEASURED]
+    steps = [
+        s.duration_s
+        for s in trace.steps
+        if not s.prefill and len(s.decoded) == ACTIVE and set(s.decoded) == MEASURED
+    ]
     return 1000 * statistics.median(steps)
 
 
 def alone(lm) -> float:
     engine = make_engine("stallfree", lm, max_batch_size=ACTIVE)
     for q in QUESTIONS:
-        engine.submit(lm.tokenizer.encode_chat([{"role": "user", "content": q}]),
-                      max_new_tokens=MAX_NEW, ignore_eos=True)
+        engine.submit(
+            lm.tokenizer.encode_chat([{"role": "user", "content": q}]),
+            max_new_tokens=MAX_NEW,
+            ignore_eos=True,
+        )
     engine.run_until_idle()
     return median_step_ms(engine.trace)
 
@@ -52,8 +64,13 @@ def served(lm) -> float:
         measured_done = threading.Event()
 
         def stream(question: str, priority: int, until: threading.Event | None) -> None:
-            body = {"messages": [{"role": "user", "content": question}], "max_tokens": MAX_NEW,
-                    "temperature": 0, "stream": True, "priority": priority}
+            body = {
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": MAX_NEW,
+                "temperature": 0,
+                "stream": True,
+                "priority": priority,
+            }
             with httpx.Client(timeout=300) as http:
                 with http.stream("POST", srv.base_url + "/v1/chat/completions", json=body) as r:
                     if until is not None:  # a waiting stream: open until the measured ones end
@@ -67,8 +84,7 @@ def served(lm) -> float:
             t.start()
         while sum(s is not None for s in srv.engine.scheduler.slots) < ACTIVE:
             time.sleep(0.005)
-        idle = [threading.Thread(target=stream, args=(QUESTIONS[0], 1, measured_done))
-                for _ in range(IDLE)]
+        idle = [threading.Thread(target=stream, args=(QUESTIONS[0], 1, measured_done)) for _ in range(IDLE)]
         for t in idle:
             t.start()
         for t in active:
@@ -87,8 +103,10 @@ def main() -> int:
         a, s = alone(lm), served(lm)
         ratios.append(s / a)
         print(f"alone {a:6.1f}   served {s:6.1f}   served/alone {s / a:.3f}", flush=True)
-    print(f"median served/alone: {statistics.median(ratios):.3f}  "
-          f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    print(
+        f"median served/alone: {statistics.median(ratios):.3f}  "
+        f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+    )
     return 0
 
 

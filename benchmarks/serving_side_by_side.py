@@ -25,15 +25,24 @@ from batchlab.export import export_mlx
 from batchlab.loadgen import LoadgenResult, run_loadgen
 from batchlab.serverprocs import batchlab_spec, mlx_lm_spec, running
 
-ROWS = [("completed", "completed requests", "d"), ("failed", "failed requests", "d"),
-        ("duration_s", "duration (s)", ".1f"), ("output_tokens", "output tokens", "d"),
-        ("request_throughput", "requests/s", ".2f"),
-        ("output_throughput", "output tokens/s", ".1f"),
-        ("ttft_ms_mean", "TTFT mean (ms)", ".0f"), ("ttft_ms_p50", "TTFT p50 (ms)", ".0f"),
-        ("ttft_ms_p99", "TTFT p99 (ms)", ".0f"), ("tpot_ms_mean", "TPOT mean (ms)", ".0f"),
-        ("tpot_ms_p50", "TPOT p50 (ms)", ".0f"), ("tpot_ms_p99", "TPOT p99 (ms)", ".0f"),
-        ("itl_ms_mean", "ITL mean (ms)", ".0f"), ("itl_ms_p50", "ITL p50 (ms)", ".0f"),
-        ("itl_ms_p99", "ITL p99 (ms)", ".0f"), ("goodput", "goodput (req/s)", ".2f")]
+ROWS = [
+    ("completed", "completed requests", "d"),
+    ("failed", "failed requests", "d"),
+    ("duration_s", "duration (s)", ".1f"),
+    ("output_tokens", "output tokens", "d"),
+    ("request_throughput", "requests/s", ".2f"),
+    ("output_throughput", "output tokens/s", ".1f"),
+    ("ttft_ms_mean", "TTFT mean (ms)", ".0f"),
+    ("ttft_ms_p50", "TTFT p50 (ms)", ".0f"),
+    ("ttft_ms_p99", "TTFT p99 (ms)", ".0f"),
+    ("tpot_ms_mean", "TPOT mean (ms)", ".0f"),
+    ("tpot_ms_p50", "TPOT p50 (ms)", ".0f"),
+    ("tpot_ms_p99", "TPOT p99 (ms)", ".0f"),
+    ("itl_ms_mean", "ITL mean (ms)", ".0f"),
+    ("itl_ms_p50", "ITL p50 (ms)", ".0f"),
+    ("itl_ms_p99", "ITL p99 (ms)", ".0f"),
+    ("goodput", "goodput (req/s)", ".2f"),
+]
 
 
 def side_by_side(results: dict[str, LoadgenResult]) -> str:
@@ -48,8 +57,9 @@ def side_by_side(results: dict[str, LoadgenResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", default="mixed",
-                        choices=["mixed", "high_variance", "sharegpt", "interference"])
+    parser.add_argument(
+        "--workload", default="mixed", choices=["mixed", "high_variance", "sharegpt", "interference"]
+    )
     parser.add_argument("--size", default="quick", choices=["quick", "full"])
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=None)
@@ -65,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     lm = batchlab.load_model()
     workload = loadgen_workload(args.workload, lm.tokenizer, args.size, args.requests, args.seed)
     warmup = workload.head(1).capped(4)
-    print(f"workload: {workload.description}; concurrency {args.concurrency or 'unlimited'}, "
-          f"rate {args.rate or 'all at once'}", flush=True)
+    print(
+        f"workload: {workload.description}; concurrency {args.concurrency or 'unlimited'}, "
+        f"rate {args.rate or 'all at once'}",
+        flush=True,
+    )
     results, infos = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model_dir) if args.model_dir else Path(tmp) / "smollm2-mlx"
@@ -75,22 +88,34 @@ def main(argv: list[str] | None = None) -> int:
         del lm  # the servers load their own copies
         for spec in (batchlab_spec(args.batch_size), mlx_lm_spec(model_dir, args.batch_size)):
             with running(spec) as server:
-                infos[spec.name] = {"command": " ".join(spec.command), "env": spec.env,
-                                    "blas": server.blas}
+                infos[spec.name] = {"command": " ".join(spec.command), "env": spec.env, "blas": server.blas}
                 print(f"{spec.name}: ready; OpenBLAS in the server: {server.blas}", flush=True)
                 run_loadgen(server.base_url, warmup, model=spec.model, progress=False)
                 results[spec.name] = run_loadgen(
-                    server.base_url, workload, model=spec.model, concurrency=args.concurrency,
-                    rate=args.rate, seed=args.seed, slo_ttft_s=args.slo_ttft,
-                    slo_tpot_s=args.slo_tpot)
+                    server.base_url,
+                    workload,
+                    model=spec.model,
+                    concurrency=args.concurrency,
+                    rate=args.rate,
+                    seed=args.seed,
+                    slo_ttft_s=args.slo_ttft,
+                    slo_tpot_s=args.slo_tpot,
+                )
     table = side_by_side(results)
     print(f"\n{table}\n(goodput: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"command": " ".join(["benchmarks/serving_side_by_side.py"] + sys.argv[1:]),
-                       "workload": workload.description, "batch_size": args.batch_size,
-                       "table": table, "servers": {n: {**infos[n], **results[n].to_json()}
-                                                   for n in results}}, f, indent=1)
+            json.dump(
+                {
+                    "command": " ".join(["benchmarks/serving_side_by_side.py"] + sys.argv[1:]),
+                    "workload": workload.description,
+                    "batch_size": args.batch_size,
+                    "table": table,
+                    "servers": {n: {**infos[n], **results[n].to_json()} for n in results},
+                },
+                f,
+                indent=1,
+            )
         print(f"wrote {args.json}")
     return 0
 

@@ -41,8 +41,11 @@ def passes(runner: ModelRunner, blocks: BlockManager) -> dict[str, list[Chunk]]:
         runner.forward([Chunk(f"r{d}", filler[:CONTEXT], 0, table)])
         rows.append(Chunk(f"r{d}", [filler[CONTEXT]], CONTEXT, table))
     blocks.reserve("p", 200)
-    return {"decode B=1": rows[:1], "decode B=16": rows,
-            "prefill 128": [Chunk("p", filler[:128], 0, list(blocks.ensure("p", 200)))]}
+    return {
+        "decode B=1": rows[:1],
+        "decode B=16": rows,
+        "prefill 128": [Chunk("p", filler[:128], 0, list(blocks.ensure("p", 200)))],
+    }
 
 
 def profile(runner: ModelRunner, chunks: list[Chunk], reps: int) -> dict:
@@ -56,8 +59,10 @@ def profile(runner: ModelRunner, chunks: list[Chunk], reps: int) -> dict:
         parts.append(runner.profile)
     runner.profile = None
     names = list(parts[0])
-    return {"total_s": statistics.median(totals),
-            "ops_s": {n: statistics.median(p.get(n, 0.0) for p in parts) for n in names}}
+    return {
+        "total_s": statistics.median(totals),
+        "ops_s": {n: statistics.median(p.get(n, 0.0) for p in parts) for n in names},
+    }
 
 
 def main() -> None:
@@ -71,31 +76,41 @@ def main() -> None:
     head_flops = 2 * lm.args.vocab_size * lm.args.hidden_size
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))
     load = os.getloadavg()[0]
-    out = {"sgemm_gflops": sgemm, "copy_gbps": copy, "context": CONTEXT, "reps": args.reps,
-           "load_before": load, "passes": {}}
+    out = {
+        "sgemm_gflops": sgemm,
+        "copy_gbps": copy,
+        "context": CONTEXT,
+        "reps": args.reps,
+        "load_before": load,
+        "passes": {},
+    }
     results = {}
     for cpu_path in (True, False):
         blocks = BlockManager(-(-(16 * (CONTEXT + 8) + 400) // 16), 16)
         runner = ModelRunner(lm, blocks.num_blocks, 16, cpu_path=cpu_path)
         for name, chunks in passes(runner, blocks).items():
-            results.setdefault(name, {})["cpu_path" if cpu_path else "mlx_layers"] = \
-                profile(runner, chunks, args.reps)
+            results.setdefault(name, {})["cpu_path" if cpu_path else "mlx_layers"] = profile(
+                runner, chunks, args.reps
+            )
     for name, r in results.items():
         tokens = 128 if name.startswith("prefill") else int(name.split("=")[1])
         sampled = 1 if name.startswith("prefill") else tokens
-        roofline = max((tokens * flops + sampled * head_flops) / (sgemm * 1e9),
-                       weight_bytes / (copy * 1e9))
+        roofline = max((tokens * flops + sampled * head_flops) / (sgemm * 1e9), weight_bytes / (copy * 1e9))
         total = r["cpu_path"]["total_s"]
         out["passes"][name] = {**r, "roofline_s": roofline, "over_roofline": total / roofline}
-        print(f"\n{name}: {total * 1e3:.1f} ms = {total / roofline:.1f}x its roofline "
-              f"({roofline * 1e3:.1f} ms); MLX's own layers on the CPU: "
-              f"{r['mlx_layers']['total_s'] * 1e3:.1f} ms")
+        print(
+            f"\n{name}: {total * 1e3:.1f} ms = {total / roofline:.1f}x its roofline "
+            f"({roofline * 1e3:.1f} ms); MLX's own layers on the CPU: "
+            f"{r['mlx_layers']['total_s'] * 1e3:.1f} ms"
+        )
         ops = r["cpu_path"]["ops_s"]
         for op, s in sorted(ops.items(), key=lambda kv: -kv[1]):
             print(f"  {op:32s} {s * 1e3:7.2f} ms  {s / total:5.1%}")
     out["load_after"] = os.getloadavg()[0]
-    print(f"\nsgemm {sgemm:.0f} GFLOP/s, copy {copy:.1f} GB/s; load average "
-          f"{load:.2f} -> {out['load_after']:.2f}")
+    print(
+        f"\nsgemm {sgemm:.0f} GFLOP/s, copy {copy:.1f} GB/s; load average "
+        f"{load:.2f} -> {out['load_after']:.2f}"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

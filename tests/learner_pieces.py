@@ -23,8 +23,10 @@ class MyStaticScheduler(StaticScheduler):
             if not self.running:
                 return
             longest = max(r.prompt_len for r in self.running)
-            yield Batch(prefill=[(r, r.prompt_len) for r in self.running],
-                        padding_tokens=sum(longest - r.prompt_len for r in self.running))
+            yield Batch(
+                prefill=[(r, r.prompt_len) for r in self.running],
+                padding_tokens=sum(longest - r.prompt_len for r in self.running),
+            )
         live = [r for r in self.running if not r.finished]
         if live:
             yield Batch(decode=live, padding=[r for r in self.running if r.finished])
@@ -103,8 +105,9 @@ class MyStallFreeScheduler(MyChunkedScheduler):
             prefill.append((req, n))
             budget -= n
         held = set(map(id, self.running))
-        return Batch(decode=[r for r in decode if id(r) in held],
-                     prefill=[(r, n) for r, n in prefill if id(r) in held])
+        return Batch(
+            decode=[r for r in decode if id(r) in held], prefill=[(r, n) for r, n in prefill if id(r) in held]
+        )
 
 
 class MyMemoryScheduler(MyStallFreeScheduler):
@@ -112,8 +115,9 @@ class MyMemoryScheduler(MyStallFreeScheduler):
 
     def fits(self, req, max_tokens):
         hits, cached, n = self.first_chunk(req, max_tokens)
-        taken = self.blocks.blocks_for(cached + n) - len(hits) \
-            + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        taken = (
+            self.blocks.blocks_for(cached + n) - len(hits) + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        )
         headroom = sum(r.state is State.DECODING for r in self.running)
         return taken + headroom <= self.blocks.num_free
 

@@ -9,7 +9,7 @@ import pytest
 from batchlab import attention
 
 H, KH, D = 9, 3, 64
-SCALE = D ** -0.5
+SCALE = D**-0.5
 
 
 def reference(q, k, v, allowed):
@@ -52,8 +52,12 @@ def test_prefill_chunk(start, L):
     assert got.shape == (L, H * D)
     assert np.max(np.abs(got - want)) < 2e-6
     fast = mx.fast.scaled_dot_product_attention(
-        mx.array(q).transpose(1, 0, 2)[None], mx.array(k).transpose(1, 0, 2)[None],
-        mx.array(v).transpose(1, 0, 2)[None], scale=SCALE, mask=mx.array(allowed))
+        mx.array(q).transpose(1, 0, 2)[None],
+        mx.array(k).transpose(1, 0, 2)[None],
+        mx.array(v).transpose(1, 0, 2)[None],
+        scale=SCALE,
+        mask=mx.array(allowed),
+    )
     assert np.max(np.abs(got - np.array(fast[0].transpose(1, 0, 2).reshape(L, H * D)))) < 2e-6
 
 
@@ -65,8 +69,9 @@ def test_decode_rows_each_row_sees_only_its_own_context():
     k, v = (rng.standard_normal((len(lengths), S, KH, D)).astype(np.float32) for _ in range(2))
     allowed = np.arange(S)[None, :] < np.array(lengths)[:, None]
     k[~allowed] = 1e4  # padding holds garbage: a mask that leaked would show
-    got = np.array(attention.decode_rows(mx.array(q), mx.array(k), mx.array(v),
-                                         attention.additive_mask(allowed), SCALE))
+    got = np.array(
+        attention.decode_rows(mx.array(q), mx.array(k), mx.array(v), attention.additive_mask(allowed), SCALE)
+    )
     for r, n in enumerate(lengths):
-        want = reference(q[r:r + 1], k[r, :n], v[r, :n], np.ones((1, n), bool))
+        want = reference(q[r : r + 1], k[r, :n], v[r, :n], np.ones((1, n), bool))
         assert np.max(np.abs(got[r] - want[0])) < 2e-6, r

@@ -17,14 +17,27 @@ from batchlab.bench import engines, format_table, run_bench
 from batchlab.fake import FakeModel, FakeRunner
 from batchlab.workloads import Workload, WorkloadRequest
 
-NEW_FIGURES = ("sgemm_gflops", "copy_gbps", "prefill_fraction_of_sgemm_bound",
-               "decode_fraction_of_bandwidth_bound", "chunk_1k_over_chunk_0",
-               "no_waste_over_static_tokps", "one_row_linears_share_of_decode_step",
-               "one_row_linears_mlx_over_numpy", "chat_continuous_over_static_tokps",
-               "chat_no_waste_over_static_tokps", "chat_ours_over_mlxlm_tokps",
-               "decode_b1_over_roofline", "decode_b8_over_roofline", "decode_b16_over_roofline")
-FRACTIONS = [f"{w}_fraction_of_no_waste_{e}" for w in ("chat", "high_variance")
-             for e in ("static", "continuous", "chunked", "stallfree", "mlx_lm")]
+NEW_FIGURES = (
+    "sgemm_gflops",
+    "copy_gbps",
+    "prefill_fraction_of_sgemm_bound",
+    "decode_fraction_of_bandwidth_bound",
+    "chunk_1k_over_chunk_0",
+    "no_waste_over_static_tokps",
+    "one_row_linears_share_of_decode_step",
+    "one_row_linears_mlx_over_numpy",
+    "chat_continuous_over_static_tokps",
+    "chat_no_waste_over_static_tokps",
+    "chat_ours_over_mlxlm_tokps",
+    "decode_b1_over_roofline",
+    "decode_b8_over_roofline",
+    "decode_b16_over_roofline",
+)
+FRACTIONS = [
+    f"{w}_fraction_of_no_waste_{e}"
+    for w in ("chat", "high_variance")
+    for e in ("static", "continuous", "chunked", "stallfree", "mlx_lm")
+]
 
 
 def test_schedule_interleaves_the_engines_within_each_repetition():
@@ -35,7 +48,7 @@ def test_schedule_interleaves_the_engines_within_each_repetition():
     per_rep = 1 + 2 * len(ours)  # the sequential baseline, then every engine at B=8 and B=16
     assert len(hv) == 3 * per_rep
     for rep in range(3):
-        block = hv[rep * per_rep:(rep + 1) * per_rep]
+        block = hv[rep * per_rep : (rep + 1) * per_rep]
         assert {r for r, *_ in block} == {rep}  # a repetition finishes before the next starts
         assert [e for *_, e in block] == ["sequential"] + ours + ours
     inter = [(r, e) for r, w, b, e in order if w == "interference"]
@@ -70,10 +83,20 @@ def test_median_spread_and_aggregate():
     assert bench.median_spread([3.0, 1.0, 2.0, None]) == (2.0, 1.0, 3.0)
     assert bench.median_spread([4.0, 1.0]) == (2.5, 1.0, 4.0)
     assert bench.median_spread([None]) == (None, None, None)
-    runs = [{"workload": "w", "batch_size": 8, "engine": "static", "repetition": r,
-             "load_before": 9.0, "load_after": 9.0, "output_tokens_per_s": v, "completed": 32,
-             "tbt_p99_s": None}
-            for r, v in enumerate([10.0, 30.0, 20.0])]
+    runs = [
+        {
+            "workload": "w",
+            "batch_size": 8,
+            "engine": "static",
+            "repetition": r,
+            "load_before": 9.0,
+            "load_after": 9.0,
+            "output_tokens_per_s": v,
+            "completed": 32,
+            "tbt_p99_s": None,
+        }
+        for r, v in enumerate([10.0, 30.0, 20.0])
+    ]
     (row,) = bench.aggregate(runs)
     assert row["output_tokens_per_s"] == 20.0 and row["spread"]["output_tokens_per_s"] == [10.0, 30.0]
     assert row["completed"] == 32 and row["repetitions"] == 3 and row["tbt_p99_s"] is None
@@ -117,44 +140,70 @@ class Model(FakeModel):
 
 def fake_workloads():
     rng = random.Random(0)
-    chat = Workload("chat", "fake", [
-        WorkloadRequest(f"c-{i}", [rng.randrange(1, 64) for _ in range(rng.randrange(4, 20))],
-                        rng.choice([8, 30, 60])) for i in range(16)])
-    hv = Workload("high_variance", "fake", [
-        WorkloadRequest(f"hv-{i}", [rng.randrange(1, 64) for _ in range(rng.randrange(4, 40))],
-                        rng.choice([2, 4, 30])) for i in range(32)])
-    short = [WorkloadRequest(f"s-{i}", [rng.randrange(1, 64) for _ in range(8)], 40)
-             for i in range(7)]
-    inter = Workload("interference", "fake", short + [
-        WorkloadRequest("long", [rng.randrange(1, 64) for _ in range(300)], 8, arrival_s=0.01)])
+    chat = Workload(
+        "chat",
+        "fake",
+        [
+            WorkloadRequest(
+                f"c-{i}", [rng.randrange(1, 64) for _ in range(rng.randrange(4, 20))], rng.choice([8, 30, 60])
+            )
+            for i in range(16)
+        ],
+    )
+    hv = Workload(
+        "high_variance",
+        "fake",
+        [
+            WorkloadRequest(
+                f"hv-{i}", [rng.randrange(1, 64) for _ in range(rng.randrange(4, 40))], rng.choice([2, 4, 30])
+            )
+            for i in range(32)
+        ],
+    )
+    short = [WorkloadRequest(f"s-{i}", [rng.randrange(1, 64) for _ in range(8)], 40) for i in range(7)]
+    inter = Workload(
+        "interference",
+        "fake",
+        short + [WorkloadRequest("long", [rng.randrange(1, 64) for _ in range(300)], 8, arrival_s=0.01)],
+    )
     return [("chat", chat, [16]), ("high_variance", hv, [8, 16]), ("interference", inter, [8])]
 
 
 def fake_machine(lm):
     """Stand-in micro-benchmarks: fixed numbers, so the figure arithmetic can be checked."""
     return {
-        "limits": {"sgemm_gflops": 100.0, "copy_gbps": 10.0, "linear_flops_per_token": 2e8,
-                   "weight_bytes": 5e8, "prefill_bound_tokens_per_s": 500.0,
-                   "decode_bound_step_s": 0.05,
-                   "decode_roofline_s": {1: 0.05, 8: 0.05, 16: 0.08}},
+        "limits": {
+            "sgemm_gflops": 100.0,
+            "copy_gbps": 10.0,
+            "linear_flops_per_token": 2e8,
+            "weight_bytes": 5e8,
+            "prefill_bound_tokens_per_s": 500.0,
+            "decode_bound_step_s": 0.05,
+            "decode_roofline_s": {1: 0.05, 8: 0.05, 16: 0.08},
+        },
         "fused_step": {"chunk": 128, "chunk_alone_s": 0.512, "fused_over_chunk_alone": 1.2},
         "chunk_context": {"chunk_1k_over_chunk_0": 1.4},
         "one_row_linears": {"mlx_s": 0.06, "numpy_s": 0.03, "mlx_over_numpy": 2.0},
-        "decode_scaling": {1: {"step_s": 0.1, "tokens_per_s": 10.0},
-                           8: {"step_s": 0.16, "tokens_per_s": 50.0},
-                           16: {"step_s": 0.2, "tokens_per_s": 80.0}},
+        "decode_scaling": {
+            1: {"step_s": 0.1, "tokens_per_s": 10.0},
+            8: {"step_s": 0.16, "tokens_per_s": 50.0},
+            16: {"step_s": 0.2, "tokens_per_s": 80.0},
+        },
         "microbench_loads": {"limits": record(0.01, load=0.5)},
     }
 
 
 def stand_in(calls=None):
     """mlx-lm's stand-in: our continuous engine."""
+
     def run(lm, wl, b, engine_name, progress, runner, tbt_slo=None, extra_engines=None):
         if calls is not None:
             calls.append((wl.name, b, engine_name))
         name = "continuous" if engine_name == "mlx-lm" else engine_name
-        return bench.run_engine(lm, wl, b, name, progress, runner=runner, tbt_slo=tbt_slo,
-                                extra_engines=extra_engines)
+        return bench.run_engine(
+            lm, wl, b, name, progress, runner=runner, tbt_slo=tbt_slo, extra_engines=extra_engines
+        )
+
     return run
 
 
@@ -171,8 +220,15 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "cpu_seconds", cpu_seconds)
     calls = []
     out = tmp_path / "bench.json"
-    result = run_bench(Model(), json_out=str(out), progress=False, repetitions=3,
-                       runner=FakeRunner, run=stand_in(calls), measure=fake_machine)
+    result = run_bench(
+        Model(),
+        json_out=str(out),
+        progress=False,
+        repetitions=3,
+        runner=FakeRunner,
+        run=stand_in(calls),
+        measure=fake_machine,
+    )
     table = format_table(result)
     saved = json.loads(out.read_text())
     assert calls == [(w, b, e) for _, w, b, e in bench.schedule(fake_workloads(), 3)]
@@ -186,15 +242,28 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     assert table.startswith("UNDER LOAD (other processes took up to")
     assert "0.3-1.9" in table  # the row of the run that ended at a high load average shows it
     for row in saved["medians"]:
-        runs = [r for r in saved["runs"] if (r["workload"], r["batch_size"], r["engine"])
-                == (row["workload"], row["batch_size"], row["engine"])]
+        runs = [
+            r
+            for r in saved["runs"]
+            if (r["workload"], r["batch_size"], r["engine"])
+            == (row["workload"], row["batch_size"], row["engine"])
+        ]
         values = sorted(r["output_tokens_per_s"] for r in runs)
         assert row["output_tokens_per_s"] == values[1]
         assert row["spread"]["output_tokens_per_s"] == [values[0], values[2]]
     figures = saved["figures"]
-    for key in ("continuous_over_static_tokps", "ours_over_mlxlm_tokps",
-                "stallfree_p99_tbt_over_decode_step", "fused_over_chunk_alone",
-                "b16_over_b1_decode", "scheduler_overhead_share") + NEW_FIGURES + tuple(FRACTIONS):
+    for key in (
+        (
+            "continuous_over_static_tokps",
+            "ours_over_mlxlm_tokps",
+            "stallfree_p99_tbt_over_decode_step",
+            "fused_over_chunk_alone",
+            "b16_over_b1_decode",
+            "scheduler_overhead_share",
+        )
+        + NEW_FIGURES
+        + tuple(FRACTIONS)
+    ):
         assert isinstance(figures[key], float) and math.isfinite(figures[key]), key
     assert figures["decode_b1_over_roofline"] == pytest.approx(0.1 / 0.05)
     assert figures["decode_b8_over_roofline"] == pytest.approx(0.16 / 0.05)
@@ -213,10 +282,15 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     # (old names for the prefill-heavy workload, chat_ for the chat one)
     for prefix, (name, wl, _) in (("", fake_workloads()[1]), ("chat_", fake_workloads()[0])):
         summary = wl.summary()
-        no_waste = summary["output_tokens"] / (summary["prompt_tokens"] * 0.512 / 128 + math.ceil(
-            (summary["output_tokens"] - summary["requests"]) / 16) * 0.2)
-        med = {r["engine"]: r["output_tokens_per_s"] for r in saved["medians"]
-               if (r["workload"], r["batch_size"]) == (name, 16)}
+        no_waste = summary["output_tokens"] / (
+            summary["prompt_tokens"] * 0.512 / 128
+            + math.ceil((summary["output_tokens"] - summary["requests"]) / 16) * 0.2
+        )
+        med = {
+            r["engine"]: r["output_tokens_per_s"]
+            for r in saved["medians"]
+            if (r["workload"], r["batch_size"]) == (name, 16)
+        }
         assert figures[f"{prefix}no_waste_over_static_tokps"] == pytest.approx(no_waste / med["static"])
         for e in ("static", "continuous", "stallfree"):
             assert figures[f"{name}_fraction_of_no_waste_{e}"] == pytest.approx(med[e] / no_waste, rel=0.5)
@@ -229,24 +303,43 @@ def test_a_learners_engine_runs_beside_ours(monkeypatch):
         kind = "mine"
 
     monkeypatch.setattr(bench, "plan", lambda lm, quick: fake_workloads())
-    result = run_bench(Model(), quick=True, progress=False, runner=FakeRunner, run=stand_in(),
-                       measure=fake_machine, extra_engines={"mine": dict(kind=Mine)})
+    result = run_bench(
+        Model(),
+        quick=True,
+        progress=False,
+        runner=FakeRunner,
+        run=stand_in(),
+        measure=fake_machine,
+        extra_engines={"mine": dict(kind=Mine)},
+    )
     mine = [r for r in result["runs"] if r["engine"] == "mine"]
-    assert {(r["workload"], r["batch_size"]) for r in mine} == \
-        {("chat", 16), ("high_variance", 8), ("high_variance", 16), ("interference", 8)}
+    assert {(r["workload"], r["batch_size"]) for r in mine} == {
+        ("chat", 16),
+        ("high_variance", 8),
+        ("high_variance", 16),
+        ("interference", 8),
+    }
     assert all(r["completed"] == {"chat": 16, "high_variance": 32}.get(r["workload"], 8) for r in mine)
     assert "chat_fraction_of_no_waste_mine" in result["figures"]
     with pytest.raises(ValueError, match="differ from ours"):
-        run_bench(Model(), quick=True, progress=False, runner=FakeRunner, run=stand_in(),
-                  measure=fake_machine, extra_engines={"static": dict(kind=Mine)})
+        run_bench(
+            Model(),
+            quick=True,
+            progress=False,
+            runner=FakeRunner,
+            run=stand_in(),
+            measure=fake_machine,
+            extra_engines={"static": dict(kind=Mine)},
+        )
 
 
 def test_quiet_run_has_no_load_warning(monkeypatch):
     monkeypatch.setattr(bench, "plan", lambda lm, quick: fake_workloads())
     monkeypatch.setattr(os, "getloadavg", lambda: (2.4, 0.0, 0.0))  # our own threads
     monkeypatch.setattr(bench, "cpu_seconds", lambda: (1.0, 1.0))  # nobody else ran
-    result = run_bench(Model(), quick=True, progress=False, runner=FakeRunner, run=stand_in(),
-                       measure=fake_machine)
+    result = run_bench(
+        Model(), quick=True, progress=False, runner=FakeRunner, run=stand_in(), measure=fake_machine
+    )
     assert not result["under_load"] and result["repetitions"] == 1
     assert format_table(result).startswith("median of 1 interleaved repetition(s)")
 
@@ -256,8 +349,11 @@ def test_linear_flops_match_the_models_linear_weights(lm):
     loaded model's own parameters (not the config)."""
     from mlx.utils import tree_flatten
 
-    weights = sum(v.size for name, v in tree_flatten(lm.model.model.parameters())
-                  if name.startswith("layers.") and name.endswith(".weight") and "norm" not in name)
+    weights = sum(
+        v.size
+        for name, v in tree_flatten(lm.model.model.parameters())
+        if name.startswith("layers.") and name.endswith(".weight") and "norm" not in name
+    )
     assert weights > 50_000_000  # the layers' linear maps, not nothing
     assert bench.linear_flops_per_token(lm.args) == 2 * weights
 
@@ -279,10 +375,20 @@ def test_quick_bench_runs_every_engine_and_reports_the_figures(lm, tmp_path):
             assert ("high_variance", b, engine) in runs
             assert b == 16 or ("chat", b, engine) in runs
     assert ("high_variance", 1, "sequential") in runs
-    for key in ("continuous_over_static_tokps", "ours_over_mlxlm_tokps",
-                "stallfree_p99_tbt_over_decode_step", "naive_p99_tbt_over_decode_step",
-                "mlxlm_p99_tbt_over_decode_step", "fused_over_chunk_alone", "b16_over_b1_decode",
-                "scheduler_overhead_share") + NEW_FIGURES + tuple(FRACTIONS):
+    for key in (
+        (
+            "continuous_over_static_tokps",
+            "ours_over_mlxlm_tokps",
+            "stallfree_p99_tbt_over_decode_step",
+            "naive_p99_tbt_over_decode_step",
+            "mlxlm_p99_tbt_over_decode_step",
+            "fused_over_chunk_alone",
+            "b16_over_b1_decode",
+            "scheduler_overhead_share",
+        )
+        + NEW_FIGURES
+        + tuple(FRACTIONS)
+    ):
         value = saved["figures"][key]
         assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
     assert (tmp_path / "bench_throughput.png").stat().st_size > 10_000

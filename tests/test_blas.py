@@ -15,27 +15,34 @@ import batchlab
 from batchlab import _blas
 from batchlab._blas import SGEMM_TOLERANCE, CoreChoice, choose_core, sgemm_error, verified_choice
 
-AVX512 = frozenset("sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512cd".split())
+AVX512 = frozenset(
+    "sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma avx512f avx512bw avx512vl avx512dq avx512cd".split()
+)
 AVX2_FMA = frozenset("sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma".split())
 SSE_ONLY = frozenset("sse sse2 pni ssse3 sse4_1 sse4_2".split())
-linux_openblas = pytest.mark.skipif(sys.platform != "linux" or not (_blas.STATUS.core or "").strip(),
-                                    reason="the kernel choice is about Debian's OpenBLAS on Linux")
+linux_openblas = pytest.mark.skipif(
+    sys.platform != "linux" or not (_blas.STATUS.core or "").strip(),
+    reason="the kernel choice is about Debian's OpenBLAS on Linux",
+)
 
 
-@pytest.mark.parametrize("flags, detected, core", [
-    (AVX512, "Prescott", "SkylakeX"),  # the unrecognised AVX-512 Xeon of issue 15
-    (AVX512, "Nehalem", "SkylakeX"),
-    (AVX512, "Haswell", "SkylakeX"),
-    (AVX512, "SkylakeX", None),
-    (AVX512, "Cooperlake", None),  # what 0.3.21 picks on an AVX-512 AMD EPYC: already AVX-512
-    (AVX2_FMA, "Prescott", "Haswell"),
-    (AVX2_FMA, "Zen", None),
-    (AVX2_FMA, "Haswell", None),
-    (AVX2_FMA - {"fma"}, "Prescott", "Sandybridge"),  # AVX2 without FMA is not enough for Haswell
-    (AVX512 - {"avx512bw"}, "Prescott", "Haswell"),  # an incomplete AVX-512 set is not enough either
-    (SSE_ONLY, "Prescott", None),
-    (frozenset(), "Prescott", None),
-])
+@pytest.mark.parametrize(
+    "flags, detected, core",
+    [
+        (AVX512, "Prescott", "SkylakeX"),  # the unrecognised AVX-512 Xeon of issue 15
+        (AVX512, "Nehalem", "SkylakeX"),
+        (AVX512, "Haswell", "SkylakeX"),
+        (AVX512, "SkylakeX", None),
+        (AVX512, "Cooperlake", None),  # what 0.3.21 picks on an AVX-512 AMD EPYC: already AVX-512
+        (AVX2_FMA, "Prescott", "Haswell"),
+        (AVX2_FMA, "Zen", None),
+        (AVX2_FMA, "Haswell", None),
+        (AVX2_FMA - {"fma"}, "Prescott", "Sandybridge"),  # AVX2 without FMA is not enough for Haswell
+        (AVX512 - {"avx512bw"}, "Prescott", "Haswell"),  # an incomplete AVX-512 set is not enough either
+        (SSE_ONLY, "Prescott", None),
+        (frozenset(), "Prescott", None),
+    ],
+)
 def test_choose_core(flags, detected, core):
     choice = choose_core(flags, detected)
     assert choice.core == core, choice
@@ -45,8 +52,9 @@ def test_choose_core(flags, detected, core):
 def test_a_users_coretype_is_never_overridden():
     choice = choose_core(AVX512, "Prescott", user_setting="Prescott")
     assert choice.core is None
-    assert choice.reason.endswith("OPENBLAS_CORETYPE=Prescott set in the environment: left as is "
-                                  "(this CPU could run SkylakeX)")
+    assert choice.reason.endswith(
+        "OPENBLAS_CORETYPE=Prescott set in the environment: left as is (this CPU could run SkylakeX)"
+    )
     assert choose_core(AVX2_FMA, None, user_setting="Haswell").reason.endswith("left as is")
 
 
@@ -75,15 +83,19 @@ def fake_probe(own: dict, trial: dict):
     def probe(path, core):
         calls.append(core)
         return own if core is None else trial
+
     return probe, calls
 
 
-@pytest.mark.parametrize("trial, problem", [
-    ({"core": "SkylakeX", "error": 0.3}, "sgemm off by 3.0e-01"),
-    ({"core": "SkylakeX", "error": float("nan")}, "sgemm off by nan"),
-    ({"failed": "exit -4: "}, "exit -4"),  # SIGILL: the CPU lacks an instruction
-    ({"core": "Haswell", "error": 0.0}, "OpenBLAS ran Haswell instead"),
-])
+@pytest.mark.parametrize(
+    "trial, problem",
+    [
+        ({"core": "SkylakeX", "error": 0.3}, "sgemm off by 3.0e-01"),
+        ({"core": "SkylakeX", "error": float("nan")}, "sgemm off by nan"),
+        ({"failed": "exit -4: "}, "exit -4"),  # SIGILL: the CPU lacks an instruction
+        ({"core": "Haswell", "error": 0.0}, "OpenBLAS ran Haswell instead"),
+    ],
+)
 def test_a_failing_core_falls_back_to_openblas_own(trial, problem):
     probe, calls = fake_probe({"core": "Prescott", "error": 1e-7}, trial)
     choice, detected = verified_choice("libopenblas.so.0", AVX512, probe=probe)
@@ -120,6 +132,7 @@ def test_the_verdict_is_cached_per_library_and_cpu(tmp_path, monkeypatch):
     def choice(path, flags):
         calls.append(path)
         return CoreChoice("SkylakeX", "because"), "Prescott"
+
     monkeypatch.setattr(_blas, "verified_choice", choice)
     library = tmp_path / "libopenblas.so.0"
     library.write_bytes(b"one")
@@ -154,8 +167,9 @@ def run_fresh(env_core: str | None, cache: str) -> dict:
     env["XDG_CACHE_HOME"] = cache
     if env_core:
         env["OPENBLAS_CORETYPE"] = env_core
-    out = subprocess.run([sys.executable, "-c", END_TO_END], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", END_TO_END], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -187,8 +201,11 @@ def test_info_shows_the_kernel_and_why(capsys, monkeypatch, lm):
 
     monkeypatch.setattr(batchlab.model, "load_model", lambda path=None, dtype=None: lm)
     assert main(["info"]) == 0
-    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()
-             if line and not line[0].isspace()}
+    lines = {
+        line.split()[0]: line
+        for line in capsys.readouterr().out.splitlines()
+        if line and not line[0].isspace()
+    }
     assert lines["kernel"].split()[1] == f"{_blas.STATUS.core}:"
     assert _blas.STATUS.core_reason in lines["kernel"]
     assert float(lines["sgemm"].split()[1]) > 0 and f"{_blas.STATUS.core} kernel" in lines["sgemm"]

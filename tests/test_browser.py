@@ -30,10 +30,20 @@ NOTEBOOK = REPO / "notebooks" / "02_continuous_batching.ipynb"
 EXPECTED_SLOTS = 8  # max_batch_size of the run the notebook's first slot view shows
 # Screenshots go to a temporary folder (tests write nowhere else); set
 # BATCHLAB_SCREENSHOTS=DIR to keep them (e.g. to look at a failure).
-SCREENSHOT = Path(os.environ.get("BATCHLAB_SCREENSHOTS") or tempfile.mkdtemp(prefix="batchlab-shots-")) / "widget.png"
+SCREENSHOT = (
+    Path(os.environ.get("BATCHLAB_SCREENSHOTS") or tempfile.mkdtemp(prefix="batchlab-shots-")) / "widget.png"
+)
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 RUN_ALL_TIMEOUT_MS = 600_000  # from "Run All Cells" until the first slot grid is on the page
 # (lesson 2 loads the model and runs two engines on the real model first: ~1 min on a quiet
 # 2-core CPU, several times that on a busy one)
@@ -50,8 +60,10 @@ def _missing() -> str | None:
 # Skipped where the browser or the package is missing (a Mac), but never in CI: there a
 # missing install must fail the run, not hide in a skip.
 MISSING = _missing()
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(MISSING is not None and os.environ.get("CI") != "true", reason=str(MISSING))]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(MISSING is not None and os.environ.get("CI") != "true", reason=str(MISSING)),
+]
 
 
 def _free_port() -> int:
@@ -92,28 +104,48 @@ def jupyterlab(tmp_path):
     own configuration, settings and workspaces (no user state leaks in); yields the base URL."""
     root = tmp_path / "root"
     shutil.copytree(NOTEBOOK.parent, root)
-    settings = {"apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
-                # render every cell, so a widget far down the notebook is in the page too
-                "notebook-extension/tracker": {"windowingMode": "none"}}
+    settings = {
+        "apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+        # render every cell, so a widget far down the notebook is in the page too
+        "notebook-extension/tracker": {"windowingMode": "none"},
+    }
     for name, values in settings.items():
         path = tmp_path / "settings" / "@jupyterlab" / f"{name}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(values))
-    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
-           "JUPYTER_CONFIG_DIR": str(tmp_path / "config"), "JUPYTER_DATA_DIR": str(tmp_path / "data"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    env = {
+        **os.environ,
+        "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
+        "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
+        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+        "JUPYTER_DATA_DIR": str(tmp_path / "data"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+    }
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "jupyterlab.log"
     with log.open("w") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-             "--ServerApp.port_retries=0", "--IdentityProvider.token=", "--allow-root",
-             "--ServerApp.terminals_enabled=False", "--LabApp.extension_manager=readonly",
-             f"--ServerApp.root_dir={root}"],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                "--ip=127.0.0.1",
+                f"--port={port}",
+                "--ServerApp.port_retries=0",
+                "--IdentityProvider.token=",
+                "--allow-root",
+                "--ServerApp.terminals_enabled=False",
+                "--LabApp.extension_manager=readonly",
+                f"--ServerApp.root_dir={root}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
     try:
         _wait_until_serving(url, server, log)
         yield url
@@ -148,7 +180,9 @@ def test_slot_animation_plays_in_jupyterlab(jupyterlab):
             target = min(first_step + 12, int(grid.get_attribute("data-num-steps")) - 1)
             page.wait_for_function(
                 "target => +document.querySelector('.batchlab-slots').dataset.step >= target",
-                arg=target, timeout=20_000)
+                arg=target,
+                timeout=20_000,
+            )
             assert int(grid.locator(".bl-counter").get_attribute("data-step")) > first_step
             assert grid.locator('.bl-cell[data-kind="decode"]').count() > 0
             page.locator(".batchlab-slotview").first.scroll_into_view_if_needed()

@@ -26,23 +26,36 @@ def test_a_scheduler_that_never_stops_is_stopped_with_words():
 def test_a_memory_case_whose_reference_does_not_preempt_is_refused():
     roomy = _pieces.fake_workload("w", [(5, 3), (6, 2)])
     with pytest.raises(AssertionError, match="did not show the scenario"):
-        _pieces.pressure_case("memory: roomy", lambda cls: None, ContinuousScheduler, roomy, True,
-                              max_batch_size=2, num_kv_blocks=64)
+        _pieces.pressure_case(
+            "memory: roomy",
+            lambda cls: None,
+            ContinuousScheduler,
+            roomy,
+            True,
+            max_batch_size=2,
+            num_kv_blocks=64,
+        )
 
 
-@pytest.mark.parametrize("cls, options", [
-    (StaticScheduler, {"max_batch_size": 4}),
-    (ContinuousScheduler, {"max_batch_size": 4, "prefill_step": 16}),
-    (StallFreeScheduler, {"max_batch_size": 4, "token_budget": 24}),
-])
+@pytest.mark.parametrize(
+    "cls, options",
+    [
+        (StaticScheduler, {"max_batch_size": 4}),
+        (ContinuousScheduler, {"max_batch_size": 4, "prefill_step": 16}),
+        (StallFreeScheduler, {"max_batch_size": 4, "token_budget": 24}),
+    ],
+)
 def test_the_invariants_accept_the_librarys_runs_under_preemption(cls, options):
     workload = _pieces.fake_workload("w", _pieces.random_rows(5, 10, (20, 120), (20, 50)), 5)
     run = _pieces.run_piece(cls, workload, num_kv_blocks=16, **options)
     assert run.problem is None and run.blocks_held == 0
     assert run.preemptions or cls is StaticScheduler  # static reserves: it never preempts
     trace = run.trace
-    for problem in (_pieces.output_problem(trace, workload),
-                    _pieces.slot_problem(trace, 4, rectangular=cls.rectangular),
-                    _pieces.early_decode_problem(trace, workload), _pieces.gap_problem(trace, workload),
-                    _pieces.state_problem(trace, "")):
+    for problem in (
+        _pieces.output_problem(trace, workload),
+        _pieces.slot_problem(trace, 4, rectangular=cls.rectangular),
+        _pieces.early_decode_problem(trace, workload),
+        _pieces.gap_problem(trace, workload),
+        _pieces.state_problem(trace, ""),
+    ):
         assert problem is None, problem

@@ -28,6 +28,7 @@ def assert_rejected(verdict, first_case: str, *says: str) -> None:
 # --------------------------------------------------------------------------------------
 # Known-wrong solutions, each with the mistake it makes.
 
+
 def logit_not_id(logits):
     """Returns the largest logit instead of its position."""
     return float(mx.max(logits))
@@ -191,8 +192,10 @@ def _good(q, slo_ttft, slo_tpot, within=lambda v, limit: v <= limit, need_ok=Tru
 
 
 def goodput_strict(requests, duration_s, slo_ttft_s, slo_tpot_s):
-    return sum(_good(q, slo_ttft_s, slo_tpot_s, within=lambda v, limit: v < limit)
-               for q in requests) / duration_s
+    return (
+        sum(_good(q, slo_ttft_s, slo_tpot_s, within=lambda v, limit: v < limit) for q in requests)
+        / duration_s
+    )
 
 
 def goodput_share(requests, duration_s, slo_ttft_s, slo_tpot_s):
@@ -212,101 +215,260 @@ def goodput_ignores_ok(requests, duration_s, slo_ttft_s, slo_tpot_s):
 
 
 def goodput_none_misses(requests, duration_s, slo_ttft_s, slo_tpot_s):
-    return sum(q["ok"] and q["ttft_s"] <= slo_ttft_s and q["tpot_s"] is not None
-               and q["tpot_s"] <= slo_tpot_s for q in requests) / duration_s
+    return (
+        sum(
+            q["ok"] and q["ttft_s"] <= slo_ttft_s and q["tpot_s"] is not None and q["tpot_s"] <= slo_tpot_s
+            for q in requests
+        )
+        / duration_s
+    )
 
 
 def goodput_crashes_on_one_token(requests, duration_s, slo_ttft_s, slo_tpot_s):
-    return sum(q["ok"] and q["ttft_s"] <= slo_ttft_s and q["tpot_s"] <= slo_tpot_s
-               for q in requests) / duration_s
+    return (
+        sum(q["ok"] and q["ttft_s"] <= slo_ttft_s and q["tpot_s"] <= slo_tpot_s for q in requests)
+        / duration_s
+    )
 
 
 # (checker, wrong solution, first failing case, what the verdict must say)
 WRONG = [
     # lesson 0
-    (check.greedy_pick, logit_not_id, "1 of 4: logits [0.1, 2.5, -1.0, 0.3]",
-     ["expected: 1", "got:      2.5", "a token id is a Python int, but you returned a float",
-      "hint: greedy picks the position (the token id) of the largest logit"]),
-    (check.greedy_pick, argmax_of_a_prefix, "4 of 4: a vocabulary-sized row (49152 logits)",
-     ["expected: 40000", "got:      0"]),
-    (check.tokens_per_second, seconds_per_token, "1 of 5: 10 steps of 0.1 s at batch 1",
-     ["expected: 10", "got:      0.1", "that is seconds per token"]),
-    (check.tokens_per_second, forgot_return, "1 of 5: 10 steps of 0.1 s at batch 1",
-     ["got:      None", "expected a number (a Python float), but you returned None"]),
+    (
+        check.greedy_pick,
+        logit_not_id,
+        "1 of 4: logits [0.1, 2.5, -1.0, 0.3]",
+        [
+            "expected: 1",
+            "got:      2.5",
+            "a token id is a Python int, but you returned a float",
+            "hint: greedy picks the position (the token id) of the largest logit",
+        ],
+    ),
+    (
+        check.greedy_pick,
+        argmax_of_a_prefix,
+        "4 of 4: a vocabulary-sized row (49152 logits)",
+        ["expected: 40000", "got:      0"],
+    ),
+    (
+        check.tokens_per_second,
+        seconds_per_token,
+        "1 of 5: 10 steps of 0.1 s at batch 1",
+        ["expected: 10", "got:      0.1", "that is seconds per token"],
+    ),
+    (
+        check.tokens_per_second,
+        forgot_return,
+        "1 of 5: 10 steps of 0.1 s at batch 1",
+        ["got:      None", "expected a number (a Python float), but you returned None"],
+    ),
     # lesson 3
-    (check.time_between_tokens, gap_before_the_first_token, "1 of 6: four tokens",
-     ["expected: [0.1, 0.15, 0.05]", "got:      [0, 0.1, 0.15, 0.05]",
-      "you returned 4 gaps for 4 tokens", "the wait for the first token is the TTFT"]),
-    (check.time_between_tokens, gaps_with_the_wrong_sign, "1 of 6: four tokens",
-     ["got:      [-0.1, -0.15, -0.05]", "every gap has the wrong sign"]),
-    (check.time_between_tokens, times_since_the_first, "1 of 6: four tokens",
-     ["got:      [0.1, 0.25, 0.3]", "these are the times since the first token"]),
-    (check.time_between_tokens, gaps_crash_on_one_token, "3 of 6: one token: no gap yet",
-     ["your function raised IndexError", "at `first, second = times[0], times[1]`",
-      "case 4 fails too: no tokens at all"]),
-    (check.percentile_linear, nearest_rank, "1 of 8: the numbers 1, 2, ..., 100, q = 99",
-     ["expected: 99.01", "got:      99", "a nearest-rank percentile"]),
-    (check.percentile_linear, linear_without_sorting, "3 of 8: unsorted values [3.0, 1.0, 2.0, 10.0]",
-     ["expected: 2.5", "got:      1.5", "the values were not sorted first"]),
-    (check.percentile_linear, rank_off_by_one, "1 of 8: the numbers 1, 2, ..., 100, q = 99",
-     ["got:      100", "the rank is off by one", "not n * q / 100"]),
-    (check.percentile_linear, zero_for_no_values, "8 of 8: no values at all",
-     ["expected: None", "got:      0", "with no values there is no percentile: return None"]),
-    (check.predict_stall, prefill_alone, "1 of 5: a 512-token prompt at 256 tokens/s",
-     ["expected: 2.1", "got:      2", "that is the prefill pass alone"]),
-    (check.predict_stall, divided_the_other_way, "1 of 5: a 512-token prompt",
-     ["got:      0.6", "you divided the other way round"]),
-    (check.predict_stall, in_milliseconds, "1 of 5: a 512-token prompt",
-     ["got:      2100", "that looks like milliseconds"]),
-    (check.predict_stall, passes_subtracted, "1 of 5: a 512-token prompt",
-     ["got:      1.9", "add their times"]),
-    (check.predict_stall, decode_alone, "1 of 5: a 512-token prompt",
-     ["got:      0.1", "that is the decode pass alone"]),
+    (
+        check.time_between_tokens,
+        gap_before_the_first_token,
+        "1 of 6: four tokens",
+        [
+            "expected: [0.1, 0.15, 0.05]",
+            "got:      [0, 0.1, 0.15, 0.05]",
+            "you returned 4 gaps for 4 tokens",
+            "the wait for the first token is the TTFT",
+        ],
+    ),
+    (
+        check.time_between_tokens,
+        gaps_with_the_wrong_sign,
+        "1 of 6: four tokens",
+        ["got:      [-0.1, -0.15, -0.05]", "every gap has the wrong sign"],
+    ),
+    (
+        check.time_between_tokens,
+        times_since_the_first,
+        "1 of 6: four tokens",
+        ["got:      [0.1, 0.25, 0.3]", "these are the times since the first token"],
+    ),
+    (
+        check.time_between_tokens,
+        gaps_crash_on_one_token,
+        "3 of 6: one token: no gap yet",
+        [
+            "your function raised IndexError",
+            "at `first, second = times[0], times[1]`",
+            "case 4 fails too: no tokens at all",
+        ],
+    ),
+    (
+        check.percentile_linear,
+        nearest_rank,
+        "1 of 8: the numbers 1, 2, ..., 100, q = 99",
+        ["expected: 99.01", "got:      99", "a nearest-rank percentile"],
+    ),
+    (
+        check.percentile_linear,
+        linear_without_sorting,
+        "3 of 8: unsorted values [3.0, 1.0, 2.0, 10.0]",
+        ["expected: 2.5", "got:      1.5", "the values were not sorted first"],
+    ),
+    (
+        check.percentile_linear,
+        rank_off_by_one,
+        "1 of 8: the numbers 1, 2, ..., 100, q = 99",
+        ["got:      100", "the rank is off by one", "not n * q / 100"],
+    ),
+    (
+        check.percentile_linear,
+        zero_for_no_values,
+        "8 of 8: no values at all",
+        ["expected: None", "got:      0", "with no values there is no percentile: return None"],
+    ),
+    (
+        check.predict_stall,
+        prefill_alone,
+        "1 of 5: a 512-token prompt at 256 tokens/s",
+        ["expected: 2.1", "got:      2", "that is the prefill pass alone"],
+    ),
+    (
+        check.predict_stall,
+        divided_the_other_way,
+        "1 of 5: a 512-token prompt",
+        ["got:      0.6", "you divided the other way round"],
+    ),
+    (
+        check.predict_stall,
+        in_milliseconds,
+        "1 of 5: a 512-token prompt",
+        ["got:      2100", "that looks like milliseconds"],
+    ),
+    (
+        check.predict_stall,
+        passes_subtracted,
+        "1 of 5: a 512-token prompt",
+        ["got:      1.9", "add their times"],
+    ),
+    (
+        check.predict_stall,
+        decode_alone,
+        "1 of 5: a 512-token prompt",
+        ["got:      0.1", "that is the decode pass alone"],
+    ),
     # lesson 7
-    (check.stream_metrics, tpot_over_all_tokens, "1 of 4: sent at 10.0 s",
-     ["expected: (0.5, [0.1, 0.1, 0.1], 0.1)", "divide by output_tokens - 1 = 3"]),
-    (check.stream_metrics, ttft_without_the_send_time, "1 of 4: sent at 10.0 s",
-     ["TTFT is a duration: subtract the time the request was sent"]),
-    (check.stream_metrics, itl_from_the_send_time, "1 of 4: sent at 10.0 s",
-     ["ITL should be a list of 3 gaps (one between each two of the 4 chunks), got 4"]),
-    (check.stream_metrics, tpot_divides_by_zero, "3 of 4: one chunk, one token",
-     ["your function raised ZeroDivisionError"]),
-    (check.stream_metrics, tpot_as_mean_itl, "4 of 4: the server packed 6 tokens into 3 chunks",
-     ["expected: (0.4, [0.2, 0.2], 0.1)", "that is the mean ITL (chunks)"]),
-    (check.stream_metrics, metrics_as_a_dict, "1 of 4: sent at 10.0 s",
-     ["got:      {'ttft_s': 0.5}", "return three things: (ttft_s, itl_s, tpot_s)"]),
-    (check.parse_sse, keeps_empty_deltas_and_reads_past_done, "1 of 6: a plain stream",
-     ["expected: ['Hel', 'lo']", "got:      ['', 'Hel', 'lo', '']",
-      "skip chunks whose content is empty",
-      "case 6 fails too: lines after data: [DONE] are ignored"]),
-    (check.parse_sse, reads_past_done, "6 of 6: lines after data: [DONE] are ignored",
-     ["expected: ['x']", "got:      ['x', 'late']", "you kept reading after 'data: [DONE]'"]),
-    (check.parse_sse, returns_the_chunks, "1 of 6: a plain stream",
-     ["every item should be the text (a str), not the parsed chunk"]),
-    (check.parse_sse, parses_comment_lines, "3 of 6: a keep-alive comment line ': ping'",
-     ["your function raised JSONDecodeError",
-      # the learner's line, not json's own line that raised
-      "at `choices = json.loads(line.removeprefix(\"data: \"))[\"choices\"]`"]),
-    (check.goodput, goodput_strict, "1 of 5: 4 requests, all within",
-     ["expected: 2", "got:      1.5", "compare with <=, not <",
-      "case 4 fails too: exactly on the limits"]),
-    (check.goodput, goodput_share, "1 of 5: 4 requests, all within",
-     ["expected: 2", "got:      1", "that is the share of good requests"]),
-    (check.goodput, goodput_count, "1 of 5: 4 requests, all within",
-     ["got:      4", "that is the number of good requests (4); divide by duration_s"]),
-    (check.goodput, goodput_either_objective, "2 of 5: one misses TTFT",
-     ["expected: 0.2", "got:      0.4", "a request must meet BOTH objectives"]),
-    (check.goodput, goodput_ignores_ok, "3 of 5: a request cut off mid-stream",
-     ["expected: 0.5", "got:      0.75", "count only requests with ok True"]),
-    (check.goodput, goodput_none_misses, "5 of 5: a one-token answer",
-     ["a tpot_s of None (one token) should not count as a miss"]),
-    (check.goodput, goodput_crashes_on_one_token, "5 of 5: a one-token answer",
-     ["your function raised TypeError", "at `return sum(q[\"ok\"] and q[\"ttft_s\"] <= slo_ttft_s"]),
+    (
+        check.stream_metrics,
+        tpot_over_all_tokens,
+        "1 of 4: sent at 10.0 s",
+        ["expected: (0.5, [0.1, 0.1, 0.1], 0.1)", "divide by output_tokens - 1 = 3"],
+    ),
+    (
+        check.stream_metrics,
+        ttft_without_the_send_time,
+        "1 of 4: sent at 10.0 s",
+        ["TTFT is a duration: subtract the time the request was sent"],
+    ),
+    (
+        check.stream_metrics,
+        itl_from_the_send_time,
+        "1 of 4: sent at 10.0 s",
+        ["ITL should be a list of 3 gaps (one between each two of the 4 chunks), got 4"],
+    ),
+    (
+        check.stream_metrics,
+        tpot_divides_by_zero,
+        "3 of 4: one chunk, one token",
+        ["your function raised ZeroDivisionError"],
+    ),
+    (
+        check.stream_metrics,
+        tpot_as_mean_itl,
+        "4 of 4: the server packed 6 tokens into 3 chunks",
+        ["expected: (0.4, [0.2, 0.2], 0.1)", "that is the mean ITL (chunks)"],
+    ),
+    (
+        check.stream_metrics,
+        metrics_as_a_dict,
+        "1 of 4: sent at 10.0 s",
+        ["got:      {'ttft_s': 0.5}", "return three things: (ttft_s, itl_s, tpot_s)"],
+    ),
+    (
+        check.parse_sse,
+        keeps_empty_deltas_and_reads_past_done,
+        "1 of 6: a plain stream",
+        [
+            "expected: ['Hel', 'lo']",
+            "got:      ['', 'Hel', 'lo', '']",
+            "skip chunks whose content is empty",
+            "case 6 fails too: lines after data: [DONE] are ignored",
+        ],
+    ),
+    (
+        check.parse_sse,
+        reads_past_done,
+        "6 of 6: lines after data: [DONE] are ignored",
+        ["expected: ['x']", "got:      ['x', 'late']", "you kept reading after 'data: [DONE]'"],
+    ),
+    (
+        check.parse_sse,
+        returns_the_chunks,
+        "1 of 6: a plain stream",
+        ["every item should be the text (a str), not the parsed chunk"],
+    ),
+    (
+        check.parse_sse,
+        parses_comment_lines,
+        "3 of 6: a keep-alive comment line ': ping'",
+        [
+            "your function raised JSONDecodeError",
+            # the learner's line, not json's own line that raised
+            'at `choices = json.loads(line.removeprefix("data: "))["choices"]`',
+        ],
+    ),
+    (
+        check.goodput,
+        goodput_strict,
+        "1 of 5: 4 requests, all within",
+        ["expected: 2", "got:      1.5", "compare with <=, not <", "case 4 fails too: exactly on the limits"],
+    ),
+    (
+        check.goodput,
+        goodput_share,
+        "1 of 5: 4 requests, all within",
+        ["expected: 2", "got:      1", "that is the share of good requests"],
+    ),
+    (
+        check.goodput,
+        goodput_count,
+        "1 of 5: 4 requests, all within",
+        ["got:      4", "that is the number of good requests (4); divide by duration_s"],
+    ),
+    (
+        check.goodput,
+        goodput_either_objective,
+        "2 of 5: one misses TTFT",
+        ["expected: 0.2", "got:      0.4", "a request must meet BOTH objectives"],
+    ),
+    (
+        check.goodput,
+        goodput_ignores_ok,
+        "3 of 5: a request cut off mid-stream",
+        ["expected: 0.5", "got:      0.75", "count only requests with ok True"],
+    ),
+    (
+        check.goodput,
+        goodput_none_misses,
+        "5 of 5: a one-token answer",
+        ["a tpot_s of None (one token) should not count as a miss"],
+    ),
+    (
+        check.goodput,
+        goodput_crashes_on_one_token,
+        "5 of 5: a one-token answer",
+        ["your function raised TypeError", 'q["ttft_s"] <= slo_ttft_s and q["tpot_s"] <= slo_tpot_s'],
+    ),
 ]
 
 
-@pytest.mark.parametrize("checker, wrong, first_case, says", WRONG,
-                         ids=[f"{c.__name__}-{w.__name__}" for c, w, _, _ in WRONG])
+@pytest.mark.parametrize(
+    "checker, wrong, first_case, says", WRONG, ids=[f"{c.__name__}-{w.__name__}" for c, w, _, _ in WRONG]
+)
 def test_checker_rejects_a_wrong_solution_naming_the_mistake(checker, wrong, first_case, says):
     assert_rejected(checker(wrong), first_case, *says)
 
@@ -314,14 +476,14 @@ def test_checker_rejects_a_wrong_solution_naming_the_mistake(checker, wrong, fir
 def test_every_checker_of_lessons_0_3_7_has_a_wrong_solution_here():
     from batchlab.checks import lesson00, lesson03, lesson07
 
-    checkers = {getattr(module, name) for module in (lesson00, lesson03, lesson07)
-                for name in module.__all__}
+    checkers = {getattr(module, name) for module in (lesson00, lesson03, lesson07) for name in module.__all__}
     tried = {c for c, *_ in WRONG} | {check.greedy_generate}  # greedy_generate: below
     assert checkers == tried
 
 
 # --------------------------------------------------------------------------------------
 # On the real model.
+
 
 def _greedy(lm, ids, n, keep_eos=True, with_prompt=False, refeed=False, fresh_cache=False):
     """Greedy decoding with a cache, with one of the usual mistakes switched on (``refeed``:
@@ -336,22 +498,37 @@ def _greedy(lm, ids, n, keep_eos=True, with_prompt=False, refeed=False, fresh_ca
             break
         new.append(token)
         seq.append(token)
-        logits = lm.model(mx.array([seq] if refeed else [[token]]),
-                          cache=lm.model.make_cache() if fresh_cache else cache)
+        logits = lm.model(
+            mx.array([seq] if refeed else [[token]]), cache=lm.model.make_cache() if fresh_cache else cache
+        )
     return list(ids) + new if with_prompt else new
 
 
-@pytest.mark.parametrize("mistake, first_case, says", [
-    (dict(keep_eos=False), "3 of 6: the France question, n=12",
-     ["got:      [504, 3575, 282, 4649, 314, 7042, 30]  = 'The capital of France is Paris.'",
-      "you stopped at the EOS token 2 ('<|im_end|>') but left it out"]),
-    (dict(with_prompt=True), "1 of 6: the France question (chat template), n=1",
-     ["expected: [504]  = 'The'", "tokens come before them (the prompt?): return only the new tokens"]),
-    (dict(refeed=True), "3 of 6: the France question, n=12",
-     ["case 6 fails too: uses the KV cache"]),
-    (dict(refeed=True, fresh_cache=True), "6 of 6: uses the KV cache",
-     ["forward pass 2 was given", "each step after the prompt feeds only the newest token"]),
-], ids=["drops-eos", "returns-the-prompt", "refeeds-the-sequence", "recomputes-every-step"])
+@pytest.mark.parametrize(
+    "mistake, first_case, says",
+    [
+        (
+            dict(keep_eos=False),
+            "3 of 6: the France question, n=12",
+            [
+                "got:      [504, 3575, 282, 4649, 314, 7042, 30]  = 'The capital of France is Paris.'",
+                "you stopped at the EOS token 2 ('<|im_end|>') but left it out",
+            ],
+        ),
+        (
+            dict(with_prompt=True),
+            "1 of 6: the France question (chat template), n=1",
+            ["expected: [504]  = 'The'", "tokens come before them (the prompt?): return only the new tokens"],
+        ),
+        (dict(refeed=True), "3 of 6: the France question, n=12", ["case 6 fails too: uses the KV cache"]),
+        (
+            dict(refeed=True, fresh_cache=True),
+            "6 of 6: uses the KV cache",
+            ["forward pass 2 was given", "each step after the prompt feeds only the newest token"],
+        ),
+    ],
+    ids=["drops-eos", "returns-the-prompt", "refeeds-the-sequence", "recomputes-every-step"],
+)
 def test_greedy_generate_rejects_a_wrong_solution_naming_the_mistake(lm, mistake, first_case, says):
     verdict = check.greedy_generate(lambda lm, ids, n: _greedy(lm, ids, n, **mistake), lm)
     assert_rejected(verdict, first_case, *says)
@@ -359,6 +536,7 @@ def test_greedy_generate_rejects_a_wrong_solution_naming_the_mistake(lm, mistake
 
 # --------------------------------------------------------------------------------------
 # The checkers themselves (issue 19: one harness, public behaviour only, small).
+
 
 def _checker_sources():
     from pathlib import Path
@@ -371,16 +549,21 @@ def test_no_checker_reads_private_state():
     attributes it touches are its own helpers' (``self._...``)."""
     import ast
 
-    reads = [f"{path.name}:{node.lineno}: .{node.attr}" for path in _checker_sources()
-             for node in ast.walk(ast.parse(path.read_text()))
-             if isinstance(node, ast.Attribute) and node.attr.startswith("_")
-             and not node.attr.startswith("__")
-             and not (isinstance(node.value, ast.Name) and node.value.id == "self")]
+    reads = [
+        f"{path.name}:{node.lineno}: .{node.attr}"
+        for path in _checker_sources()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
     assert reads == []
 
 
 def test_the_checkers_do_not_grow_back():
-    """checks/ was 3,366 lines before issue 19's harness work; it must not grow past where it stands
-    now (the issue aims at half, 1,700)."""
+    """checks/ was 3,366 lines before issue 19's harness work (4,450 once ruff-formatted); it
+    came to 2,784 (3,897 formatted, the layout CI enforces) and must not grow past that (the
+    issue aims at half)."""
     lines = sum(len(path.read_text().splitlines()) for path in _checker_sources())
-    assert lines <= 2800, f"checks/ has {lines} lines"
+    assert lines <= 3900, f"checks/ has {lines} lines"

@@ -31,8 +31,10 @@ def start_batch(self) -> bool:
 
 def prefill(self):
     longest = max(r.prompt_len for r in self.running)
-    return Batch(prefill=[(r, r.prompt_len) for r in self.running],
-                 padding_tokens=sum(longest - r.prompt_len for r in self.running))
+    return Batch(
+        prefill=[(r, r.prompt_len) for r in self.running],
+        padding_tokens=sum(longest - r.prompt_len for r in self.running),
+    )
 
 
 def end_batch(self):
@@ -161,19 +163,22 @@ class ForgetsTheBlocks(StaticScheduler):
             self.running.clear()
 
 
-@pytest.mark.parametrize("wrong, first_case, names", [
-    (JoinsMidBatch, 1, "in static batching nobody joins a running batch"),
-    (NeverFreesTheBatch, 1, "stepped 50 times in a row without running anything"),
-    (NeverFreesTheBatch, 1, "free them all (self.release(req))"),
-    (StartsOverAFullBatch, 1, "RuntimeError: take_slot"),
-    (StartsOverAFullBatch, 1, "free each with self.release(req) before the next batch starts"),
-    (NoPaddingRows, 1, "stays in its batch as a padding row"),
-    (NeverReserves, 8, "the KV pool ran out (16 blocks): MemoryError"),
-    (NeverReserves, 8, "only if self.reserve(req) promises its whole KV memory"),
-    (NeverBegins, 1, "its state was never set to DECODING"),
-    (NeverBegins, 1, "self.begin(req)"),
-    (ForgetsTheBlocks, 1, "KV block(s) were still held"),
-])
+@pytest.mark.parametrize(
+    "wrong, first_case, names",
+    [
+        (JoinsMidBatch, 1, "in static batching nobody joins a running batch"),
+        (NeverFreesTheBatch, 1, "stepped 50 times in a row without running anything"),
+        (NeverFreesTheBatch, 1, "free them all (self.release(req))"),
+        (StartsOverAFullBatch, 1, "RuntimeError: take_slot"),
+        (StartsOverAFullBatch, 1, "free each with self.release(req) before the next batch starts"),
+        (NoPaddingRows, 1, "stays in its batch as a padding row"),
+        (NeverReserves, 8, "the KV pool ran out (16 blocks): MemoryError"),
+        (NeverReserves, 8, "only if self.reserve(req) promises its whole KV memory"),
+        (NeverBegins, 1, "its state was never set to DECODING"),
+        (NeverBegins, 1, "self.begin(req)"),
+        (ForgetsTheBlocks, 1, "KV block(s) were still held"),
+    ],
+)
 def test_static_scheduler_rejects(wrong, first_case, names):
     verdict = checker_quiet("static_scheduler", wrong)
     assert not verdict and not verdict.not_written
@@ -197,6 +202,7 @@ def test_static_scheduler_whole_workload_checks_the_rules():
     """The invariants on a whole trace name a request that joined a running batch."""
     from batchlab.checks._pieces import fake_workload, run_piece
     from batchlab.checks.lesson01 import static_invariants
+
     wl = fake_workload("w", [(5, o) for o in [3, 9, 2, 5, 4, 7]], 1)
     trace = run_piece(JoinsMidBatch, wl, max_batch_size=3).trace
     problem = static_invariants(trace, 3)
@@ -215,6 +221,7 @@ def test_wasted_slot_steps_rejects_forgetting_the_prefill_token():
 
 
 def test_static_steps_rejects_counting_max_steps():
-    verdict = checker_quiet("static_steps", lambda lens, B: sum(
-        max(lens[i:i + B]) for i in range(0, len(lens), B)))
+    verdict = checker_quiet(
+        "static_steps", lambda lens, B: sum(max(lens[i : i + B]) for i in range(0, len(lens), B))
+    )
     assert not verdict and "max - 1 steps, not max" in verdict.message

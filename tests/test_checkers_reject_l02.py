@@ -87,17 +87,20 @@ class PlaceForgetsDecoding(MyContinuousScheduler):
             self.take_slot(req)
 
 
-@pytest.mark.parametrize("wrong, first_case, names", [
-    (AdmitsWhileOneAwaits, 1, "admit nobody while a prefilled request still waits for a slot"),
-    (NeverAdmits, 1, "the engine got stuck"),
-    (PlacesOnlyIntoAnEmptyBatch, 1, "place() must fill every free slot"),
-    (PlacesIntoTheHighestSlot, 1, "takes the LOWEST free slot"),
-    (PlacesLastPrefilledFirst, 1, "was admitted while"),
-    (AdmitsWithoutFits, 7, "the KV pool ran out (16 blocks): MemoryError"),
-    (AdmitsWithoutFits, 7, "admit only a request that self.fits(req, self.prefill_step)"),
-    (PlaceForgetsDecoding, 1, "its state was never set to DECODING"),
-    (PlaceForgetsDecoding, 1, "req.set_state(State.DECODING, self.clock())"),
-])
+@pytest.mark.parametrize(
+    "wrong, first_case, names",
+    [
+        (AdmitsWhileOneAwaits, 1, "admit nobody while a prefilled request still waits for a slot"),
+        (NeverAdmits, 1, "the engine got stuck"),
+        (PlacesOnlyIntoAnEmptyBatch, 1, "place() must fill every free slot"),
+        (PlacesIntoTheHighestSlot, 1, "takes the LOWEST free slot"),
+        (PlacesLastPrefilledFirst, 1, "was admitted while"),
+        (AdmitsWithoutFits, 7, "the KV pool ran out (16 blocks): MemoryError"),
+        (AdmitsWithoutFits, 7, "admit only a request that self.fits(req, self.prefill_step)"),
+        (PlaceForgetsDecoding, 1, "its state was never set to DECODING"),
+        (PlaceForgetsDecoding, 1, "req.set_state(State.DECODING, self.clock())"),
+    ],
+)
 def test_continuous_scheduler_rejects(wrong, first_case, names):
     verdict = checker_quiet("continuous_scheduler", wrong)
     assert not verdict and not verdict.not_written
@@ -121,6 +124,7 @@ def test_two_awaiting_requests_are_caught_on_the_trace():
     invariants name that admission (the first rule broken), on a whole trace."""
     from batchlab.checks._pieces import fake_workload, run_piece
     from batchlab.checks.lesson02 import continuous_invariants
+
     wl = fake_workload("req", [(5, o) for o in [9, 9, 4, 4, 4, 4]], 7)
     trace = run_piece(PlacesLastPrefilledFirst, wl, max_batch_size=2).trace
     problem = continuous_invariants(trace, 2)
@@ -135,6 +139,7 @@ def test_continuous_scheduler_asks_for_a_class():
 
 def test_continuous_steps_rejects_the_static_count():
     from batchlab.checks.lesson01 import static_step_count
+
     verdict = checker_quiet("continuous_steps", static_step_count)
     assert not verdict and "count for static batching" in verdict.message
 
@@ -142,6 +147,7 @@ def test_continuous_steps_rejects_the_static_count():
 def test_an_unwritten_piece_is_not_written_yet_not_a_failure():
     """The learner copy's placeholders raise NotImplementedError inside the engine: the
     verdict says "not written yet" (the whole-workload driver must not swallow it)."""
+
     class Unwritten(ContinuousScheduler):
         def admit(self):
             raise NotImplementedError("admit is not written yet")

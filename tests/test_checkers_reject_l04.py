@@ -70,14 +70,22 @@ def test_the_reference_and_the_lessons_piece_pass(solution):
 
 def test_a_chunk_that_ignores_prefill_step_is_rejected():
     """The lesson-2 piece, not extended: its whole-prompt prefill_chunk ignores prefill_step."""
-    assert_rejected(check.chunked_scheduler(MyContinuousScheduler), "1 of 10",
-                    "more than prefill_step=128", "min(prefill_step, tokens left)")
+    assert_rejected(
+        check.chunked_scheduler(MyContinuousScheduler),
+        "1 of 10",
+        "more than prefill_step=128",
+        "min(prefill_step, tokens left)",
+    )
 
 
 def test_a_last_chunk_that_never_runs_is_rejected():
     verdict = check.chunked_scheduler(NoLastChunk)
-    assert_rejected(verdict, "1 of 10", "r2 went on to awaiting a slot with only 256 of its 300 prompt",
-                    "last chunk never ran")
+    assert_rejected(
+        verdict,
+        "1 of 10",
+        "r2 went on to awaiting a slot with only 256 of its 300 prompt",
+        "last chunk never ran",
+    )
     assert "fails too: a whole workload" in verdict.message
 
 
@@ -87,13 +95,18 @@ def test_a_chunk_fused_with_the_decodes_is_rejected():
 
 def test_a_chunk_without_make_room_is_rejected_in_the_small_pool():
     verdict = check.chunked_scheduler(NoMakeRoom)
-    assert_rejected(verdict, "10 of 10", "the KV pool ran out (16 blocks): MemoryError",
-                    "self.make_room(req, n) before yielding it")
+    assert_rejected(
+        verdict,
+        "10 of 10",
+        "the KV pool ran out (16 blocks): MemoryError",
+        "self.make_room(req, n) before yielding it",
+    )
     assert verdict.passed == 9
 
 
-@pytest.mark.parametrize("piece", [NotWritten, course.Missing("MyChunkedScheduler",
-                                                            "my_engine/chunked.py does not exist yet")])
+@pytest.mark.parametrize(
+    "piece", [NotWritten, course.Missing("MyChunkedScheduler", "my_engine/chunked.py does not exist yet")]
+)
 def test_an_unwritten_piece_is_reported_as_not_written(piece):
     verdict = check.chunked_scheduler(piece)
     assert not verdict and verdict.not_written, verdict.message

@@ -31,7 +31,7 @@ class PrefillFirst(StallFreeScheduler):
         prefill = self.continue_prefills(self.token_budget)
         prefill += self.admit_within(self.token_budget - sum(n for _, n in prefill))
         left = self.token_budget - sum(n for _, n in prefill)
-        return Batch(decode=self.decodes()[:max(left, 0)], prefill=prefill)
+        return Batch(decode=self.decodes()[: max(left, 0)], prefill=prefill)
 
 
 class OverBudget(StallFreeScheduler):
@@ -99,14 +99,22 @@ def test_the_reference_and_the_lessons_piece_pass(solution):
 
 def test_a_plan_without_make_room_is_rejected_in_the_small_pool():
     verdict = check.stallfree_planner(PlanWithoutMakeRoom)
-    assert_rejected(verdict, "9 of 9", "the KV pool ran out (16 blocks): MemoryError",
-                    "self.make_room(req, 1) for each decode")
+    assert_rejected(
+        verdict,
+        "9 of 9",
+        "the KV pool ran out (16 blocks): MemoryError",
+        "self.make_room(req, 1) for each decode",
+    )
     assert verdict.passed == 8
 
 
 def test_prefill_before_the_decodes_is_rejected():
-    assert_rejected(check.stallfree_planner(PrefillFirst), "1 of 9",
-                    "was decoding but got no decode row", "before any prefill")
+    assert_rejected(
+        check.stallfree_planner(PrefillFirst),
+        "1 of 9",
+        "was decoding but got no decode row",
+        "before any prefill",
+    )
 
 
 def test_a_plan_over_the_budget_is_rejected():
@@ -118,8 +126,12 @@ def test_a_planner_that_never_admits_is_reported_stuck_not_a_hang():
 
 
 def test_unused_budget_while_requests_wait_is_rejected():
-    assert_rejected(check.stallfree_planner(OneAdmissionAStep), "1 of 9",
-                    "the stall-free rule gives", "admissions while budget and slots remain")
+    assert_rejected(
+        check.stallfree_planner(OneAdmissionAStep),
+        "1 of 9",
+        "the stall-free rule gives",
+        "admissions while budget and slots remain",
+    )
 
 
 @pytest.mark.parametrize("piece", [NotWritten, course.Missing("MyStallFreeScheduler", "no file")])
@@ -130,6 +142,7 @@ def test_an_unwritten_piece_is_reported_as_not_written(piece):
 
 # --------------------------------------------------------------------------------------
 # The smaller exercises.
+
 
 def pack_at_zero(chunks):
     """Numbers every token by its place in the packed row, not in its own sequence."""
@@ -152,10 +165,7 @@ def skips_counted_from_the_first_token(trace):
 
 
 def test_skips_from_the_first_token_are_rejected():
-    assert_rejected(check.skipped_decodes(skips_counted_from_the_first_token), "1 of 4",
-                    "are not skips")
-
-
+    assert_rejected(check.skipped_decodes(skips_counted_from_the_first_token), "1 of 4", "are not skips")
 
 
 def saving_against_the_chunk_alone(chunk_s, decode_s, fused_s):

@@ -15,16 +15,18 @@ def _headroom(scheduler):
 class RightFits(StallFreeScheduler):
     def fits(self, req, max_tokens):
         hits, cached, n = self.first_chunk(req, max_tokens)
-        taken = self.blocks.blocks_for(cached + n) - len(hits) \
-            + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        taken = (
+            self.blocks.blocks_for(cached + n) - len(hits) + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        )
         return taken + _headroom(self) <= self.blocks.num_free
 
 
 class NoHeadroom(StallFreeScheduler):
     def fits(self, req, max_tokens):
         hits, cached, n = self.first_chunk(req, max_tokens)
-        taken = self.blocks.blocks_for(cached + n) - len(hits) \
-            + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        taken = (
+            self.blocks.blocks_for(cached + n) - len(hits) + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        )
         return taken <= self.blocks.num_free
 
 
@@ -55,6 +57,7 @@ def test_the_reference_pieces_pass():
 
 def test_the_lessons_pieces_pass():
     from learner_pieces import MyMemoryScheduler, MyVictimPolicy
+
     assert checks.memory_scheduler(MyMemoryScheduler, MyVictimPolicy)
 
 
@@ -92,8 +95,9 @@ def test_a_missing_piece_is_not_written_yet():
 
 
 def test_kv_slots_that_forget_the_block_size_are_rejected():
-    verdict = checks.kv_slots(lambda table, start, stop, bs: [table[p // bs] + p % bs
-                                                              for p in range(start, stop)])
+    verdict = checks.kv_slots(
+        lambda table, start, stop, bs: [table[p // bs] + p % bs for p in range(start, stop)]
+    )
     assert not verdict and "block b starts at slot b * block_size" in verdict.message
 
 
@@ -103,7 +107,7 @@ def test_a_prefix_lookup_that_shares_the_last_block_is_rejected():
     def greedy(token_ids, cached, block_size):
         found, key = [], b""
         for i in range(len(token_ids) // block_size):
-            key = BlockManager.block_key(key, token_ids[i * block_size:(i + 1) * block_size])
+            key = BlockManager.block_key(key, token_ids[i * block_size : (i + 1) * block_size])
             if key not in cached:
                 break
             found.append(cached[key])

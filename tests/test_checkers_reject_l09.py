@@ -14,8 +14,11 @@ class RightAdmission(Admission):
     def to_shed(self, queue, now):
         if self.max_wait_s is None:
             return []
-        return [r for r in queue if r.state is State.QUEUED and not r.output_ids
-                and now - r.arrival_s > self.max_wait_s]
+        return [
+            r
+            for r in queue
+            if r.state is State.QUEUED and not r.output_ids and now - r.arrival_s > self.max_wait_s
+        ]
 
 
 @dataclass(frozen=True)

@@ -50,23 +50,34 @@ def test_cost_model_predicts_real_forward_passes(lm):
     trace = driver.run_workload(engine, workload, progress=False)
     assert all(len(r.output_ids) == r.max_new_tokens for r in trace.requests.values())
     passes = engine.runner.timed
-    kinds = {("decode" if all(len(c.tokens) == 1 for c in ch) else
-              "prefill" if all(len(c.tokens) > 1 for c in ch) else "hybrid") for ch, _ in passes}
+    kinds = {
+        (
+            "decode"
+            if all(len(c.tokens) == 1 for c in ch)
+            else "prefill"
+            if all(len(c.tokens) > 1 for c in ch)
+            else "hybrid"
+        )
+        for ch, _ in passes
+    }
     assert kinds == {"decode", "prefill", "hybrid"}, "the workload should exercise every kind of pass"
     measured = np.array([t for _, t in passes])
     predicted = np.array([cost.predict(ch) for ch, _ in passes])
     errors = np.abs(predicted - measured) / measured
     median = float(np.median(errors))
     bound = 2 * cost.error["median"] + MARGIN
-    print(f"\n{len(passes)} real passes: median relative error {median:.1%} "
-          f"(p90 {np.percentile(errors, 90):.1%}); the fit reported {cost.error['median']:.1%} "
-          f"held out; bound {bound:.1%}")
+    print(
+        f"\n{len(passes)} real passes: median relative error {median:.1%} "
+        f"(p90 {np.percentile(errors, 90):.1%}); the fit reported {cost.error['median']:.1%} "
+        f"held out; bound {bound:.1%}"
+    )
     assert median <= bound
 
     # The simulator drives the same scheduler: on the same workload it plans the same steps.
     clock = VirtualClock()
-    sim = make_engine("stallfree", lm, max_batch_size=8, token_budget=128,
-                      runner=sim_runner(cost, clock), clock=clock)
+    sim = make_engine(
+        "stallfree", lm, max_batch_size=8, token_budget=128, runner=sim_runner(cost, clock), clock=clock
+    )
     simulated = simulate(sim, workload)
 
     def plan(t):
@@ -104,11 +115,24 @@ from batchlab import costmodel  # noqa: E402
 from batchlab.runner import Chunk  # noqa: E402
 
 
-def fake_cost(passes=1 / 64, tokens=1 / 1024, decode_rows=0.0, decode_context=0.0,
-              prefill_chunks=0.0, prefill_attention=0.0) -> CostModel:
-    return CostModel(dict(passes=passes, tokens=tokens, decode_rows=decode_rows,
-                          decode_context=decode_context, prefill_chunks=prefill_chunks,
-                          prefill_attention=prefill_attention))
+def fake_cost(
+    passes=1 / 64,
+    tokens=1 / 1024,
+    decode_rows=0.0,
+    decode_context=0.0,
+    prefill_chunks=0.0,
+    prefill_attention=0.0,
+) -> CostModel:
+    return CostModel(
+        dict(
+            passes=passes,
+            tokens=tokens,
+            decode_rows=decode_rows,
+            decode_context=decode_context,
+            prefill_chunks=prefill_chunks,
+            prefill_attention=prefill_attention,
+        )
+    )
 
 
 def test_budget_is_the_largest_that_meets_the_target_linear_costs():
@@ -145,8 +169,11 @@ def test_default_target_is_the_stated_multiple_of_a_decode_step():
     extra = (costmodel.DEFAULT_SLO_DECODE_STEPS - 1) * step  # seconds left for the chunk
     assert costmodel.token_budget_for_slo(cost, B) == B + math.floor(extra * 1024)
     # a larger multiple buys a larger budget, a smaller one a smaller budget
-    assert costmodel.token_budget_for_slo(cost, B, 2.5 * step) \
-        > costmodel.token_budget_for_slo(cost, B) > costmodel.token_budget_for_slo(cost, B, 1.2 * step)
+    assert (
+        costmodel.token_budget_for_slo(cost, B, 2.5 * step)
+        > costmodel.token_budget_for_slo(cost, B)
+        > costmodel.token_budget_for_slo(cost, B, 1.2 * step)
+    )
 
 
 def test_budget_edges():

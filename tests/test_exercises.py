@@ -49,8 +49,15 @@ def exercise_namespace(lm, root: Path) -> dict:
     """What exercise and checker cells may use (the convention in batchlab.exercises);
     ``root`` is the course folder where ``%%piece my_engine/...`` cells write."""
     course.setup(root)
-    return {"mx": mx, "np": np, "batchlab": batchlab, "check": checks, "course": course,
-            "lm": lm, "__course_root__": str(root)}
+    return {
+        "mx": mx,
+        "np": np,
+        "batchlab": batchlab,
+        "check": checks,
+        "course": course,
+        "lm": lm,
+        "__course_root__": str(root),
+    }
 
 
 def run_exercises(nb, lm, root: Path) -> list[tuple[str, Verdict, str]]:
@@ -70,12 +77,16 @@ def run_exercises(nb, lm, root: Path) -> list[tuple[str, Verdict, str]]:
 def _without_stand_ins(printed: str) -> str:
     """The checker's own words: without the line a later piece prints when an earlier
     lesson's piece is missing and the reference stands in for it (``course.earlier``)."""
-    return "".join(line for line in printed.splitlines(keepends=True)
-                   if not (line.startswith("Lesson ") and "stands in for it" in line))
+    return "".join(
+        line
+        for line in printed.splitlines(keepends=True)
+        if not (line.startswith("Lesson ") and "stands in for it" in line)
+    )
 
 
 # --------------------------------------------------------------------------------------
 # The lessons' exercises, with solutions and without.
+
 
 @pytest.mark.parametrize("path", LESSON_FILES, ids=[p.stem for p in LESSON_FILES])
 def test_lesson_follows_the_exercise_convention(path):
@@ -83,10 +94,12 @@ def test_lesson_follows_the_exercise_convention(path):
     pairs = exercises.exercise_pairs(nb, path.name)
     assert len(pairs) >= 2, f"{path.name}: every lesson has at least two exercises"
     for ex, chk in pairs:
-        assert "# NBVAL_CHECK_OUTPUT" in nb.cells[chk].source, \
+        assert "# NBVAL_CHECK_OUTPUT" in nb.cells[chk].source, (
             f"{path.name} cell {chk}: a checker cell's verdict is checked by nbval"
-        assert any(o.get("text", "").startswith(checks.OK) for o in nb.cells[chk].outputs), \
+        )
+        assert any(o.get("text", "").startswith(checks.OK) for o in nb.cells[chk].outputs), (
             f"{path.name} cell {chk}: the committed output should be the checker's ✓ verdict"
+        )
 
 
 def write_earlier_pieces(path: Path, root: Path) -> None:
@@ -94,7 +107,7 @@ def write_earlier_pieces(path: Path, root: Path) -> None:
     with solutions) into ``root``: a lesson starts from the engine the earlier ones built
     (lesson 4's MyChunkedScheduler extends lesson 2's MyContinuousScheduler)."""
     ns = {"__course_root__": str(root)}
-    for earlier in LESSON_FILES[:LESSON_FILES.index(path)]:
+    for earlier in LESSON_FILES[: LESSON_FILES.index(path)]:
         for cell in nbformat.read(earlier, as_version=4).cells:
             if cell.cell_type == "code" and cell.source.startswith("%%piece "):
                 run_cell(cell.source, ns)
@@ -141,11 +154,13 @@ def test_committed_learner_copies_are_current():
         "\n".join(problems) + "\nIf you changed or re-executed a lesson, regenerate the learner "
         "copies: python -m batchlab.exercises notebooks notebooks/learner\n(If you did the "
         "exercises inside notebooks/learner/, this failure is expected: `git stash` them or "
-        "save your work under another name.)")
+        "save your work under another name.)"
+    )
 
 
 # --------------------------------------------------------------------------------------
 # Checkers: wrong answers are named precisely.
+
 
 def test_wrong_greedy_pick_names_the_failing_case(lm):
     verdict = checks.greedy_pick(lambda logits: int(mx.argmax(mx.abs(logits))), lm)
@@ -264,9 +279,11 @@ def synthetic_lesson():
 def test_strip_solutions_keeps_indentation_and_names_the_function():
     assert exercises.strip_solutions(EXERCISE) == (
         'def double(x):\n    """Twice x."""\n    # YOUR CODE HERE\n'
-        '    raise NotImplementedError("double is not written yet")')
+        '    raise NotImplementedError("double is not written yet")'
+    )
     assert exercises.strip_solutions("a = 1\n### BEGIN SOLUTION\nb = 2\n### END SOLUTION\nc = 3") == (
-        'a = 1\n# YOUR CODE HERE\nraise NotImplementedError("this exercise is not written yet")\nc = 3')
+        'a = 1\n# YOUR CODE HERE\nraise NotImplementedError("this exercise is not written yet")\nc = 3'
+    )
     clean = exercises.strip_solutions(EXERCISE)
     ns: dict = {}
     exec(clean, ns)  # the clean copy still defines the function...
@@ -274,11 +291,14 @@ def test_strip_solutions_keeps_indentation_and_names_the_function():
         ns["double"](1)  # ...which says what is missing
 
 
-@pytest.mark.parametrize("source", [
-    "### BEGIN SOLUTION\nx = 1",
-    "x = 1\n### END SOLUTION",
-    "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n### END SOLUTION",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "### BEGIN SOLUTION\nx = 1",
+        "x = 1\n### END SOLUTION",
+        "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n### END SOLUTION",
+    ],
+)
 def test_unbalanced_markers_are_errors(source):
     with pytest.raises(exercises.ExerciseFormatError):
         exercises.strip_solutions(source)

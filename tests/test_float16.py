@@ -47,5 +47,7 @@ def test_float16_greedy_answers_equal_float32_except_near_ties(lm, lm16, name):
     logits = np.array(lm.model(mx.array([ids + ours32[:part]]))[0, -1])
     margin = float(logits[ours32[part]] - logits[ours16[part]])
     print(f"{name}: part at token {part}, float32 margin {margin:.4f}")
-    assert 0 <= margin < NEAR_TIE, f"float16 left float32's answer at token {part} where float32 " \
-                                   f"was sure by {margin:.3f}: not a near-tie"
+    assert 0 <= margin < NEAR_TIE, (
+        f"float16 left float32's answer at token {part} where float32 "
+        f"was sure by {margin:.3f}: not a near-tie"
+    )

@@ -34,11 +34,20 @@ def course_folder(tmp_path_factory):
 def test_learner_copy_runs_without_an_error_cell(course_folder, name):
     path = course_folder / name
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3", allow_errors=True,
-                   resources={"metadata": {"path": str(course_folder)}}).execute()
-    errors = [(i, o.get("ename"), o.get("evalue")) for i, cell in enumerate(nb.cells)
-              if cell.cell_type == "code" for o in cell.get("outputs", [])
-              if o.get("output_type") == "error"]
+    NotebookClient(
+        nb,
+        timeout=900,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(course_folder)}},
+    ).execute()
+    errors = [
+        (i, o.get("ename"), o.get("evalue"))
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code"
+        for o in cell.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert not errors, f"{name}: error cells {errors}"
 
 
@@ -47,8 +56,11 @@ def test_learner_copy_is_clean_no_outputs_no_execution_counts(path):
     """The nbgrader / fastbook "clean" convention: a learner sees a result only when they
     run its cell, so no answer, verdict or "predict first" result shows before its question."""
     nb = nbformat.read(path, as_version=4)
-    dirty = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"
-             and (cell.get("outputs") or cell.get("execution_count") is not None)]
+    dirty = [
+        i
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code" and (cell.get("outputs") or cell.get("execution_count") is not None)
+    ]
     assert not dirty, f"{path.name}: code cells with outputs or execution counts: {dirty}"
     assert "widgets" not in nb.metadata, f"{path.name}: carries the solved run's widget state"
 

@@ -22,7 +22,8 @@ MAX_WORDS = 2100  # "~2,000 words of prose a lesson"
 RUN_TIME = re.compile(r"\*\*Run time:\*\* about (\d+(?:½)?) (seconds|minutes?)")
 MEASURED = re.compile(
     r"(?<![\w.])\d+(?:[.,]\d+)?(?:½)?\s?(?:ms|s|seconds|minutes|tok/s|tokens/s|tokens per second|"
-    r"×|%|GFLOP/s|GB/s|MiB|KiB|MB)(?![\w/])")
+    r"×|%|GFLOP/s|GB/s|MiB|KiB|MB)(?![\w/])"
+)
 
 
 def prose(nb) -> list[str]:
@@ -35,10 +36,15 @@ def words(text: str) -> int:
 
 def run_seconds(nb) -> float:
     """Wall time from the first cell's start to the last cell's reply, as recorded."""
-    times = [c.metadata["execution"] for c in nb.cells
-             if c.cell_type == "code" and "shell.execute_reply" in c.metadata.get("execution", {})]
+    times = [
+        c.metadata["execution"]
+        for c in nb.cells
+        if c.cell_type == "code" and "shell.execute_reply" in c.metadata.get("execution", {})
+    ]
     parse = datetime.datetime.fromisoformat
-    start = parse(times[0].get("iopub.execute_input", times[0].get("iopub.status.busy")).replace("Z", "+00:00"))
+    start = parse(
+        times[0].get("iopub.execute_input", times[0].get("iopub.status.busy")).replace("Z", "+00:00")
+    )
     return (parse(times[-1]["shell.execute_reply"].replace("Z", "+00:00")) - start).total_seconds()
 
 
@@ -51,11 +57,16 @@ def test_prose_is_short(path):
 @pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
 def test_no_measured_number_is_typed_into_prose(path):
     nb = nbformat.read(path, as_version=4)
-    found = [(i, m.group(0), cell.source[max(m.start() - 40, 0):m.end() + 20].replace("\n", " "))
-             for i, cell in enumerate(nb.cells) if cell.cell_type == "markdown"
-             for m in MEASURED.finditer(RUN_TIME.sub("", cell.source))]
-    assert not found, ("measured-looking numbers in Markdown (print them, or build the sentence "
-                       "from the measured values):\n" + "\n".join(map(str, found)))
+    found = [
+        (i, m.group(0), cell.source[max(m.start() - 40, 0) : m.end() + 20].replace("\n", " "))
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "markdown"
+        for m in MEASURED.finditer(RUN_TIME.sub("", cell.source))
+    ]
+    assert not found, (
+        "measured-looking numbers in Markdown (print them, or build the sentence "
+        "from the measured values):\n" + "\n".join(map(str, found))
+    )
 
 
 @pytest.mark.parametrize("path", LESSONS, ids=[p.stem for p in LESSONS])
@@ -66,5 +77,6 @@ def test_stated_run_time_matches_the_recorded_run(path):
     amount = float(stated.group(1).replace("½", ".5"))
     seconds = amount * (60 if stated.group(2).startswith("minute") else 1)
     recorded = run_seconds(nb)
-    assert seconds / 1.5 <= recorded <= seconds * 1.5, \
+    assert seconds / 1.5 <= recorded <= seconds * 1.5, (
         f"states about {seconds:.0f} s, the committed run took {recorded:.0f} s"
+    )

@@ -58,7 +58,7 @@ def test_the_link_to_the_solved_lesson_leads_there_inside_the_course_folder(less
     course_copy.copy_lessons(lessons / "notebooks" / "learner", dest)
     course_copy.copy_solved(lessons / "notebooks", dest)
     text = (dest / "01_two.ipynb").read_text()
-    link = text[text.index("](") + 2:text.index(")", text.index("]("))]
+    link = text[text.index("](") + 2 : text.index(")", text.index("]("))]
     assert link == "solved/01_two.ipynb"
     assert (dest / link).resolve().read_text() == "solved"
     assert (dest / link).resolve().is_relative_to(dest.resolve())
@@ -82,8 +82,11 @@ def test_unknown_options_such_as_no_browser_go_to_jupyterlab(monkeypatch, tmp_pa
     monkeypatch.setattr(course_copy, "copy_solved", lambda: [])
     monkeypatch.setattr(os, "execv", lambda path, command: ran.setdefault("command", command))
     course_copy.main(["--no-browser", "--port", "8899"])
-    assert ran["command"][-3:] == ["--no-browser", "--port", "8899"] or \
-        ran["command"][-4:-1] == ["--no-browser", "--port", "8899"]
+    assert ran["command"][-3:] == ["--no-browser", "--port", "8899"] or ran["command"][-4:-1] == [
+        "--no-browser",
+        "--port",
+        "8899",
+    ]
     assert "lab" in ran["command"]
 
 
@@ -111,8 +114,11 @@ def test_the_course_jupyterlab_starts_here_and_has_its_pop_ups_off(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     command = course_copy.jupyter_command(tmp_path) + [
-        "--no-browser", f"--port={port}", "--ServerApp.token=course-test",
-        f"--ServerApp.root_dir={tmp_path}"]
+        "--no-browser",
+        f"--port={port}",
+        "--ServerApp.token=course-test",
+        f"--ServerApp.root_dir={tmp_path}",
+    ]
     log = open(tmp_path / "lab.log", "w")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/lab/api/settings/@jupyterlab/apputils-extension:notification"

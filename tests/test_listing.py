@@ -12,8 +12,9 @@ def test_whole_and_sliced_listings():
 
 
 def test_a_missing_anchor_is_an_error_naming_it():
-    with pytest.raises(ValueError, match="'# no such comment' is not in the source of "
-                                         "ContinuousScheduler.batches"):
+    with pytest.raises(
+        ValueError, match="'# no such comment' is not in the source of ContinuousScheduler.batches"
+    ):
         source_lines(ContinuousScheduler.batches, start="# no such comment")
     with pytest.raises(ValueError, match="'nowhere' is not in the source"):
         source_lines(ContinuousScheduler.batches, start="self.admit()", end="nowhere")

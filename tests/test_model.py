@@ -31,8 +31,9 @@ CONTEXT = 8192
 PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 # On the CPU the weights are float32, exactly dequantized; on Metal batchlab loads float16, where
 # agreement to 1e-3 with a float32 reference is not expected (equality with mlx-lm still is).
-float32_only = pytest.mark.skipif(batchlab.model.default_dtype() != mx.float32,
-                                  reason="float32 exactness is the CPU (Linux) configuration")
+float32_only = pytest.mark.skipif(
+    batchlab.model.default_dtype() != mx.float32, reason="float32 exactness is the CPU (Linux) configuration"
+)
 LONG_TEXT = (
     "Batching is how a language model server keeps a machine busy for many users at once. "
     "During decoding every step reads all of the model's weights from memory to produce a single "
@@ -41,11 +42,14 @@ LONG_TEXT = (
     "continuous batching admits a new request as soon as a slot frees up. Chunked prefill splits a "
     "long prompt into pieces so that decoding requests are not stalled behind it. "
 )
-LONG_CHAT = [{"role": "system", "content": "You are a patient teacher."},
-             {"role": "user", "content": LONG_TEXT * 3 + "\nSummarise the text above in one sentence."}]
+LONG_CHAT = [
+    {"role": "system", "content": "You are a patient teacher."},
+    {"role": "user", "content": LONG_TEXT * 3 + "\nSummarise the text above in one sentence."},
+]
 
 
 # ------------------------------------------------------------------ config and names
+
 
 def test_config_from_gguf(gguf_meta):
     args = config_from_gguf(gguf_meta)
@@ -65,12 +69,16 @@ def test_config_from_gguf(gguf_meta):
 def test_config_matches_transformers(gguf_meta, hf_gguf):
     """transformers reads the same GGUF metadata into its LlamaConfig with its own mapping."""
     args, hf = config_from_gguf(gguf_meta), hf_gguf[0]
-    for ours, theirs in [("hidden_size", "hidden_size"), ("num_hidden_layers", "num_hidden_layers"),
-                         ("intermediate_size", "intermediate_size"),
-                         ("num_attention_heads", "num_attention_heads"),
-                         ("num_key_value_heads", "num_key_value_heads"), ("vocab_size", "vocab_size"),
-                         ("max_position_embeddings", "max_position_embeddings"),
-                         ("tie_word_embeddings", "tie_word_embeddings")]:
+    for ours, theirs in [
+        ("hidden_size", "hidden_size"),
+        ("num_hidden_layers", "num_hidden_layers"),
+        ("intermediate_size", "intermediate_size"),
+        ("num_attention_heads", "num_attention_heads"),
+        ("num_key_value_heads", "num_key_value_heads"),
+        ("vocab_size", "vocab_size"),
+        ("max_position_embeddings", "max_position_embeddings"),
+        ("tie_word_embeddings", "tie_word_embeddings"),
+    ]:
         assert getattr(args, ours) == getattr(hf, theirs), ours
     assert args.rms_norm_eps == pytest.approx(hf.rms_norm_eps, rel=1e-6)
     theta = hf.rope_parameters["rope_theta"] if getattr(hf, "rope_parameters", None) else hf.rope_theta
@@ -119,6 +127,7 @@ def test_names_cover_the_model_exactly(lm, gguf_meta, hf_gguf):
 
 # ------------------------------------------------------------------ exact weights
 
+
 def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16).astype(np.float64)
 
@@ -149,16 +158,19 @@ def _dequantize_reference(tensor) -> np.ndarray:
 
 
 @float32_only
-@pytest.mark.parametrize("gguf_name,kind", [
-    ("token_embd.weight", "Q8_0"),
-    ("blk.0.attn_q.weight", "Q4_1"),
-    ("blk.0.attn_k.weight", "Q4_1"),
-    ("blk.13.attn_v.weight", "Q4_1"),
-    ("blk.29.ffn_down.weight", "Q4_1"),
-    ("blk.17.ffn_gate.weight", "Q4_1"),
-    ("blk.3.attn_norm.weight", "F32"),
-    ("output_norm.weight", "F32"),
-])
+@pytest.mark.parametrize(
+    "gguf_name,kind",
+    [
+        ("token_embd.weight", "Q8_0"),
+        ("blk.0.attn_q.weight", "Q4_1"),
+        ("blk.0.attn_k.weight", "Q4_1"),
+        ("blk.13.attn_v.weight", "Q4_1"),
+        ("blk.29.ffn_down.weight", "Q4_1"),
+        ("blk.17.ffn_gate.weight", "Q4_1"),
+        ("blk.3.attn_norm.weight", "F32"),
+        ("output_norm.weight", "F32"),
+    ],
+)
 def test_weights_are_exact_dequantization(lm, gguf_reader, gguf_name, kind):
     """The float32 weights inside the loaded model equal the exact block values, rounded once
     to float32 (no float16 rounding of scales or biases anywhere)."""
@@ -221,8 +233,10 @@ def test_model_info(lm, hf_model):
 PROMPTS = {
     "paris_chat": PARIS,
     "plain_text": "The quick brown fox jumps over the lazy dog. Then it",
-    "code": "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "unicode_chat": [{"role": "user", "content": "Translate 'good morning' into French, 日本語 and emoji ☀️."}],
+    "code": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "unicode_chat": [
+        {"role": "user", "content": "Translate 'good morning' into French, 日本語 and emoji ☀️."}
+    ],
     "long_chat": LONG_CHAT,
 }
 
@@ -262,9 +276,15 @@ def test_greedy_generation_matches_transformers(lm, hf_model, name):
     ids = _ids(lm, PROMPTS[name])
     x = torch.tensor([ids])
     with torch.no_grad():
-        out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=30, do_sample=False,
-                                eos_token_id=sorted(lm.tokenizer.eos_token_ids), pad_token_id=2)
-    ref = out[0, len(ids):].tolist()
+        out = hf_model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=30,
+            do_sample=False,
+            eos_token_id=sorted(lm.tokenizer.eos_token_ids),
+            pad_token_id=2,
+        )
+    ref = out[0, len(ids) :].tolist()
     ours = generate(lm, ids, max_new_tokens=30).token_ids
     assert ours == ref
     assert len(ours) >= 8
@@ -272,14 +292,16 @@ def test_greedy_generation_matches_transformers(lm, hf_model, name):
 
 # ------------------------------------------------------------------ against mlx-lm
 
+
 def _mlx_lm_greedy(lm, ids, n):
     from mlx_lm.generate import generate_step
 
     return [int(t) for t, _ in generate_step(mx.array(ids), lm.model, max_tokens=n)]
 
 
-@pytest.mark.parametrize("name,ends_with_eos", [("paris_chat", True), ("plain_text", False),
-                                                ("code", None), ("long_chat", None)])
+@pytest.mark.parametrize(
+    "name,ends_with_eos", [("paris_chat", True), ("plain_text", False), ("code", None), ("long_chat", None)]
+)
 def test_greedy_equals_mlx_lm(lm, name, ends_with_eos):
     ids = _ids(lm, PROMPTS[name])
     n = 24
@@ -290,7 +312,7 @@ def test_greedy_equals_mlx_lm(lm, name, ends_with_eos):
         assert bool(stops) == ends_with_eos
     g = generate(lm, ids, max_new_tokens=n)
     if stops:  # we stop at the first EOS, which is our last token ...
-        assert g.token_ids == ref[:stops[0] + 1]
+        assert g.token_ids == ref[: stops[0] + 1]
         assert g.finish_reason == "stop"
         # ... and with ignore_eos we go on through it, still token for token
         full = generate(lm, ids, max_new_tokens=n, ignore_eos=True)
@@ -302,6 +324,7 @@ def test_greedy_equals_mlx_lm(lm, name, ends_with_eos):
 
 
 # ------------------------------------------------------------------ generation behaviour
+
 
 def test_capital_of_france(lm):
     g = generate(lm, PARIS, max_new_tokens=30)
@@ -326,7 +349,7 @@ def test_ignore_eos_runs_to_max_new_tokens(lm):
     g = generate(lm, PARIS, max_new_tokens=n, ignore_eos=True)
     assert g.finish_reason == "length"
     assert len(g.token_ids) == n
-    assert g.token_ids[:len(stopped.token_ids)] == stopped.token_ids  # went through the EOS
+    assert g.token_ids[: len(stopped.token_ids)] == stopped.token_ids  # went through the EOS
 
 
 def test_sampling_is_reproducible_with_a_seed(lm):
@@ -354,21 +377,31 @@ def test_top_k_1_is_greedy(lm):
 
 # ------------------------------------------------------------------ bad input
 
+
 @pytest.mark.parametrize("prompt", ["", [], ()])
 def test_empty_prompt(lm, prompt):
     with pytest.raises(ValueError, match="empty"):
         generate(lm, prompt, max_new_tokens=4)
 
 
-@pytest.mark.parametrize("prompt,kind", [(3.5, "float"), ({"role": "user", "content": "hi"}, "dict"),
-                                         (None, "NoneType"), (42, "int"), (b"bytes", "bytes")])
+@pytest.mark.parametrize(
+    "prompt,kind",
+    [
+        (3.5, "float"),
+        ({"role": "user", "content": "hi"}, "dict"),
+        (None, "NoneType"),
+        (42, "int"),
+        (b"bytes", "bytes"),
+    ],
+)
 def test_prompt_of_wrong_type(lm, prompt, kind):
     with pytest.raises(ValueError, match=f"text, chat messages or token ids, not {kind}"):
         generate(lm, prompt, max_new_tokens=4)
 
 
-@pytest.mark.parametrize("ids", [[-1], [VOCAB], [1, 2, 10**9], [1.0, 2.0], [True], ["a"],
-                                 [1, {"role": "user", "content": "x"}]])
+@pytest.mark.parametrize(
+    "ids", [[-1], [VOCAB], [1, 2, 10**9], [1.0, 2.0], [True], ["a"], [1, {"role": "user", "content": "x"}]]
+)
 def test_token_ids_outside_vocabulary(lm, ids):
     with pytest.raises(ValueError, match=rf"\[0, {VOCAB}\)"):
         generate(lm, ids, max_new_tokens=4)
@@ -442,6 +475,7 @@ def test_max_new_tokens_clamped_to_context(lm):
 
 # ------------------------------------------------------------------ model wheel, BLAS
 
+
 def test_missing_model_wheel_names_the_install_command(monkeypatch):
     def missing(name):
         raise importlib.metadata.PackageNotFoundError(name)
@@ -482,8 +516,12 @@ def test_openblas_is_what_mlx_uses():
     assert "mlx.core" in sys.modules
 
     class DlInfo(ctypes.Structure):
-        _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
-                    ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+        _fields_ = [
+            ("dli_fname", ctypes.c_char_p),
+            ("dli_fbase", ctypes.c_void_p),
+            ("dli_sname", ctypes.c_char_p),
+            ("dli_saddr", ctypes.c_void_p),
+        ]
 
     # ... and it is where the process-wide symbol cblas_sgemm (what libmlx binds to) lives
     libc = ctypes.CDLL(None)
@@ -524,23 +562,37 @@ def test_cpu_path_matches_mlx_layers_on_mixed_passes(lm):
     from batchlab.sampling import Sampler, SamplingParams
 
     text = [(i * 7919) % 1000 + 100 for i in range(400)]
-    tables = {"a": list(range(0, 20)), "b": list(range(20, 24)),
-              "c": [30, 25, 31, 26, 32, 27, 33, 28, 34, 29, 35]}  # c: scattered blocks
+    tables = {
+        "a": list(range(0, 20)),
+        "b": list(range(20, 24)),
+        "c": [30, 25, 31, 26, 32, 27, 33, 28, 34, 29, 35],
+    }  # c: scattered blocks
     logits = {}
     for cpu_path in (True, False):
         runner = ModelRunner(lm, 40, 16, cpu_path=cpu_path)
         assert runner.cpu_path is cpu_path
         runner.forward([Chunk("a", text[:300], 0, tables["a"])])
         runner.forward([Chunk("c", text[:100], 0, tables["c"])])
-        passes = [runner.forward([Chunk("b", text[:40], 0, tables["b"]),
-                                  Chunk("a", [text[300]], 300, tables["a"])]),
-                  runner.forward([Chunk("a", [text[301]], 301, tables["a"]),
-                                  Chunk("c", text[100:160], 100, tables["c"]),
-                                  Chunk("b", [text[40]], 40, tables["b"])])]
+        passes = [
+            runner.forward(
+                [Chunk("b", text[:40], 0, tables["b"]), Chunk("a", [text[300]], 300, tables["a"])]
+            ),
+            runner.forward(
+                [
+                    Chunk("a", [text[301]], 301, tables["a"]),
+                    Chunk("c", text[100:160], 100, tables["c"]),
+                    Chunk("b", [text[40]], 40, tables["b"]),
+                ]
+            ),
+        ]
         greedy = Sampler(SamplingParams())
-        tokens = runner.run([Chunk("a", [text[302]], 302, tables["a"], greedy),
-                             Chunk("c", text[160:170], 160, tables["c"]),  # mid-prompt: no logits
-                             Chunk("b", [text[41]], 41, tables["b"], greedy)])
+        tokens = runner.run(
+            [
+                Chunk("a", [text[302]], 302, tables["a"], greedy),
+                Chunk("c", text[160:170], 160, tables["c"]),  # mid-prompt: no logits
+                Chunk("b", [text[41]], 41, tables["b"], greedy),
+            ]
+        )
         logits[cpu_path] = ([np.array(p) for p in passes], tokens)
     for fast, ref in zip(logits[True][0], logits[False][0]):
         assert fast.shape == ref.shape

@@ -10,21 +10,21 @@ import pytest
 
 from batchlab import course
 
-WRITTEN = '''from batchlab.scheduler import ContinuousScheduler
+WRITTEN = """from batchlab.scheduler import ContinuousScheduler
 
 
 class MyContinuousScheduler(ContinuousScheduler):
     def admit(self):
         return super().admit()
-'''
-STUB = '''from batchlab.scheduler import ContinuousScheduler
+"""
+STUB = """from batchlab.scheduler import ContinuousScheduler
 
 
 class MyContinuousScheduler(ContinuousScheduler):
     def admit(self):
         # YOUR CODE HERE
         raise NotImplementedError("admit is not written yet")
-'''
+"""
 
 
 @pytest.fixture
@@ -47,8 +47,9 @@ def test_writing_a_different_version_keeps_the_old_one_in_history(folder):
     second = WRITTEN.replace("return super().admit()", "super().admit()")
     said = course.write_piece("my_engine/continuous.py", second)
     kept = folder / "my_engine" / ".history" / "continuous.1.py"
-    assert said == ("Saved my_engine/continuous.py; your previous version is kept as "
-                    "my_engine/.history/continuous.1.py.")
+    assert said == (
+        "Saved my_engine/continuous.py; your previous version is kept as my_engine/.history/continuous.1.py."
+    )
     assert kept.read_text() == WRITTEN
     course.write_piece("my_engine/continuous.py", WRITTEN)
     assert (folder / "my_engine" / ".history" / "continuous.2.py").read_text() == second

@@ -34,8 +34,9 @@ def test_every_quoted_figure_matches_the_json():
     for key, stated in rows:
         decimals = len(stated.split(".")[1]) if "." in stated else 0
         assert key in RESULT["figures"], f"{key} is not a figure of the bench run"
-        assert float(stated) == round(RESULT["figures"][key], decimals), \
+        assert float(stated) == round(RESULT["figures"][key], decimals), (
             f"{key}: README says {stated}, the run gave {RESULT['figures'][key]:.4f}"
+        )
 
 
 def test_both_standard_workloads_are_reported():
@@ -48,8 +49,7 @@ def test_both_standard_workloads_are_reported():
     assert chat["output_len_mean"] >= 64 > heavy["output_len_mean"]
     quoted = set(re.findall(r"^\| `(\w+)` \|", results_section(), flags=re.M))
     for prefix, name in (("chat_", "chat"), ("", "high_variance")):
-        for key in ("continuous_over_static_tokps", "no_waste_over_static_tokps",
-                    "ours_over_mlxlm_tokps"):
+        for key in ("continuous_over_static_tokps", "no_waste_over_static_tokps", "ours_over_mlxlm_tokps"):
             assert prefix + key in quoted, prefix + key
         for engine in ("static", "continuous", "chunked", "stallfree", "mlx_lm"):
             assert f"{name}_fraction_of_no_waste_{engine}" in RESULT["figures"]

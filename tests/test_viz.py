@@ -33,13 +33,23 @@ DATA = Path(__file__).parent / "data"
 RECORDED = ["static", "continuous", "stallfree"]
 
 
-def step(index, slots, decoded=(), prefill=(), padding=(), finished=None, start=None, emitted=None,
-         slot_of=None):
+def step(
+    index, slots, decoded=(), prefill=(), padding=(), finished=None, start=None, emitted=None, slot_of=None
+):
     start = float(index) if start is None else start
-    return StepRecord(index, start, start + 1.0, slots=list(slots), slot_of=dict(slot_of or {}),
-                      decoded=list(decoded),
-                      prefill=list(prefill), padding=list(padding), finished=dict(finished or {}),
-                      emitted=dict(emitted or {}), passes=1)
+    return StepRecord(
+        index,
+        start,
+        start + 1.0,
+        slots=list(slots),
+        slot_of=dict(slot_of or {}),
+        decoded=list(decoded),
+        prefill=list(prefill),
+        padding=list(padding),
+        finished=dict(finished or {}),
+        emitted=dict(emitted or {}),
+        passes=1,
+    )
 
 
 def continuous_trace() -> Trace:
@@ -51,24 +61,68 @@ def continuous_trace() -> Trace:
         step(0, [None, None], prefill=[("a", 0, 3)]),
         step(1, ["a", None], decoded=["a"], prefill=[("a", 3, 2)], slot_of={"a": 0}),
         step(2, ["a", "b"], decoded=["a", "b"], prefill=[("b", 0, 4)], slot_of={"a": 0, "b": 1}),
-        step(3, [None, "b"], decoded=["a", "b"], prefill=[("c", 0, 2)], finished={"a": "length"},
-             slot_of={"a": 0, "b": 1}),
-        step(4, [None, None], decoded=["c", "b"], finished={"c": "stop", "b": "length"},
-             slot_of={"c": 0, "b": 1}),
+        step(
+            3,
+            [None, "b"],
+            decoded=["a", "b"],
+            prefill=[("c", 0, 2)],
+            finished={"a": "length"},
+            slot_of={"a": 0, "b": 1},
+        ),
+        step(
+            4,
+            [None, None],
+            decoded=["c", "b"],
+            finished={"c": "stop", "b": "length"},
+            slot_of={"c": 0, "b": 1},
+        ),
     ]
     requests = {
-        "a": RequestRecord("a", 5, 4, 0.0, [(0.0, "queued"), (0.0, "prefilling"), (1.5, "awaiting_slot"),
-                                             (1.5, "decoding"), (4.0, "finished")],
-                           first_token_s=2.0, token_times_s=[2.0, 2.5, 3.0, 4.0], finished_s=4.0,
-                           finish_reason="length"),
-        "b": RequestRecord("b", 4, 4, 0.5, [(0.5, "queued"), (2.0, "prefilling"), (2.5, "decoding"),
-                                             (5.0, "finished")],
-                           first_token_s=2.6, token_times_s=[2.6, 3.0, 4.0, 5.0], finished_s=5.0,
-                           finish_reason="length"),
-        "c": RequestRecord("c", 2, 4, 1.0, [(1.0, "queued"), (3.0, "prefilling"), (3.5, "awaiting_slot"),
-                                             (4.2, "decoding"), (5.0, "finished")],
-                           first_token_s=4.0, token_times_s=[4.0, 5.0], finished_s=5.0,
-                           finish_reason="stop"),
+        "a": RequestRecord(
+            "a",
+            5,
+            4,
+            0.0,
+            [
+                (0.0, "queued"),
+                (0.0, "prefilling"),
+                (1.5, "awaiting_slot"),
+                (1.5, "decoding"),
+                (4.0, "finished"),
+            ],
+            first_token_s=2.0,
+            token_times_s=[2.0, 2.5, 3.0, 4.0],
+            finished_s=4.0,
+            finish_reason="length",
+        ),
+        "b": RequestRecord(
+            "b",
+            4,
+            4,
+            0.5,
+            [(0.5, "queued"), (2.0, "prefilling"), (2.5, "decoding"), (5.0, "finished")],
+            first_token_s=2.6,
+            token_times_s=[2.6, 3.0, 4.0, 5.0],
+            finished_s=5.0,
+            finish_reason="length",
+        ),
+        "c": RequestRecord(
+            "c",
+            2,
+            4,
+            1.0,
+            [
+                (1.0, "queued"),
+                (3.0, "prefilling"),
+                (3.5, "awaiting_slot"),
+                (4.2, "decoding"),
+                (5.0, "finished"),
+            ],
+            first_token_s=4.0,
+            token_times_s=[4.0, 5.0],
+            finished_s=5.0,
+            finish_reason="stop",
+        ),
     }
     return Trace("continuous", 2, steps, requests, prefill_lane=True)
 
@@ -77,11 +131,22 @@ def static_trace() -> Trace:
     """Three slots, two requests: x and y prefill and decode together in step 0; y finishes
     in step 1 and is padding in step 2, when x finishes and the batch frees every slot."""
     steps = [
-        step(0, ["x", "y", None], decoded=["x", "y"], prefill=[("x", 0, 5), ("y", 0, 3)],
-             slot_of={"x": 0, "y": 1}),
+        step(
+            0,
+            ["x", "y", None],
+            decoded=["x", "y"],
+            prefill=[("x", 0, 5), ("y", 0, 3)],
+            slot_of={"x": 0, "y": 1},
+        ),
         step(1, ["x", "y", None], decoded=["x", "y"], finished={"y": "stop"}, slot_of={"x": 0, "y": 1}),
-        step(2, [None, None, None], decoded=["x"], padding=["y"], finished={"x": "length"},
-             slot_of={"x": 0, "y": 1}),
+        step(
+            2,
+            [None, None, None],
+            decoded=["x"],
+            padding=["y"],
+            finished={"x": "length"},
+            slot_of={"x": 0, "y": 1},
+        ),
     ]
     return Trace("static", 3, steps)
 
@@ -121,7 +186,7 @@ class Elements(HTMLParser):
 
 
 # -- the grid as data ------------------------------------------------------------------------
-D, I = "decode", "idle"
+D, I = "decode", "idle"  # noqa: E741  (I for idle: the grids below read as pictures)
 
 
 def kinds(cells):
@@ -185,7 +250,7 @@ def test_recorded_runs_every_token_and_prompt_token_lands_in_the_grid(kind):
 
 def lab(hex_color: str) -> np.ndarray:
     """CIE L*a*b* (D65) of an sRGB colour, to measure how different two colours look."""
-    srgb = np.array([int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    srgb = np.array([int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)])
     linear = np.where(srgb <= 0.04045, srgb / 12.92, ((srgb + 0.055) / 1.055) ** 2.4)
     xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ linear
     f = np.cbrt(xyz / [0.95047, 1.0, 1.08883])
@@ -194,10 +259,12 @@ def lab(hex_color: str) -> np.ndarray:
 
 def contrast(a: str, b: str) -> float:
     """WCAG contrast ratio of two sRGB colours."""
+
     def luminance(c):
-        channels = [int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        channels = [int(c[i : i + 2], 16) / 255 for i in (1, 3, 5)]
         r, g, b_ = [x / 12.92 if x <= 0.04045 else ((x + 0.055) / 1.055) ** 2.4 for x in channels]
         return 0.2126 * r + 0.7152 * g + 0.0722 * b_
+
     hi, lo = sorted([luminance(a), luminance(b)], reverse=True)
     return (hi + 0.05) / (lo + 0.05)
 
@@ -211,8 +278,10 @@ def test_colors_within_a_figure_are_distinct_and_text_on_them_readable():
     worst = min(np.linalg.norm(lab(a) - lab(b)) for a, b in itertools.combinations(colors.values(), 2))
     assert worst > 10
     # the first 16 hues are evenly spaced around the wheel
-    hues = sorted(colorsys.rgb_to_hls(*(int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)))[0]
-                  for c in list(colors.values())[:16])
+    hues = sorted(
+        colorsys.rgb_to_hls(*(int(c[i : i + 2], 16) / 255 for i in (1, 3, 5)))[0]
+        for c in list(colors.values())[:16]
+    )
     assert np.diff(hues + [hues[0] + 1]) == pytest.approx([1 / 16] * 16, abs=0.01)
     assert all(contrast(c, viz.text_color(c)) >= 4.5 for c in colors.values())
     assert viz.request_color("req-3") == colors["req-3"]  # the same as in a run of req-0, req-1, ...
@@ -238,8 +307,12 @@ def test_short_labels_and_request_state_queries():
     assert viz.state_at(c, 0.5) is None
     assert viz.state_at(c, 3.6) == "awaiting_slot"
     assert viz.state_at(c, 9.0) == "finished"
-    assert viz.state_intervals(c, 9.0) == [("queued", 1.0, 3.0), ("prefilling", 3.0, 3.5),
-                                           ("awaiting_slot", 3.5, 4.2), ("decoding", 4.2, 5.0)]
+    assert viz.state_intervals(c, 9.0) == [
+        ("queued", 1.0, 3.0),
+        ("prefilling", 3.0, 3.5),
+        ("awaiting_slot", 3.5, 4.2),
+        ("decoding", 4.2, 5.0),
+    ]
     unfinished = RequestRecord("u", 1, 1, 0.0, [(0.0, "queued"), (1.0, "decoding")])
     assert viz.state_intervals(unfinished, 7.0)[-1] == ("decoding", 1.0, 7.0)
     assert viz.token_gaps(c) == [(5.0, 1.0)]
@@ -287,8 +360,9 @@ def test_frame_html_shows_padding_and_a_window_of_recent_steps():
     page = Elements(viz.frame_html(static_trace(), 2))
     assert page.having(data_step="2", data_lane="1")[0]["data-kind"] == "padding"
     long = Trace("static", 1, [step(k, ["r"], decoded=["r"]) for k in range(30)])
-    steps_shown = {a["data-step"] for a in Elements(viz.frame_html(long, 29, window=10)).having()
-                   if "data-lane" in a}
+    steps_shown = {
+        a["data-step"] for a in Elements(viz.frame_html(long, 29, window=10)).having() if "data-lane" in a
+    }
     assert steps_shown == {str(k) for k in range(20, 30)}
 
 
@@ -368,6 +442,7 @@ def test_follow_returns_when_the_run_is_over_and_quiet_or_time_is_up():
 def staggered_clients(loop, gap_s: float, count: int = 4) -> threading.Thread:
     """A thread that submits ``count`` requests ``gap_s`` apart; the fake engine finishes
     each one long before the next arrives, so the engine goes idle between them."""
+
     def submit_all():
         for k in range(count):
             time.sleep(gap_s)
@@ -388,8 +463,12 @@ def test_follow_waits_for_clients_that_arrive_one_by_one(stop):
         if stop == "grace":  # idle gaps of 0.25 s are shorter than the grace period
             view.follow(seconds=30, interval=0.02, grace=1.0)
         else:  # idle gaps as long as the grace period: only `until` knows the run is over
-            view.follow(until=lambda: not clients.is_alive() and viz.widget._run_is_over(view.trace),
-                        seconds=30, interval=0.02, grace=0.0)
+            view.follow(
+                until=lambda: not clients.is_alive() and viz.widget._run_is_over(view.trace),
+                seconds=30,
+                interval=0.02,
+                grace=0.0,
+            )
         clients.join()
     trace = engine.trace
     assert set(trace.requests) == {"first"} | {f"late-{k}" for k in range(4)}
@@ -481,8 +560,17 @@ def test_plot_tbt_draws_one_request_and_a_band_for_the_others():
 
 def test_plot_tbt_draws_a_stall_as_a_flat_step_as_wide_as_the_stall():
     times = [0.0, 0.1, 0.2, 2.9, 3.0]  # a 2.7 s stall between the third and fourth token
-    record = RequestRecord("s", 4, 4, 0.0, [(0.0, "queued"), (0.0, "decoding"), (3.0, "finished")],
-                           first_token_s=0.0, token_times_s=times, finished_s=3.0, finish_reason="length")
+    record = RequestRecord(
+        "s",
+        4,
+        4,
+        0.0,
+        [(0.0, "queued"), (0.0, "decoding"), (3.0, "finished")],
+        first_token_s=0.0,
+        token_times_s=times,
+        finished_s=3.0,
+        finish_reason="length",
+    )
     line = viz.plot_tbt(Trace("continuous", 1, [], {"s": record}), mark_prefill=False).axes[0].lines[0]
     assert line.get_drawstyle() == "steps-pre"
     xs, ys = cbook.STEP_LOOKUP_MAP["steps-pre"](*line.get_xydata().T)
@@ -547,23 +635,29 @@ def test_live_view_follows_a_real_engine_loop(lm):
     assert shown_step(view) == str(len(trace.steps) - 1)
     cells = [c for column in viz.slot_grid(trace) for c in column]
     for rid, record in trace.requests.items():
-        assert sum(1 for c in cells if c.request == rid and c.kind == "decode") \
-            == len(record.token_times_s) - 1, rid
+        assert (
+            sum(1 for c in cells if c.request == rid and c.kind == "decode") == len(record.token_times_s) - 1
+        ), rid
         assert sum(c.prefill_tokens for c in cells if c.request == rid) == record.prompt_len, rid
 
 
 # -- readable at a glance -------------------------------------------------------------------
-def lesson_sized_trace(kind: str = "continuous", slots: int = 16, steps_of_arrivals: int = 90,
-                       seed: int = 0) -> Trace:
+def lesson_sized_trace(
+    kind: str = "continuous", slots: int = 16, steps_of_arrivals: int = 90, seed: int = 0
+) -> Trace:
     """A fake-model run the size of a lesson's: a request every other step for
     ``steps_of_arrivals`` steps, prompts of 4-80 tokens, answers of 4-60."""
     rng = np.random.default_rng(seed)
-    engine = batchlab.make_engine(kind, FakeModel(), runner=FakeRunner, max_batch_size=slots,
-                                  clock=TickClock())
+    engine = batchlab.make_engine(
+        kind, FakeModel(), runner=FakeRunner, max_batch_size=slots, clock=TickClock()
+    )
     for k in range(steps_of_arrivals):
         if k % 2 == 0:
-            engine.submit(rng.integers(1, 60, size=int(rng.integers(4, 80))).tolist(),
-                          max_new_tokens=int(rng.integers(4, 60)), ignore_eos=True)
+            engine.submit(
+                rng.integers(1, 60, size=int(rng.integers(4, 80))).tolist(),
+                max_new_tokens=int(rng.integers(4, 60)),
+                ignore_eos=True,
+            )
         engine.step()
     engine.run_until_idle()
     return engine.trace
@@ -578,7 +672,9 @@ def test_still_grid_labels_runs_with_request_ids_in_distinct_colors():
     labels = {t.get_text() for t in ax.texts}
     # every request ran at least one run wide enough for its id, or at least its number
     assert all(rid in labels or viz.short_label(rid) in labels for rid in trace.requests)
-    decode_colors = {p.get_facecolor() for p in ax.patches if p.get_hatch() is None and p.get_linewidth() == 0.5}
+    decode_colors = {
+        p.get_facecolor() for p in ax.patches if p.get_hatch() is None and p.get_linewidth() == 0.5
+    }
     decoded = {c.request for column in viz.slot_grid(trace) for c in column if c.kind == "decode"}
     assert len(decode_colors) == len(decoded)  # one colour per request, none shared
     assert "steps 0–" in ax.get_title()
@@ -586,17 +682,26 @@ def test_still_grid_labels_runs_with_request_ids_in_distinct_colors():
 
 def test_busiest_window_cuts_a_long_run_where_the_queue_is_longest():
     queue = [0] * 50 + list(range(1, 31)) + [30] * 10 + list(range(29, -1, -1)) + [0] * 60
-    trace = Trace("stallfree", 1, [StepRecord(1000 + k, float(k), float(k) + 1, slots=["r"], decoded=["r"],
-                                              queued=q) for k, q in enumerate(queue)])
+    trace = Trace(
+        "stallfree",
+        1,
+        [
+            StepRecord(1000 + k, float(k), float(k) + 1, slots=["r"], decoded=["r"], queued=q)
+            for k, q in enumerate(queue)
+        ],
+    )
     window = viz.busiest_window(trace, width=20)
     first = window.steps[0].index - 1000
     assert len(window.steps) == 20 and window.steps[-1].index == window.steps[0].index + 19
-    sums = [sum(queue[k:k + 20]) for k in range(len(queue) - 19)]
-    assert sum(queue[first:first + 20]) == max(sums) and first == sums.index(max(sums))
+    sums = [sum(queue[k : k + 20]) for k in range(len(queue) - 19)]
+    assert sum(queue[first : first + 20]) == max(sums) and first == sums.index(max(sums))
     assert window.requests is trace.requests or window.requests == trace.requests
     title = viz.plot_slot_grid(window).axes[0].get_title()
     assert f"steps {window.steps[0].index}–{window.steps[-1].index}" in title
-    assert viz.plot_slot_grid(window).axes[0].get_xlim() == (window.steps[0].index, window.steps[0].index + 20)
+    assert viz.plot_slot_grid(window).axes[0].get_xlim() == (
+        window.steps[0].index,
+        window.steps[0].index + 20,
+    )
     assert viz.busiest_window(trace, width=500).steps == trace.steps  # short runs stay whole
     with pytest.raises(ValueError, match="window"):
         viz.steps_window(trace, 200, 10)
@@ -617,8 +722,15 @@ def test_widget_current_step_marker_is_not_the_held_slot_entry():
 
 
 def test_block_view_labels_blocks_with_request_ids():
-    engine = batchlab.make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=2,
-                                  kv_block_size=4, num_kv_blocks=16, clock=TickClock())
+    engine = batchlab.make_engine(
+        "continuous",
+        FakeModel(),
+        runner=FakeRunner,
+        max_batch_size=2,
+        kv_block_size=4,
+        num_kv_blocks=16,
+        clock=TickClock(),
+    )
     engine.submit(list(range(1, 11)), max_new_tokens=6, ignore_eos=True, request_id="alpha")
     engine.submit(list(range(20, 26)), max_new_tokens=6, ignore_eos=True, request_id="req-7")
     engine.run_until_idle()
@@ -631,18 +743,23 @@ def test_block_view_labels_blocks_with_request_ids():
     assert "alpha (3)" in frame and "req-7 (2)" in frame  # the key names every holder
     assert ">alp<" in frame and ">7<" in frame  # short ids on the blocks
     colors = viz.request_colors(trace)
-    assert colors["alpha"] != colors["req-7"] and colors["alpha"] in page.having(data_request="alpha")[0]["style"]
+    assert (
+        colors["alpha"] != colors["req-7"]
+        and colors["alpha"] in page.having(data_request="alpha")[0]["style"]
+    )
     labels = {t.get_text() for t in viz.plot_block_map(trace).axes[0].texts}
     assert {"alpha", "req-7"} <= labels
     view = viz.BlockView(trace)
     view.show_step(both)
     assert view.to_html().count('data-request="alpha"') == held["alpha"] + sum(
-        1 for c in viz.slot_grid(trace)[max(0, both - 39):both + 1] for x in c if x.request == "alpha")
+        1 for c in viz.slot_grid(trace)[max(0, both - 39) : both + 1] for x in c if x.request == "alpha"
+    )
 
 
 # -- the animation that plays without a kernel ------------------------------------------------
 def frames_of(png: bytes) -> list[np.ndarray]:
     from PIL import Image, ImageSequence
+
     return [np.array(frame.convert("RGB")) for frame in ImageSequence.Iterator(Image.open(io.BytesIO(png)))]
 
 
@@ -674,7 +791,7 @@ def test_animation_colours_each_request_as_the_still_grid_does():
     last = frames_of(viz.animation(trace).data)[-1]
     present = {tuple(px) for px in last.reshape(-1, 3)}
     for rid, color in viz.request_colors(trace).items():
-        assert tuple(int(color[i:i + 2], 16) for i in (1, 3, 5)) in present, rid
+        assert tuple(int(color[i : i + 2], 16) for i in (1, 3, 5)) in present, rid
 
 
 # -- the trace says whether there is a prefill lane --------------------------------------------
@@ -686,8 +803,11 @@ def test_the_prefill_lane_comes_from_the_trace_never_from_the_kind():
     for path in Path(viz.__file__).parent.glob("*.py"):
         tree = ast.parse(path.read_text())
         docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
-        strings = {node.value for node in ast.walk(tree)
-                   if isinstance(node, ast.Constant) and id(node) not in docstrings}
+        strings = {
+            node.value
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and id(node) not in docstrings
+        }
         assert not strings & kinds_named, path
 
 
@@ -712,9 +832,16 @@ def test_slot_view_slider_shows_no_number_that_could_disagree_with_the_step():
 def test_block_map_marks_shared_blocks_with_one_shade_and_their_holder_count():
     from batchlab.viz.blocks import SHARED_RGB
 
-    engine = batchlab.make_engine("continuous", FakeModel(), runner=FakeRunner, max_batch_size=2,
-                                  kv_block_size=4, num_kv_blocks=32, clock=TickClock(),
-                                  enable_prefix_cache=True)
+    engine = batchlab.make_engine(
+        "continuous",
+        FakeModel(),
+        runner=FakeRunner,
+        max_batch_size=2,
+        kv_block_size=4,
+        num_kv_blocks=32,
+        clock=TickClock(),
+        enable_prefix_cache=True,
+    )
     prompt = list(range(1, 13))
     engine.submit(prompt, max_new_tokens=4, ignore_eos=True, request_id="a")
     engine.run_until_idle()
@@ -722,8 +849,12 @@ def test_block_map_marks_shared_blocks_with_one_shade_and_their_holder_count():
     engine.submit(prompt + [50, 51], max_new_tokens=8, ignore_eos=True, request_id="c")
     engine.run_until_idle()
     trace = engine.trace
-    shared = [(k, b) for k, s in enumerate(trace.steps) for b, who in viz.blocks.block_owners(s).items()
-              if len(who) > 1]
+    shared = [
+        (k, b)
+        for k, s in enumerate(trace.steps)
+        for b, who in viz.blocks.block_owners(s).items()
+        if len(who) > 1
+    ]
     assert shared, "the test workload should share prefix blocks"
     ax = viz.plot_block_map(trace).axes[0]
     image = ax.images[0].get_array()

@@ -149,8 +149,10 @@ def test_interference_long_prompts_arrive_while_the_batch_decodes(tok):
         assert b.arrival_s > a.arrival_s + a.prompt_len / 250 + a.max_new_tokens * 0.1
     # ...and the short ones are still decoding when the last long one is done.
     last = long[-1]
-    assert decoding_from + short[0].max_new_tokens * 0.1 > \
-        last.arrival_s + last.prompt_len / 250 + last.max_new_tokens * 0.1
+    assert (
+        decoding_from + short[0].max_new_tokens * 0.1
+        > last.arrival_s + last.prompt_len / 250 + last.max_new_tokens * 0.1
+    )
     full = W.interference(tok, size="full", batch_size=8)
     assert sum(r.arrival_s > 0 for r in full) > 3 and sum(r.arrival_s == 0 for r in full) == 7
 
@@ -220,12 +222,12 @@ class ToyEngine:
         self.polled: set[str] = set()
         self.cancelled: list[str] = []
 
-    def submit(self, prompt_ids, max_new_tokens, ignore_eos, temperature, request_id,
-               arrival_s=None):
+    def submit(self, prompt_ids, max_new_tokens, ignore_eos, temperature, request_id, arrival_s=None):
         assert ignore_eos is True
         self.submitted_s[request_id] = now = self.clock()
-        rec = RequestRecord(request_id, len(prompt_ids), max_new_tokens,
-                            now if arrival_s is None else min(arrival_s, now))
+        rec = RequestRecord(
+            request_id, len(prompt_ids), max_new_tokens, now if arrival_s is None else min(arrival_s, now)
+        )
         self.trace.requests[request_id] = rec
         self.live[request_id] = rec
         return request_id
@@ -262,8 +264,7 @@ class ToyEngine:
 
 
 def toy_workload(arrivals, outputs):
-    reqs = [W.WorkloadRequest(f"t{i}", [1, 2, 3], n, a) for i, (a, n) in
-            enumerate(zip(arrivals, outputs))]
+    reqs = [W.WorkloadRequest(f"t{i}", [1, 2, 3], n, a) for i, (a, n) in enumerate(zip(arrivals, outputs))]
     return W.Workload("toy", "", reqs)
 
 
@@ -295,8 +296,7 @@ def test_driver_submits_on_time_and_sleeps_when_idle():
 
 def test_driver_timeout_cancels_what_is_still_running():
     eng = ToyEngine(step_s=0.02)
-    tr = D.run_workload(eng, toy_workload([0.0, 0.0, 5.0], [2, 1000, 1]), progress=False,
-                        timeout_s=0.2)
+    tr = D.run_workload(eng, toy_workload([0.0, 0.0, 5.0], [2, 1000, 1]), progress=False, timeout_s=0.2)
     assert tr.requests["t0"].finish_reason == "length"
     assert tr.requests["t1"].finish_reason == "cancelled"
     assert "t2" not in tr.requests  # never due before the timeout
@@ -368,8 +368,9 @@ def test_speeds_measure_times_prefill_at_the_length_asked(tok, monkeypatch, leng
 
     fake = FakeModel(vocab_size=tok.vocab_size)
     real_make, real_run = E.make_engine, D.run_workload
-    monkeypatch.setattr(D, "make_engine",
-                        lambda kind, lm, **kw: real_make(kind, fake, runner=FakeRunner, **kw))
+    monkeypatch.setattr(
+        D, "make_engine", lambda kind, lm, **kw: real_make(kind, fake, runner=FakeRunner, **kw)
+    )
     traces = []
     monkeypatch.setattr(D, "run_workload", lambda *a, **kw: traces.append(real_run(*a, **kw)) or traces[-1])
     kwargs = {} if length == 256 else {"prefill_tokens": length}  # 256 is the default

@@ -77,8 +77,7 @@ def to_numpy(*arrays: mx.array) -> list[np.ndarray]:
     return [np.asarray(a) for a in arrays]
 
 
-def _split_rows(attend: Callable[[int, int], np.ndarray], rows: int, scores: int,
-                axis: int) -> np.ndarray:
+def _split_rows(attend: Callable[[int, int], np.ndarray], rows: int, scores: int, axis: int) -> np.ndarray:
     """``attend(lo, hi)`` for contiguous row ranges covering ``rows``, one per core when
     the step computes enough ``scores`` to be worth it, joined along ``axis``."""
     parts = max(1, min(CORES, rows, scores // _SCORES_PER_THREAD))
@@ -95,17 +94,21 @@ def prefill_chunk(q: mx.array, keys: mx.array, values: mx.array, mask, scale: fl
     L, H, D = q.shape
     if on_gpu():
         out = mx.fast.scaled_dot_product_attention(
-            q.transpose(1, 0, 2)[None], keys.transpose(1, 0, 2)[None],
-            values.transpose(1, 0, 2)[None], scale=scale,
-            mask="causal" if mask is None else mask)
+            q.transpose(1, 0, 2)[None],
+            keys.transpose(1, 0, 2)[None],
+            values.transpose(1, 0, 2)[None],
+            scale=scale,
+            mask="causal" if mask is None else mask,
+        )
         return out[0].transpose(1, 0, 2).reshape(L, H * D)
     qn, kn, vn = to_numpy(q, keys, values)
     out = prefill_chunk_np(qn, kn, vn, None if mask is None else np.asarray(mask), scale)
     return mx.array(out).astype(q.dtype)
 
 
-def prefill_chunk_np(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
-                     mask: np.ndarray | None, scale: float) -> np.ndarray:
+def prefill_chunk_np(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray | None, scale: float
+) -> np.ndarray:
     """``prefill_chunk`` on float32 numpy arrays (the CPU runner's own call): queries
     ``[L, H, D]``, keys and values ``[S, KH, D]``, additive ``mask`` ``[L, S]`` or None
     (causal over the chunk's own keys). Returns ``[L, H * D]``."""
@@ -128,23 +131,27 @@ def prefill_chunk_np(q: np.ndarray, keys: np.ndarray, values: np.ndarray,
     return out.reshape(KH, G, L, D).transpose(2, 0, 1, 3).reshape(L, H * D)
 
 
-def decode_rows(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array,
-                scale: float) -> mx.array:
+def decode_rows(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float) -> mx.array:
     """Attention of ``R`` decode rows, one query each ``[R, H, D]``, over their padded
     contexts ``[R, S, KH, D]``; ``mask`` is additive ``[R, S]`` hiding each row's padding.
     Returns ``[R, H * D]``."""
     R, H, D = q.shape
     if on_gpu():
         out = mx.fast.scaled_dot_product_attention(
-            q[:, :, None], keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3),
-            scale=scale, mask=mask[:, None, None, :])
+            q[:, :, None],
+            keys.transpose(0, 2, 1, 3),
+            values.transpose(0, 2, 1, 3),
+            scale=scale,
+            mask=mask[:, None, None, :],
+        )
         return out.reshape(R, H * D)
     qn, kn, vn = to_numpy(q, keys, values)
     return mx.array(decode_rows_np(qn, kn, vn, np.asarray(mask), scale)).astype(q.dtype)
 
 
-def decode_rows_np(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray,
-                   scale: float) -> np.ndarray:
+def decode_rows_np(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray, scale: float
+) -> np.ndarray:
     """``decode_rows`` on float32 numpy arrays (the CPU runner's own call): queries
     ``[R, H, D]``, padded contexts ``[R, S, KH, D]``, additive ``mask`` ``[R, S]``.
     Returns ``[R, H * D]``."""
@@ -163,8 +170,9 @@ def decode_rows_np(q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np
     return out.reshape(R, H * D)
 
 
-def decode_rows_views(q: np.ndarray, contexts: list[tuple[np.ndarray, np.ndarray]],
-                      scale: float) -> np.ndarray:
+def decode_rows_views(
+    q: np.ndarray, contexts: list[tuple[np.ndarray, np.ndarray]], scale: float
+) -> np.ndarray:
     """Attention of ``R`` decode rows ``[R, H, D]`` (float32 numpy), row ``r`` over its own
     keys and values ``contexts[r]`` (each ``[S_r, KH, D]``, typically views of the KV pool:
     nothing gathered, nothing padded, no mask). Returns ``[R, H * D]``. Measured here at

@@ -27,23 +27,23 @@ from mlx.utils import tree_flatten
 from . import driver, metrics, microbench, workloads
 from .costmodel import CostModel, token_budget_for_slo
 from .engine import make_engine, scheduler_class
+from .scheduler import KINDS, ContinuousScheduler
 from .model import LoadedModel
 from .peers import run_mlxlm_workload
 from .trace import Trace
 
-CHUNK = 128  # the chunked continuous engine's prefill_step
+CHUNK = ContinuousScheduler.bench_variants["chunked"]["prefill_step"]  # its prefill_step
 PREFILL_HEAVY = "high_variance"  # the workload whose figures keep their old, unprefixed names
 
 
 def engines(batch_size: int) -> dict[str, dict]:
-    """Our engine configurations at one batch size (name -> make_engine arguments). The
-    stall-free engine gets no token budget: it takes the one its TBT target implies
-    (``stallfree_token_budget``)."""
+    """Our engine configurations at one batch size (name -> make_engine arguments), from
+    the registry: every kind's ``bench_variants``. The stall-free engine gets no token
+    budget: it takes the one its TBT target implies (``stallfree_token_budget``)."""
     return {
-        "static": dict(kind="static", max_batch_size=batch_size),
-        "continuous": dict(kind="continuous", max_batch_size=batch_size),
-        "chunked": dict(kind="continuous", max_batch_size=batch_size, prefill_step=CHUNK),
-        "stallfree": dict(kind="stallfree", max_batch_size=batch_size),
+        name: dict(kind=kind, max_batch_size=batch_size, **options)
+        for kind, cls in KINDS.items()
+        for name, options in cls.bench_variants.items()
     }
 
 
@@ -63,8 +63,7 @@ def engine_args(config: dict, tbt_slo: float | None = None) -> dict:
     if "tbt_slo" in options:
         if tbt_slo is not None:
             args.setdefault("tbt_slo", tbt_slo)
-    elif "token_budget" in options and args.get("token_budget") is None \
-            and args["kind"] == "stallfree":
+    elif "token_budget" in options and args.get("token_budget") is None and args["kind"] == "stallfree":
         args["token_budget"] = stallfree_token_budget(args["max_batch_size"], tbt_slo)
     return args
 
@@ -82,10 +81,16 @@ def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, li
     if quick:
         return [
             ("chat", workloads.chat(tok, num_requests=8, mean_output=48, max_output=96), [8]),
-            (PREFILL_HEAVY, workloads.high_variance(tok, num_requests=12, mean_output=16,
-                                                     max_output=64), [8, 16]),
-            ("interference", workloads.interference(tok, batch_size=8, num_long=1,
-                                                     long_range=(512, 640)), [8]),
+            (
+                PREFILL_HEAVY,
+                workloads.high_variance(tok, num_requests=12, mean_output=16, max_output=64),
+                [8, 16],
+            ),
+            (
+                "interference",
+                workloads.interference(tok, batch_size=8, num_long=1, long_range=(512, 640)),
+                [8],
+            ),
         ]
     # Sized for <= 25 minutes on a quiet 2-core CPU with three repetitions: 32 chat requests
     # (answers averaging 70 tokens) are two static batches at B=16, 48 short-answer requests
@@ -93,10 +98,8 @@ def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, li
     # and the serving benchmark.
     return [
         ("chat", workloads.chat(tok, num_requests=32), [16]),
-        (PREFILL_HEAVY, workloads.high_variance(tok, num_requests=48, mean_output=16,
-                                                 max_output=64), [16]),
-        ("interference", workloads.interference(tok, batch_size=8, num_long=2,
-                                                 long_range=(512, 1024)), [8]),
+        (PREFILL_HEAVY, workloads.high_variance(tok, num_requests=48, mean_output=16, max_output=64), [16]),
+        ("interference", workloads.interference(tok, batch_size=8, num_long=2, long_range=(512, 1024)), [8]),
     ]
 
 
@@ -131,11 +134,14 @@ def aggregate(runs: list[dict]) -> list[dict]:
         groups.setdefault((run["workload"], run["batch_size"], run["engine"]), []).append(run)
     rows = []
     for (name, b, engine), group in groups.items():
-        row = {"workload": name, "batch_size": b, "engine": engine, "repetitions": len(group),
-               "spread": {}}
+        row = {"workload": name, "batch_size": b, "engine": engine, "repetitions": len(group), "spread": {}}
         for key, value in group[0].items():
-            if key in row or key in ("repetition", "load_before", "load_after") \
-                    or isinstance(value, bool) or not isinstance(value, (int, float, type(None))):
+            if (
+                key in row
+                or key in ("repetition", "load_before", "load_after")
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float, type(None)))
+            ):
                 continue
             med, low, high = median_spread([r.get(key) for r in group])
             row[key] = med
@@ -152,13 +158,17 @@ def cpu_seconds() -> tuple[float, float] | None:
     average cannot tell, since it counts this process's own threads."""
     try:
         with open("/proc/stat") as f:
-            ticks = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+            ticks = [
+                int(x) for x in f.readline().split()[1:9]
+            ]  # user nice system idle iowait irq softirq steal
     except OSError:
         return None
     busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-    own = sum(getattr(resource.getrusage(who), field)
-              for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-              for field in ("ru_utime", "ru_stime"))
+    own = sum(
+        getattr(resource.getrusage(who), field)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for field in ("ru_utime", "ru_stime")
+    )
     return busy, own
 
 
@@ -176,8 +186,7 @@ def watched(measure, *args):
     load, cpu, start = os.getloadavg()[0], cpu_seconds(), time.perf_counter()
     result = measure(*args)
     share = others_share(cpu, cpu_seconds(), time.perf_counter() - start)
-    return result, {"load_before": load, "load_after": os.getloadavg()[0],
-                    "others_cpu_share": share}
+    return result, {"load_before": load, "load_after": os.getloadavg()[0], "others_cpu_share": share}
 
 
 def under_load(records: list[dict]) -> bool:
@@ -189,9 +198,16 @@ def under_load(records: list[dict]) -> bool:
     return any(r[k] > LOAD_THRESHOLD for r in records for k in ("load_before", "load_after"))
 
 
-def run_engine(lm, wl: workloads.Workload, batch_size: int, engine_name: str, progress: bool,
-               runner=None, tbt_slo: float | None = None,
-               extra_engines: dict[str, dict] | None = None) -> Trace:
+def run_engine(
+    lm,
+    wl: workloads.Workload,
+    batch_size: int,
+    engine_name: str,
+    progress: bool,
+    runner=None,
+    tbt_slo: float | None = None,
+    extra_engines: dict[str, dict] | None = None,
+) -> Trace:
     """One run of one engine on one workload (a fresh engine: no state carries over).
     ``extra_engines``: name -> make_engine arguments (with ``kind``, a name or a Scheduler
     subclass) of engines beside ours; ``max_batch_size`` defaults to the run's."""
@@ -204,8 +220,9 @@ def run_engine(lm, wl: workloads.Workload, batch_size: int, engine_name: str, pr
     else:
         config = engines(batch_size)[engine_name]
     args = engine_args(config, tbt_slo)
-    return driver.run_workload(make_engine(args.pop("kind"), lm, runner=runner, **args), wl,
-                               progress=progress)
+    return driver.run_workload(
+        make_engine(args.pop("kind"), lm, runner=runner, **args), wl, progress=progress
+    )
 
 
 DECODE_BATCHES = (1, 8, 16)  # decode steps timed on our runner, each against its roofline
@@ -214,10 +231,13 @@ DECODE_BATCHES = (1, 8, 16)  # decode steps timed on our runner, each against it
 def measure_machine(lm: LoadedModel) -> dict:
     """The micro-benchmarks and the machine's limits, each with the load around it."""
     out = {"microbench_loads": {}}
-    for key, measure in [("limits", machine_limits), ("fused_step", microbench.fused_step_ratio),
-                         ("chunk_context", microbench.chunk_context_ratio),
-                         ("one_row_linears", microbench.one_row_linears),
-                         ("decode_scaling", lambda lm: microbench.decode_scaling(lm, list(DECODE_BATCHES)))]:
+    for key, measure in [
+        ("limits", machine_limits),
+        ("fused_step", microbench.fused_step_ratio),
+        ("chunk_context", microbench.chunk_context_ratio),
+        ("one_row_linears", microbench.one_row_linears),
+        ("decode_scaling", lambda lm: microbench.decode_scaling(lm, list(DECODE_BATCHES))),
+    ]:
         out[key], out["microbench_loads"][key] = watched(measure, lm)
     return out
 
@@ -228,8 +248,10 @@ def linear_flops_per_token(args) -> int:
     chunk runs it once, for its last token only."""
     heads, kv_heads = args.num_attention_heads, args.num_key_value_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // heads
-    per_layer = args.hidden_size * head_dim * (2 * heads + 2 * kv_heads) \
+    per_layer = (
+        args.hidden_size * head_dim * (2 * heads + 2 * kv_heads)
         + 3 * args.hidden_size * args.intermediate_size
+    )
     return 2 * args.num_hidden_layers * per_layer
 
 
@@ -248,18 +270,33 @@ def machine_limits(lm: LoadedModel) -> dict:
     weight_bytes = sum(v.nbytes for _, v in tree_flatten(lm.model.parameters()))
     sgemm = microbench.sgemm_gflops()
     copy = microbench.copy_gbps()
-    return {"sgemm_gflops": sgemm, "copy_gbps": copy, "linear_flops_per_token": flops_per_token,
-            "head_flops_per_token": head, "weight_bytes": weight_bytes,
-            "prefill_bound_tokens_per_s": sgemm * 1e9 / flops_per_token,
-            "decode_bound_step_s": weight_bytes / (copy * 1e9),
-            "decode_roofline_s": {b: max(b * (flops_per_token + head) / (sgemm * 1e9),
-                                         weight_bytes / (copy * 1e9)) for b in DECODE_BATCHES}}
+    return {
+        "sgemm_gflops": sgemm,
+        "copy_gbps": copy,
+        "linear_flops_per_token": flops_per_token,
+        "head_flops_per_token": head,
+        "weight_bytes": weight_bytes,
+        "prefill_bound_tokens_per_s": sgemm * 1e9 / flops_per_token,
+        "decode_bound_step_s": weight_bytes / (copy * 1e9),
+        "decode_roofline_s": {
+            b: max(b * (flops_per_token + head) / (sgemm * 1e9), weight_bytes / (copy * 1e9))
+            for b in DECODE_BATCHES
+        },
+    }
 
 
-def run_bench(lm: LoadedModel, quick: bool = False, json_out: str | None = None,
-              progress: bool = True, repetitions: int | None = None, runner=None,
-              run=run_engine, measure=measure_machine, tbt_slo: float | None = None,
-              extra_engines: dict[str, dict] | None = None) -> dict:
+def run_bench(
+    lm: LoadedModel,
+    quick: bool = False,
+    json_out: str | None = None,
+    progress: bool = True,
+    repetitions: int | None = None,
+    runner=None,
+    run=run_engine,
+    measure=measure_machine,
+    tbt_slo: float | None = None,
+    extra_engines: dict[str, dict] | None = None,
+) -> dict:
     """Every engine on every workload, interleaved, ``repetitions`` times (1 with ``quick``,
     else 3); ``run`` and ``measure`` are the run of one engine and the micro-benchmarks
     (tests pass stand-ins). ``tbt_slo`` (seconds) goes to every engine that takes a TBT
@@ -277,14 +314,25 @@ def run_bench(lm: LoadedModel, quick: bool = False, json_out: str | None = None,
     runs: list[dict] = []
     traces: list[dict[tuple[str, int, str], Trace]] = [{} for _ in range(repetitions)]
     for rep, name, b, engine_name in schedule(experiments, repetitions, list(extra_engines)):
-        trace, load = watched(run, lm, by_name[name], b, engine_name, progress, runner,
-                              tbt_slo, extra_engines)
+        trace, load = watched(
+            run, lm, by_name[name], b, engine_name, progress, runner, tbt_slo, extra_engines
+        )
         traces[rep][(name, b, engine_name)] = trace
-        runs.append({"workload": name, "batch_size": b, "engine": engine_name, "repetition": rep,
-                     **load, **metrics.summarize(trace)})
+        runs.append(
+            {
+                "workload": name,
+                "batch_size": b,
+                "engine": engine_name,
+                "repetition": rep,
+                **load,
+                **metrics.summarize(trace),
+            }
+        )
     machine = measure(lm)
-    budgets = {str(b): stallfree_token_budget(b, tbt_slo)
-               for b in sorted({b for _, _, bs in experiments for b in bs})}
+    budgets = {
+        str(b): stallfree_token_budget(b, tbt_slo)
+        for b in sorted({b for _, _, bs in experiments for b in bs})
+    }
     per_rep = [headline_figures(t, experiments, machine, list(extra_engines)) for t in traces]
     figures, spreads = {}, {}
     for key, value in per_rep[0].items():
@@ -299,19 +347,27 @@ def run_bench(lm: LoadedModel, quick: bool = False, json_out: str | None = None,
     records = runs + list(machine.get("microbench_loads", {}).values())
     shares = [r["others_cpu_share"] for r in records if r.get("others_cpu_share") is not None]
     result = {
-        "machine": f"{platform.system()} {platform.machine()}", "quick": quick,
-        "repetitions": repetitions, "model": lm.info.name, "dtype": lm.info.dtype,
+        "machine": f"{platform.system()} {platform.machine()}",
+        "quick": quick,
+        "repetitions": repetitions,
+        "model": lm.info.name,
+        "dtype": lm.info.dtype,
         "backend": lm.info.backend,
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "seconds": time.time() - started,
-        "load_threshold": LOAD_THRESHOLD, "others_threshold": OTHERS_THRESHOLD,
+        "load_threshold": LOAD_THRESHOLD,
+        "others_threshold": OTHERS_THRESHOLD,
         "max_load": max(r[k] for r in records for k in ("load_before", "load_after")),
         "max_others_cpu_share": max(shares) if shares else None,
         "under_load": under_load(records),
         "workloads": {name: wl.summary() for name, wl, _ in experiments},
-        "tbt_slo": tbt_slo, "extra_engines": sorted(extra_engines),
-        "runs": runs, "medians": aggregate(runs), **machine,
-        "figures": figures, "figure_spreads": spreads,
+        "tbt_slo": tbt_slo,
+        "extra_engines": sorted(extra_engines),
+        "runs": runs,
+        "medians": aggregate(runs),
+        **machine,
+        "figures": figures,
+        "figure_spreads": spreads,
     }
     if json_out:
         out = Path(json_out)
@@ -350,17 +406,21 @@ def headline_figures(traces, experiments, machine: dict, extra: list[str] = ()) 
         # cheaper), so every engine can be read as a fraction of it.
         summary = wl.summary()
         full_step = scaling.get(b, {}).get("step_s")
-        no_waste_s = (summary["prompt_tokens"] * fused["chunk_alone_s"] / fused["chunk"]
-                      + math.ceil((summary["output_tokens"] - summary["requests"]) / b) * full_step
-                      if full_step else None)
+        no_waste_s = (
+            summary["prompt_tokens"] * fused["chunk_alone_s"] / fused["chunk"]
+            + math.ceil((summary["output_tokens"] - summary["requests"]) / b) * full_step
+            if full_step
+            else None
+        )
         no_waste = ratio(summary["output_tokens"], no_waste_s)
         figures[f"{prefix}continuous_over_static_tokps"] = ratio(ours["continuous"], ours["static"])
         figures[f"{prefix}no_waste_over_static_tokps"] = ratio(no_waste, ours["static"])
         figures[f"{prefix}ours_over_mlxlm_tokps"] = ratio(ours[best], tokps((name, b, "mlx-lm")))
         figures[f"{prefix}ours_best_engine"] = best
         for e in list(engines(b)) + list(extra) + ["mlx-lm"]:
-            figures[f"{name}_fraction_of_no_waste_{e.replace('-', '_')}"] = \
-                ratio(tokps((name, b, e)), no_waste)
+            figures[f"{name}_fraction_of_no_waste_{e.replace('-', '_')}"] = ratio(
+                tokps((name, b, e)), no_waste
+            )
 
     name_if, _, (b_if, *_) = next(x for x in experiments if x[0].startswith("interference"))
     naive = traces[(name_if, b_if, "continuous")]
@@ -370,32 +430,42 @@ def headline_figures(traces, experiments, machine: dict, extra: list[str] = ()) 
     def p99_over_step(engine):
         return ratio(metrics.percentile(metrics.tbt_values(traces[(name_if, b_if, engine)]), 99), step)
 
-    figures.update({
-        "stallfree_p99_tbt_over_decode_step": p99_over_step("stallfree"),
-        "naive_p99_tbt_over_decode_step": p99_over_step("continuous"),
-        "mlxlm_p99_tbt_over_decode_step": p99_over_step("mlx-lm"),
-        "stallfree_tokps_over_naive": ratio(tokps((name_if, b_if, "stallfree")),
-                                            tokps((name_if, b_if, "continuous"))),
-        "fused_over_chunk_alone": fused["fused_over_chunk_alone"],
-        "b16_over_b1_decode": ratio(scaling[16]["tokens_per_s"], scaling[1]["tokens_per_s"]),
-        "chunk_1k_over_chunk_0": machine["chunk_context"]["chunk_1k_over_chunk_0"],
-        "sgemm_gflops": limits["sgemm_gflops"],
-        "copy_gbps": limits["copy_gbps"],
-        # prefill tokens/s (the fused benchmark's chunk alone) over the sgemm-bound rate
-        "prefill_fraction_of_sgemm_bound": ratio(fused["chunk"] / fused["chunk_alone_s"],
-                                                 limits["prefill_bound_tokens_per_s"]),
-        "decode_fraction_of_bandwidth_bound": ratio(limits["decode_bound_step_s"],
-                                                    scaling[1]["step_s"]),
-        # why B=1 decode is far from the bound: its share in MLX's one-row matmuls, and
-        # how much slower those are than numpy's GEMV on the same weights
-        "one_row_linears_share_of_decode_step": ratio(machine["one_row_linears"]["mlx_s"],
-                                                      scaling[1]["step_s"]),
-        "one_row_linears_mlx_over_numpy": machine["one_row_linears"]["mlx_over_numpy"],
-        "scheduler_overhead_share": metrics.scheduler_share(
-            traces[(PREFILL_HEAVY, max(next(bs for n, _, bs in experiments if n == PREFILL_HEAVY)),
-                    "stallfree")]),
-        "decode_step_s": step,
-    })
+    figures.update(
+        {
+            "stallfree_p99_tbt_over_decode_step": p99_over_step("stallfree"),
+            "naive_p99_tbt_over_decode_step": p99_over_step("continuous"),
+            "mlxlm_p99_tbt_over_decode_step": p99_over_step("mlx-lm"),
+            "stallfree_tokps_over_naive": ratio(
+                tokps((name_if, b_if, "stallfree")), tokps((name_if, b_if, "continuous"))
+            ),
+            "fused_over_chunk_alone": fused["fused_over_chunk_alone"],
+            "b16_over_b1_decode": ratio(scaling[16]["tokens_per_s"], scaling[1]["tokens_per_s"]),
+            "chunk_1k_over_chunk_0": machine["chunk_context"]["chunk_1k_over_chunk_0"],
+            "sgemm_gflops": limits["sgemm_gflops"],
+            "copy_gbps": limits["copy_gbps"],
+            # prefill tokens/s (the fused benchmark's chunk alone) over the sgemm-bound rate
+            "prefill_fraction_of_sgemm_bound": ratio(
+                fused["chunk"] / fused["chunk_alone_s"], limits["prefill_bound_tokens_per_s"]
+            ),
+            "decode_fraction_of_bandwidth_bound": ratio(limits["decode_bound_step_s"], scaling[1]["step_s"]),
+            # why B=1 decode is far from the bound: its share in MLX's one-row matmuls, and
+            # how much slower those are than numpy's GEMV on the same weights
+            "one_row_linears_share_of_decode_step": ratio(
+                machine["one_row_linears"]["mlx_s"], scaling[1]["step_s"]
+            ),
+            "one_row_linears_mlx_over_numpy": machine["one_row_linears"]["mlx_over_numpy"],
+            "scheduler_overhead_share": metrics.scheduler_share(
+                traces[
+                    (
+                        PREFILL_HEAVY,
+                        max(next(bs for n, _, bs in experiments if n == PREFILL_HEAVY)),
+                        "stallfree",
+                    )
+                ]
+            ),
+            "decode_step_s": step,
+        }
+    )
     for b in sorted(roofline):  # each decode step of our runner as a multiple of its roofline
         if b in scaling:
             figures[f"decode_b{b}_over_roofline"] = ratio(scaling[b]["step_s"], roofline[b])
@@ -406,11 +476,18 @@ def headline_figures(traces, experiments, machine: dict, extra: list[str] = ()) 
 def format_table(result: dict) -> str:
     """The medians over the repetitions, each with its min-max spread, under a header that
     says the repetitions and the load (and warns when the machine was loaded)."""
-    cols = [("workload", "workload", "{}"), ("B", "batch_size", "{}"), ("engine", "engine", "{}"),
-            ("tok/s", "output_tokens_per_s", "{:.1f}"), ("TTFT p50", "ttft_p50_s", "{:.2f}"),
-            ("TTFT p99", "ttft_p99_s", "{:.2f}"), ("TBT p50", "tbt_p50_s", "{:.3f}"),
-            ("TBT p99", "tbt_p99_s", "{:.3f}"), ("TBT max", "tbt_max_s", "{:.3f}"),
-            ("occupancy", "slot_occupancy", "{:.0%}")]
+    cols = [
+        ("workload", "workload", "{}"),
+        ("B", "batch_size", "{}"),
+        ("engine", "engine", "{}"),
+        ("tok/s", "output_tokens_per_s", "{:.1f}"),
+        ("TTFT p50", "ttft_p50_s", "{:.2f}"),
+        ("TTFT p99", "ttft_p99_s", "{:.2f}"),
+        ("TBT p50", "tbt_p50_s", "{:.3f}"),
+        ("TBT p99", "tbt_p99_s", "{:.3f}"),
+        ("TBT max", "tbt_max_s", "{:.3f}"),
+        ("occupancy", "slot_occupancy", "{:.0%}"),
+    ]
 
     def cell(row, key, fmt):
         if row.get(key) is None:
@@ -420,8 +497,12 @@ def format_table(result: dict) -> str:
         return text if low == high or fmt == "{}" else f"{text} ({fmt.format(low)}-{fmt.format(high)})"
 
     def load(row):  # load averages at the start and end of this row's runs; others' CPU share
-        runs = [r for r in result["runs"] if (r["workload"], r["batch_size"], r["engine"])
-                == (row["workload"], row["batch_size"], row["engine"])]
+        runs = [
+            r
+            for r in result["runs"]
+            if (r["workload"], r["batch_size"], r["engine"])
+            == (row["workload"], row["batch_size"], row["engine"])
+        ]
         values = [r[k] for r in runs for k in ("load_before", "load_after")]
         shares = [r["others_cpu_share"] for r in runs if r.get("others_cpu_share") is not None]
         return [f"{min(values):.1f}-{max(values):.1f}", f"{max(shares):.0%}" if shares else "-"]
@@ -431,14 +512,18 @@ def format_table(result: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    header = (f"median of {result['repetitions']} interleaved repetition(s), (min-max); "
-              f"load: load average (1 min) at the start and end of the runs; others: the most "
-              f"of the CPUs other processes took during one of them")
+    header = (
+        f"median of {result['repetitions']} interleaved repetition(s), (min-max); "
+        f"load: load average (1 min) at the start and end of the runs; others: the most "
+        f"of the CPUs other processes took during one of them"
+    )
     if result["under_load"]:
-        why = (f"other processes took up to {result['max_others_cpu_share']:.0%} of the CPUs "
-               f"during a run, > {result['others_threshold']:.0%}"
-               if result.get("max_others_cpu_share") is not None else
-               f"load average up to {result['max_load']:.2f} > {result['load_threshold']}")
+        why = (
+            f"other processes took up to {result['max_others_cpu_share']:.0%} of the CPUs "
+            f"during a run, > {result['others_threshold']:.0%}"
+            if result.get("max_others_cpu_share") is not None
+            else f"load average up to {result['max_load']:.2f} > {result['load_threshold']}"
+        )
         header = f"UNDER LOAD ({why}): absolute times are unreliable, ratios less so. " + header
     lines.insert(0, header)
     lines.append("")

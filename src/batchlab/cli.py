@@ -282,6 +282,7 @@ def _cmd_bench(args) -> int:
         json_out=args.json,
         **({"extra_engines": extra} if extra else {}),
         **({"tbt_slo": args.tbt_slo} if args.tbt_slo is not None else {}),
+        **({"repetitions": args.repetitions} if args.repetitions is not None else {}),
     )
     print(format_table(result))
     if args.json:
@@ -476,6 +477,13 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="the stall-free engines' time-between-tokens target (their budget "
         "is chosen from it; default: a multiple of the decode step)",
+    )
+    bench.add_argument(
+        "--repetitions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="interleaved repetitions of every engine (default 3; 1 with --quick)",
     )
     bench.add_argument("--quick", action="store_true", help="a smoke run: small workloads, each engine once")
     bench.add_argument("--json", metavar="OUT", help="write results here, plots beside it")

@@ -28,8 +28,18 @@ from .costmodel import FEATURES, CostModel, pass_features
 
 DECODE_ROWS = (1, 2, 4, 8, 12, 16)
 DECODE_CONTEXTS = (32, 128, 384, 768)
-PREFILL = ((16, 0), (32, 0), (64, 0), (128, 0), (256, 0), (384, 0),  # (chunk tokens, start)
-           (64, 256), (128, 512), (256, 256), (256, 768))
+PREFILL = (
+    (16, 0),
+    (32, 0),
+    (64, 0),
+    (128, 0),
+    (256, 0),
+    (384, 0),  # (chunk tokens, start)
+    (64, 256),
+    (128, 512),
+    (256, 256),
+    (256, 768),
+)
 HYBRID = tuple(itertools.product((2, 8, 16), (128, 512), (64, 240)))  # (rows, context, chunk)
 POOL_TOKENS = 16 * 769 + 1024  # the largest designed pass fits
 
@@ -57,8 +67,9 @@ def _chunks(blocks: BlockManager, shape: list[tuple[int, int]]) -> list[Chunk]:
     return chunks
 
 
-def time_pass(runner: ModelRunner, blocks: BlockManager, shape: list[tuple[int, int]]
-              ) -> tuple[list[Chunk], float]:
+def time_pass(
+    runner: ModelRunner, blocks: BlockManager, shape: list[tuple[int, int]]
+) -> tuple[list[Chunk], float]:
     """The chunks of one designed pass and the seconds one run of it took."""
     chunks = _chunks(blocks, shape)
     try:
@@ -70,8 +81,7 @@ def time_pass(runner: ModelRunner, blocks: BlockManager, shape: list[tuple[int, 
             blocks.release(c.req_id)
 
 
-def measure(lm, quick: bool = False, reps: int = 3, progress: bool = True
-            ) -> tuple[np.ndarray, np.ndarray]:
+def measure(lm, quick: bool = False, reps: int = 3, progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Features and measured seconds of every designed pass on the real model.
 
     Every pass runs once untimed (MLX's first run of a shape is slow), then ``reps``
@@ -98,20 +108,33 @@ def measure(lm, quick: bool = False, reps: int = 3, progress: bool = True
     return np.array(xs), best
 
 
-def fit_cost_model(lm, quick: bool = False, reps: int = 3, progress: bool = True,
-                   command: str = "") -> CostModel:
+def fit_cost_model(
+    lm, quick: bool = False, reps: int = 3, progress: bool = True, command: str = ""
+) -> CostModel:
     """Time the designed passes, fit on two thirds, report the error on the held-out third."""
     x, y = measure(lm, quick, reps, progress)
     held_out = np.arange(len(y)) % 3 == 2
-    meta = {"command": command, "fitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "machine": f"{platform.machine()} {platform.system()}", "model": lm.info.name,
-            "dtype": lm.info.dtype, "backend": lm.info.backend, "passes_fitted": int((~held_out).sum()),
-            "passes_held_out": int(held_out.sum()), "timed_runs_per_pass (fastest kept)": reps,
-            # every timed pass, so a lesson can plot predicted against measured
-            "passes": [{"features": dict(zip(FEATURES, map(float, f))), "seconds": float(t),
-                        "held_out": bool(h)} for f, t, h in zip(x, y, held_out)]}
+    meta = {
+        "command": command,
+        "fitted_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {platform.system()}",
+        "model": lm.info.name,
+        "dtype": lm.info.dtype,
+        "backend": lm.info.backend,
+        "passes_fitted": int((~held_out).sum()),
+        "passes_held_out": int(held_out.sum()),
+        "timed_runs_per_pass (fastest kept)": reps,
+        # every timed pass, so a lesson can plot predicted against measured
+        "passes": [
+            {"features": dict(zip(FEATURES, map(float, f))), "seconds": float(t), "held_out": bool(h)}
+            for f, t, h in zip(x, y, held_out)
+        ],
+    }
     model = CostModel.fit(x[~held_out], y[~held_out], meta)
     err = model.relative_errors(x[held_out], y[held_out])
-    model.error = {"median": float(np.median(err)), "p90": float(np.percentile(err, 90)),
-                   "max": float(err.max())}
+    model.error = {
+        "median": float(np.median(err)),
+        "p90": float(np.percentile(err, 90)),
+        "max": float(err.max()),
+    }
     return model

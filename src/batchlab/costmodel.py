@@ -36,14 +36,16 @@ def pass_features(chunks: Sequence[Chunk]) -> np.ndarray:
     """The ``FEATURES`` of one forward pass over ``chunks``."""
     rows = [c.start + 1 for c in chunks if len(c.tokens) == 1]
     prefills = [(len(c.tokens), c.start + len(c.tokens)) for c in chunks if len(c.tokens) > 1]
-    return np.array([
-        1.0,
-        float(len(rows) + sum(n for n, _ in prefills)),
-        float(len(rows)),
-        float(sum(rows)),
-        float(len(prefills)),
-        float(sum(n * ctx for n, ctx in prefills)),
-    ])
+    return np.array(
+        [
+            1.0,
+            float(len(rows) + sum(n for n, _ in prefills)),
+            float(len(rows)),
+            float(sum(rows)),
+            float(len(prefills)),
+            float(sum(n * ctx for n, ctx in prefills)),
+        ]
+    )
 
 
 @dataclass
@@ -82,8 +84,9 @@ class CostModel:
         return np.abs(self.predict_features(features) - y) / y
 
     def to_json(self) -> str:
-        return json.dumps({"coefficients": self.coefficients, "error": self.error,
-                           "meta": self.meta}, indent=2)
+        return json.dumps(
+            {"coefficients": self.coefficients, "error": self.error, "meta": self.meta}, indent=2
+        )
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> "CostModel":
@@ -106,8 +109,9 @@ def decode_step_s(cost: CostModel, batch_size: int, context: int = TYPICAL_CONTE
     return cost.predict([Chunk(f"d{i}", [0], context) for i in range(batch_size)])
 
 
-def hybrid_step_s(cost: CostModel, batch_size: int, prefill_tokens: int,
-                  context: int = TYPICAL_CONTEXT) -> float:
+def hybrid_step_s(
+    cost: CostModel, batch_size: int, prefill_tokens: int, context: int = TYPICAL_CONTEXT
+) -> float:
     """Predicted seconds of a step with ``batch_size`` decode rows and one prefill chunk of
     ``prefill_tokens`` tokens (starting at ``context``) riding along."""
     chunks = [Chunk(f"d{i}", [0], context) for i in range(batch_size)]
@@ -121,8 +125,13 @@ def default_tbt_slo(cost: CostModel, batch_size: int, context: int = TYPICAL_CON
     return DEFAULT_SLO_DECODE_STEPS * decode_step_s(cost, batch_size, context)
 
 
-def token_budget_for_slo(cost: CostModel, batch_size: int, tbt_slo_s: float | None = None,
-                         context: int = TYPICAL_CONTEXT, limit: int = 8192) -> int:
+def token_budget_for_slo(
+    cost: CostModel,
+    batch_size: int,
+    tbt_slo_s: float | None = None,
+    context: int = TYPICAL_CONTEXT,
+    limit: int = 8192,
+) -> int:
     """The largest token budget (>= ``batch_size``) whose predicted step -- every slot
     decoding at ``context`` plus one prefill chunk filling the rest, starting at
     ``context`` -- stays within ``tbt_slo_s`` (Sarathi-Serve §4.3, with the fitted cost
@@ -139,9 +148,11 @@ def token_budget_for_slo(cost: CostModel, batch_size: int, tbt_slo_s: float | No
         raise ValueError(f"limit must be an integer >= batch_size ({batch_size}), got {limit!r}")
     for name in ("tokens", "prefill_attention"):
         if cost.coefficients[name] < 0:
-            raise ValueError(f"the cost model's {name!r} coefficient is negative "
-                             f"({cost.coefficients[name]:.3g}): a longer chunk would be "
-                             f"predicted cheaper, so no budget follows from a target")
+            raise ValueError(
+                f"the cost model's {name!r} coefficient is negative "
+                f"({cost.coefficients[name]:.3g}): a longer chunk would be "
+                f"predicted cheaper, so no budget follows from a target"
+            )
     if tbt_slo_s is None:
         tbt_slo_s = default_tbt_slo(cost, batch_size, context)
     if isinstance(tbt_slo_s, bool) or not isinstance(tbt_slo_s, (int, float)) or not tbt_slo_s > 0:

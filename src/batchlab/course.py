@@ -116,10 +116,12 @@ def write_piece(target: str | Path, source: str, force: bool = False) -> str:
         if old == source:
             return f"{rel} is already this version (unchanged)."
         if is_stub(source) and not is_stub(old) and not force:
-            return (f"{rel} already holds your piece{_lesson_of(path)}, so this cell (still the "
-                    f"empty exercise) did not replace it; the lesson uses your file. To start "
-                    f"over from this cell, run it with %%piece --force {rel} (your file is "
-                    f"kept in {PACKAGE}/{HISTORY}/).")
+            return (
+                f"{rel} already holds your piece{_lesson_of(path)}, so this cell (still the "
+                f"empty exercise) did not replace it; the lesson uses your file. To start "
+                f"over from this cell, run it with %%piece --force {rel} (your file is "
+                f"kept in {PACKAGE}/{HISTORY}/)."
+            )
         kept = _keep(path, old)
         path.write_text(source, encoding="utf-8")
         return f"Saved {rel}; your previous version is kept as {kept.relative_to(_root).as_posix()}."
@@ -165,8 +167,7 @@ def piece(module: str, name: str):
         setup()
     path = _root / PACKAGE / f"{module}.py"
     if not path.exists():
-        return Missing(name, f"{PACKAGE}/{module}.py does not exist yet: run the "
-                             f"{_where(module)}")
+        return Missing(name, f"{PACKAGE}/{module}.py does not exist yet: run the {_where(module)}")
     for loaded in [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]:
         del sys.modules[loaded]  # pieces import each other: reload them all from their files
     importlib.invalidate_caches()
@@ -174,8 +175,7 @@ def piece(module: str, name: str):
         found = importlib.import_module(f"{PACKAGE}.{module}")
     except Exception as e:  # a learner's file that does not import: say where
         where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
-        return Missing(name, f"{PACKAGE}/{module}.py does not import: "
-                             f"{type(e).__name__}: {e}{where}")
+        return Missing(name, f"{PACKAGE}/{module}.py does not import: {type(e).__name__}: {e}{where}")
     if not hasattr(found, name):
         return Missing(name, f"{PACKAGE}/{module}.py defines no {name}")
     return getattr(found, name)
@@ -211,8 +211,10 @@ def earlier(module: str, name: str | None = None, quiet: bool = True):
             why = f"does not import ({type(e).__name__}: {e})"
     ref = _reference(reference)
     if why:
-        print(f"Lesson {lesson}'s {name} ({PACKAGE}/{module}.py) {why}: the reference "
-              f"{ref.__name__} stands in for it.")
+        print(
+            f"Lesson {lesson}'s {name} ({PACKAGE}/{module}.py) {why}: the reference "
+            f"{ref.__name__} stands in for it."
+        )
         return ref
     if not quiet:
         print(f"Building on your {name} from lesson {lesson} ({PACKAGE}/{module}.py).")
@@ -226,8 +228,7 @@ def choose(mine, verdict, reference):
     if verdict and not isinstance(mine, Missing):
         print(f"Using your {label}: the runs below are your engine's.")
         return mine
-    why = "is not written yet" if getattr(verdict, "not_written", False) else \
-        "does not pass its checker yet"
+    why = "is not written yet" if getattr(verdict, "not_written", False) else "does not pass its checker yet"
     print(f"Your {label} {why}: the runs below use the reference {reference.__name__} in its place.")
     return reference
 
@@ -247,13 +248,16 @@ def mine_or_reference(module: str, check_fn=None):
     elif check_fn is not None:
         import contextlib
         import io
+
         with contextlib.redirect_stdout(io.StringIO()):
             ok = check_fn(cls)
         if not ok:
             why = "does not pass its checker yet"
     if why:
-        print(f"Your {name} (lesson {lesson}, {PACKAGE}/{module}.py) {why}: the reference "
-              f"{ref.__name__} stands in for it below.")
+        print(
+            f"Your {name} (lesson {lesson}, {PACKAGE}/{module}.py) {why}: the reference "
+            f"{ref.__name__} stands in for it below."
+        )
         return ref
     print(f"Using your {name} (lesson {lesson}, {PACKAGE}/{module}.py): the runs below are your engine's.")
     return cls

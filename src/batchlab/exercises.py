@@ -68,8 +68,9 @@ def is_exercise_cell(cell) -> bool:
     if cell.get("cell_type") != "code":
         return False
     lines = [line.strip() for line in _text(cell).splitlines()]
-    return BEGIN in lines or any(a == PLACEHOLDER and b.startswith("raise NotImplementedError(")
-                                 for a, b in zip(lines, lines[1:]))
+    return BEGIN in lines or any(
+        a == PLACEHOLDER and b.startswith("raise NotImplementedError(") for a, b in zip(lines, lines[1:])
+    )
 
 
 def strip_solutions(source: str, where: str = "cell") -> str:
@@ -117,11 +118,15 @@ def exercise_pairs(nb, where: str = "notebook") -> list[tuple[int, int]]:
             continue
         strip_solutions(_text(cell), f"{where}, cell {i}")  # validates the markers
         following = [j for j in range(i + 1, len(cells)) if cells[j]["cell_type"] == "code"]
-        if not following or "check." not in _text(cells[following[0]]) \
-                or is_exercise_cell(cells[following[0]]):
+        if (
+            not following
+            or "check." not in _text(cells[following[0]])
+            or is_exercise_cell(cells[following[0]])
+        ):
             raise ExerciseFormatError(
                 f"{where}, cell {i}: an exercise cell must be followed by a checker cell "
-                f"(the next code cell, calling check.<name>(...))")
+                f"(the next code cell, calling check.<name>(...))"
+            )
         pairs.append((i, following[0]))
     return pairs
 
@@ -150,7 +155,8 @@ def learner_notebook(nb, source_name: str):
             f"your code where it says `{PLACEHOLDER}`, run the cell, then the checker cell below "
             "it. Your engine's pieces are saved in `my_engine/` beside this notebook (earlier "
             "versions in `my_engine/.history/`), and nothing refreshes or overwrites them. "
-            f"The solved lesson, with our answers and outputs: [`solved/{source_name}`](../{source_name}).")
+            f"The solved lesson, with our answers and outputs: [`solved/{source_name}`](../{source_name})."
+        )
         banner["id"] = BANNER_ID
         out["cells"].insert(0, banner)
     out.setdefault("metadata", {})["batchlab"] = {"learner_copy_of": source_name}
@@ -173,12 +179,16 @@ def _sources(src_dir: Path) -> list[Path]:
 def _orphans(src_dir: Path, out_dir: Path) -> list[Path]:
     """Generated copies in ``out_dir`` whose lesson no longer exists."""
     names = {p.name for p in _sources(src_dir)}
-    return sorted(p for p in out_dir.glob("*.ipynb") if p.name not in names
-                  and BANNER_ID in p.read_text(encoding="utf-8"))
+    return sorted(
+        p
+        for p in out_dir.glob("*.ipynb")
+        if p.name not in names and BANNER_ID in p.read_text(encoding="utf-8")
+    )
 
 
-def stale_learner_copies(src_dir: str | Path = "notebooks",
-                         out_dir: str | Path = "notebooks/learner") -> list[str]:
+def stale_learner_copies(
+    src_dir: str | Path = "notebooks", out_dir: str | Path = "notebooks/learner"
+) -> list[str]:
     """Why the committed learner copies differ from freshly generated ones ([] = up to date)."""
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     problems = []
@@ -193,8 +203,9 @@ def stale_learner_copies(src_dir: str | Path = "notebooks",
     return problems
 
 
-def make_learner_copies(src_dir: str | Path = "notebooks",
-                        out_dir: str | Path = "notebooks/learner") -> list[Path]:
+def make_learner_copies(
+    src_dir: str | Path = "notebooks", out_dir: str | Path = "notebooks/learner"
+) -> list[Path]:
     """Write a clean learner copy of every ``src_dir/*.ipynb`` into ``out_dir``; files
     whose content would not change are not touched. Returns the paths written."""
     src_dir, out_dir = Path(src_dir), Path(out_dir)
@@ -214,11 +225,13 @@ def make_learner_copies(src_dir: str | Path = "notebooks",
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m batchlab.exercises",
-        description="Write learners' clean copies of the lesson notebooks (solutions removed).")
+        description="Write learners' clean copies of the lesson notebooks (solutions removed).",
+    )
     parser.add_argument("src_dir", nargs="?", default="notebooks")
     parser.add_argument("out_dir", nargs="?", default="notebooks/learner")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 if the copies are out of date")
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if the copies are out of date"
+    )
     args = parser.parse_args(argv)
     try:
         if args.check:

@@ -33,8 +33,7 @@ def set_aside(path: Path) -> Path:
     return path.rename(old)
 
 
-def copy_lessons(source: Path = LEARNER, dest: Path = WORKING,
-                 refresh: list[str] = ()) -> list[str]:
+def copy_lessons(source: Path = LEARNER, dest: Path = WORKING, refresh: list[str] = ()) -> list[str]:
     """Copy every lesson missing from ``dest``; lessons named in ``refresh`` (file name or
     stem, or "all") are set aside first, then copied fresh. Returns the names copied.
 
@@ -42,13 +41,15 @@ def copy_lessons(source: Path = LEARNER, dest: Path = WORKING,
     is pointed at ``solved/NAME.ipynb`` (see ``copy_solved``)."""
     lessons = sorted(source.glob("*.ipynb"))
     if not lessons:
-        raise FileNotFoundError(f"no learner notebooks in {source}; run this from a clone of "
-                                f"the batchlab repository")
+        raise FileNotFoundError(
+            f"no learner notebooks in {source}; run this from a clone of the batchlab repository"
+        )
     names = {p.name for p in lessons} | {p.stem for p in lessons}
     unknown = [r for r in refresh if r != "all" and r not in names]
     if unknown:
-        raise ValueError(f"no lesson named {', '.join(unknown)}; lessons: "
-                         f"{', '.join(p.stem for p in lessons)}")
+        raise ValueError(
+            f"no lesson named {', '.join(unknown)}; lessons: {', '.join(p.stem for p in lessons)}"
+        )
     dest.mkdir(exist_ok=True)
     solved = SOLVED_DIR
     copied = []
@@ -58,8 +59,9 @@ def copy_lessons(source: Path = LEARNER, dest: Path = WORKING,
             set_aside(target)
         if not target.exists():
             text = lesson.read_text(encoding="utf-8")
-            target.write_text(text.replace(f"](../{lesson.name})", f"]({solved}/{lesson.name})"),
-                              encoding="utf-8")
+            target.write_text(
+                text.replace(f"](../{lesson.name})", f"]({solved}/{lesson.name})"), encoding="utf-8"
+            )
             copied.append(lesson.name)
     return copied
 
@@ -89,11 +91,19 @@ def jupyter_command(folder: Path, extra: list[str] = ()) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m batchlab.lessons", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--refresh", nargs="+", default=[], metavar="LESSON",
-                        help='take a fresh copy of these lessons (e.g. 03_the_prefill_stall, or '
-                             '"all"); your copy is kept as LESSON.old-N.ipynb')
+    parser = argparse.ArgumentParser(
+        prog="python -m batchlab.lessons",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--refresh",
+        nargs="+",
+        default=[],
+        metavar="LESSON",
+        help="take a fresh copy of these lessons (e.g. 03_the_prefill_stall, or "
+        '"all"); your copy is kept as LESSON.old-N.ipynb',
+    )
     parser.add_argument("--no-lab", action="store_true", help="copy only; do not start JupyterLab")
     args, extra = parser.parse_known_args(argv)
     try:

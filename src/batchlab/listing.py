@@ -25,8 +25,7 @@ def source_lines(obj, start: str | None = None, end: str | None = None) -> str:
     if end is not None:
         last = next((i for i in range(first + 1, len(lines)) if end in lines[i]), None)
         if last is None:
-            raise ValueError(f"the listing anchor {end!r} is not in the source of {name} "
-                             f"after {start!r}")
+            raise ValueError(f"the listing anchor {end!r} is not in the source of {name} after {start!r}")
     return textwrap.dedent("\n".join(lines[first:last]))
 
 

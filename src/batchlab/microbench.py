@@ -19,8 +19,9 @@ from .runner import Chunk
 from .model_runner import ModelRunner
 
 
-def fused_step_ratio(lm: LoadedModel, decodes: int = 16, chunk: int = 128, context: int = 256,
-                     repeats: int = 7) -> dict:
+def fused_step_ratio(
+    lm: LoadedModel, decodes: int = 16, chunk: int = 128, context: int = 256, repeats: int = 7
+) -> dict:
     """Time one hybrid pass (``decodes`` decode rows + a ``chunk``-token prefill chunk)
     against the chunk alone and the decode rows alone.
 
@@ -39,20 +40,26 @@ def fused_step_ratio(lm: LoadedModel, decodes: int = 16, chunk: int = 128, conte
         runner.forward([Chunk(f"r{d}", filler[:context], 0, tables[d])])
         rows.append(Chunk(f"r{d}", [filler[context]], context, tables[d]))
     runner.forward([Chunk(f"r{decodes}", filler[:context], 0, tables[decodes])])
-    prefill = Chunk(f"r{decodes}", filler[context:context + chunk], context,  # a continuing chunk
-                    tables[decodes])
+    prefill = Chunk(
+        f"r{decodes}",
+        filler[context : context + chunk],
+        context,  # a continuing chunk
+        tables[decodes],
+    )
     variants = {"chunk_alone": [prefill], "decode_alone": rows, "fused": rows + [prefill]}
     med = _interleaved_medians(runner, variants, repeats)
     return {
-        "decodes": decodes, "chunk": chunk, "context": context, "repeats": repeats,
+        "decodes": decodes,
+        "chunk": chunk,
+        "context": context,
+        "repeats": repeats,
         **{f"{name}_s": v for name, v in med.items()},
         "fused_over_chunk_alone": med["fused"] / med["chunk_alone"],
         "fused_over_separate": med["fused"] / (med["chunk_alone"] + med["decode_alone"]),
     }
 
 
-def chunk_context_ratio(lm: LoadedModel, chunk: int = 64, context: int = 960,
-                        repeats: int = 5) -> dict:
+def chunk_context_ratio(lm: LoadedModel, chunk: int = 64, context: int = 960, repeats: int = 5) -> dict:
     """Time a ``chunk``-token prefill chunk at the start of a prompt against the same-size
     chunk after ``context`` tokens, interleaved. Attention is the only part that grows with
     the context (~25 % of the FLOPs at 1k here), so near-BLAS attention keeps
@@ -65,16 +72,23 @@ def chunk_context_ratio(lm: LoadedModel, chunk: int = 64, context: int = 960,
         blocks.reserve(name, context + chunk)
         tables.append(list(blocks.ensure(name, context + chunk)))
     runner.forward([Chunk("late", filler[:context], 0, tables[1])])
-    variants = {"chunk_at_0": [Chunk("first", filler[:chunk], 0, tables[0])],
-                "chunk_at_context": [Chunk("late", filler[context:], context, tables[1])]}
+    variants = {
+        "chunk_at_0": [Chunk("first", filler[:chunk], 0, tables[0])],
+        "chunk_at_context": [Chunk("late", filler[context:], context, tables[1])],
+    }
     med = _interleaved_medians(runner, variants, repeats)
-    return {"chunk": chunk, "context": context, "repeats": repeats,
-            **{f"{name}_s": v for name, v in med.items()},
-            "chunk_1k_over_chunk_0": med["chunk_at_context"] / med["chunk_at_0"]}
+    return {
+        "chunk": chunk,
+        "context": context,
+        "repeats": repeats,
+        **{f"{name}_s": v for name, v in med.items()},
+        "chunk_1k_over_chunk_0": med["chunk_at_context"] / med["chunk_at_0"],
+    }
 
 
-def _interleaved_medians(runner: ModelRunner, variants: dict[str, list[Chunk]],
-                         repeats: int) -> dict[str, float]:
+def _interleaved_medians(
+    runner: ModelRunner, variants: dict[str, list[Chunk]], repeats: int
+) -> dict[str, float]:
     """Median seconds of ``runner.forward`` on each variant, timed A, B, C, A, B, C, ...
     after one untimed warm-up each."""
     times = {name: [] for name in variants}
@@ -88,8 +102,9 @@ def _interleaved_medians(runner: ModelRunner, variants: dict[str, list[Chunk]],
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def decode_scaling(lm: LoadedModel, batch_sizes: list[int], context: int = 256, warmup: int = 3,
-                   steps: int = 15) -> dict[int, dict]:
+def decode_scaling(
+    lm: LoadedModel, batch_sizes: list[int], context: int = 256, warmup: int = 3, steps: int = 15
+) -> dict[int, dict]:
     """Decode step time and tokens/s at each batch size, on our runner (the engine's own
     forward pass, paged KV): B decode rows, each at ``context`` tokens of cache, ``warmup``
     untimed steps, then the median of ``steps`` timed ones. The rows' KV blocks are handed
@@ -99,8 +114,9 @@ def decode_scaling(lm: LoadedModel, batch_sizes: list[int], context: int = 256, 
     rows = []
     for d in range(max(batch_sizes)):
         blocks.reserve(f"r{d}", context + 1)
-        rows.append(Chunk(f"r{d}", [(d * 7919) % 20000 + 100], context,
-                          list(blocks.ensure(f"r{d}", context + 1))))
+        rows.append(
+            Chunk(f"r{d}", [(d * 7919) % 20000 + 100], context, list(blocks.ensure(f"r{d}", context + 1)))
+        )
     out = {}
     for batch in batch_sizes:
         times = []
@@ -110,9 +126,14 @@ def decode_scaling(lm: LoadedModel, batch_sizes: list[int], context: int = 256, 
             if step >= warmup:
                 times.append(time.perf_counter() - start)
         step_s = statistics.median(times)
-        out[batch] = {"batch": batch, "context": context, "step_s": step_s,
-                      "tokens_per_s": batch / step_s,
-                      "step_min_s": min(times), "step_max_s": max(times)}
+        out[batch] = {
+            "batch": batch,
+            "context": context,
+            "step_s": step_s,
+            "tokens_per_s": batch / step_s,
+            "step_min_s": min(times),
+            "step_max_s": max(times),
+        }
     return out
 
 
@@ -124,10 +145,19 @@ def one_row_linears(lm: LoadedModel, repeats: int = 5) -> dict:
     one row; numpy hands a row vector to GEMV, which reads it once. Their ratio shows how
     much of a B=1 step's distance from the bandwidth bound is the matmul path, not ours.
     Both use every core."""
-    weights = [m.weight for layer in lm.model.model.layers
-               for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                         layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj,
-                         layer.mlp.down_proj)]
+    weights = [
+        m.weight
+        for layer in lm.model.model.layers
+        for m in (
+            layer.self_attn.q_proj,
+            layer.self_attn.k_proj,
+            layer.self_attn.v_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_proj,
+            layer.mlp.up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
     head = lm.model.lm_head.weight if hasattr(lm.model, "lm_head") else lm.model.model.embed_tokens.weight
     weights.append(head)
     rows = {w.shape[1]: mx.random.normal((1, w.shape[1])) for w in weights}
@@ -152,8 +182,13 @@ def one_row_linears(lm: LoadedModel, repeats: int = 5) -> dict:
             times["mlx"].append(mlx_s)
             times["numpy"].append(numpy_s)
     mlx_s, numpy_s = statistics.median(times["mlx"]), statistics.median(times["numpy"])
-    return {"matrices": len(weights), "repeats": repeats, "mlx_s": mlx_s, "numpy_s": numpy_s,
-            "mlx_over_numpy": mlx_s / numpy_s}
+    return {
+        "matrices": len(weights),
+        "repeats": repeats,
+        "mlx_s": mlx_s,
+        "numpy_s": numpy_s,
+        "mlx_over_numpy": mlx_s / numpy_s,
+    }
 
 
 def sgemm_gflops(repeats: int = 50) -> float:

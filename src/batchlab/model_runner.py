@@ -29,10 +29,12 @@ from .model import LoadedModel
 from .sampling import Sampler, sample_rows
 
 
-NUMPY_MATMUL_MAX_ROWS = 8  # CPU: at most this many rows, a weight matrix multiplies in numpy
-# (measured here, every weight matrix of a step: 1 row 30 ms in numpy's GEMV against 61 ms in
-# MLX, which repacks the weight as for a GEMM; 8 rows 105 against 113; 16 rows about equal;
-# 128 rows MLX twice as fast: its OpenBLAS uses both cores). benchmarks/step_profile.py.
+NUMPY_MATMUL_MAX_ROWS = 1  # CPU: at most this many rows, a weight matrix multiplies in numpy
+# (numpy's GEMV reads the weight once: every weight matrix of a step at 1 row, 30 ms against
+# 61 ms in MLX, which repacks the weight as for a GEMM). From 2 rows on MLX's GEMM wins: with
+# numpy up to 8 rows (its OpenBLAS held to one thread beside MLX's), decode steps took
+# B=2 137, B=4 159, B=8 189 ms, against 88, 104, 113 ms with MLX (quiet machine, 2026-12-02,
+# microbench.decode_scaling at context 256, one run each way).
 
 
 class KVPool:
@@ -41,8 +43,16 @@ class KVPool:
     the runner keeps MLX's own path); float32 numpy arrays on the CPU path, written in
     place, so a step's writes cost its own tokens, never a copy of the pool."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
-                 head_dim: int, dtype: mx.Dtype, numpy: bool = False):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype,
+        numpy: bool = False,
+    ):
         shape = (num_blocks * block_size, kv_heads, head_dim)
         self.numpy = numpy
         if numpy:
@@ -77,13 +87,17 @@ def cpu_path_applies(lm: LoadedModel) -> bool:
         return False
     model = lm.model.model
     layer = model.layers[0]
-    return (model.embed_tokens.weight.dtype == mx.float32
-            and type(layer.self_attn.rope) is nn.RoPE
-            and layer.self_attn.rope.dims == layer.self_attn.q_proj.weight.shape[0] // layer.self_attn.n_heads
-            and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
-            and all(type(n) is nn.RMSNorm for n in (layer.input_layernorm, model.norm))
-            and not any(getattr(m, "bias", None) is not None for m in (
-                layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj)))
+    return (
+        model.embed_tokens.weight.dtype == mx.float32
+        and type(layer.self_attn.rope) is nn.RoPE
+        and layer.self_attn.rope.dims == layer.self_attn.q_proj.weight.shape[0] // layer.self_attn.n_heads
+        and all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        and all(type(n) is nn.RMSNorm for n in (layer.input_layernorm, model.norm))
+        and not any(
+            getattr(m, "bias", None) is not None
+            for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj)
+        )
+    )
 
 
 class ModelRunner(Runner):
@@ -91,22 +105,31 @@ class ModelRunner(Runner):
     (``benchmarks/step_profile.py``); None (the default) costs nothing. ``cpu_path``:
     None chooses (``cpu_path_applies``); False forces MLX's own layers, as Metal runs them."""
 
-    def __init__(self, lm: LoadedModel, num_blocks: int, block_size: int,
-                 cpu_path: bool | None = None):
+    def __init__(self, lm: LoadedModel, num_blocks: int, block_size: int, cpu_path: bool | None = None):
         self.lm, self.block_size = lm, block_size
         model = lm.model
         self.layers = model.model.layers
         attn = self.layers[0].self_attn
         self.n_heads, self.n_kv_heads = attn.n_heads, attn.n_kv_heads
-        self.head_dim = model.model.embed_tokens.weight.shape[1] // self.n_heads \
-            if getattr(lm.args, "head_dim", None) is None else lm.args.head_dim
+        self.head_dim = (
+            model.model.embed_tokens.weight.shape[1] // self.n_heads
+            if getattr(lm.args, "head_dim", None) is None
+            else lm.args.head_dim
+        )
         self.scale = attn.scale
         self.dtype = model.model.embed_tokens.weight.dtype
         if self.dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized models
             self.dtype = mx.float16
         self.cpu_path = cpu_path_applies(lm) if cpu_path is None else cpu_path and cpu_path_applies(lm)
-        self.pool = KVPool(len(self.layers), num_blocks, block_size, self.n_kv_heads,
-                           self.head_dim, self.dtype, numpy=self.cpu_path)
+        self.pool = KVPool(
+            len(self.layers),
+            num_blocks,
+            block_size,
+            self.n_kv_heads,
+            self.head_dim,
+            self.dtype,
+            numpy=self.cpu_path,
+        )
         self.profile: dict[str, float] | None = None
         self._head_rows: list[int] | None = None
         if self.cpu_path:
@@ -128,8 +151,9 @@ class ModelRunner(Runner):
         finally:
             self._head_rows = None
         if rows:
-            for i, token in zip(rows, self.sample(logits, list(range(len(rows))),
-                                                  [chunks[i].sampler for i in rows])):
+            for i, token in zip(
+                rows, self.sample(logits, list(range(len(rows))), [chunks[i].sampler for i in rows])
+            ):
                 tokens[i] = token
         return tokens
 
@@ -157,19 +181,29 @@ class ModelRunner(Runner):
             return self._forward_numpy(chunks, rows, prefills, last)
 
         tokens = mx.array([t for c in chunks for t in c.tokens])
-        positions = mx.array(np.concatenate(
-            [np.arange(c.start, c.start + len(c.tokens)) for c in chunks]).astype(np.int32))
-        writes = mx.array(np.concatenate(
-            [c.kv_addresses(c.start, c.end, self.block_size) for c in chunks]))
+        positions = mx.array(
+            np.concatenate([np.arange(c.start, c.start + len(c.tokens)) for c in chunks]).astype(np.int32)
+        )
+        writes = mx.array(np.concatenate([c.kv_addresses(c.start, c.end, self.block_size) for c in chunks]))
         row_context = self._row_context(rows) if rows else None
         prefill_context = [self._prefill_context(c) for c in prefills]
 
         h = self.lm.model.model.embed_tokens(tokens[None])  # [1, T, hidden]
         for i, layer in enumerate(self.layers):
             x = layer.input_layernorm(h)
-            h = h + layer.self_attn.o_proj(self._attention(
-                i, layer.self_attn, x, positions, writes, len(rows), row_context,
-                prefills, prefill_context))
+            h = h + layer.self_attn.o_proj(
+                self._attention(
+                    i,
+                    layer.self_attn,
+                    x,
+                    positions,
+                    writes,
+                    len(rows),
+                    row_context,
+                    prefills,
+                    prefill_context,
+                )
+            )
             h = h + mlp(layer.mlp, layer.post_attention_layernorm(h))
 
         if len(last) == 0:
@@ -197,8 +231,9 @@ class ModelRunner(Runner):
                 spans.append(None)
                 continue
             allowed = np.arange(c.end)[None, :] <= (c.start + np.arange(len(c.tokens)))[:, None]
-            spans.append((self._span(c.block_table, c.end),
-                          np.where(allowed, np.float32(0), np.float32(-np.inf))))
+            spans.append(
+                (self._span(c.block_table, c.end), np.where(allowed, np.float32(0), np.float32(-np.inf)))
+            )
         self._tick("prepare (numpy indices, masks)")
 
         h = w.embed[tokens]  # [T, hidden], float32
@@ -225,13 +260,14 @@ class ModelRunner(Runner):
             for c, span in zip(prefills, spans):
                 L = len(c.tokens)
                 if span is None:  # first chunk of a prompt: its own keys are the whole context
-                    kc, vc, mask = k[offset:offset + L], v[offset:offset + L], None
+                    kc, vc, mask = k[offset : offset + L], v[offset : offset + L], None
                 else:
                     kc, vc = self._context(pk, pv, span[0])
                     mask = span[1]
                 self._tick("context gather")
-                out[offset:offset + L] = attention.prefill_chunk_np(
-                    q[offset:offset + L], kc, vc, mask, self.scale)
+                out[offset : offset + L] = attention.prefill_chunk_np(
+                    q[offset : offset + L], kc, vc, mask, self.scale
+                )
                 self._tick("attention")
                 offset += L
             (o,) = self._matmuls(out, lw.o)
@@ -257,7 +293,7 @@ class ModelRunner(Runner):
         """Where a context of ``length`` tokens lives: ("slice", first address) when its
         blocks are consecutive in the pool (the usual case), else ("blocks", their ids)."""
         bs = self.block_size
-        blocks = np.asarray(block_table[:-(-length // bs)])
+        blocks = np.asarray(block_table[: -(-length // bs)])
         if blocks.size == 1 or bool(np.all(np.diff(blocks) == 1)):
             return "slice", int(blocks[0]) * bs, length
         return "blocks", blocks, length
@@ -267,10 +303,12 @@ class ModelRunner(Runner):
         copies of the blocks (one copy a block) otherwise."""
         kind, where, length = span
         if kind == "slice":
-            return pk[where:where + length], pv[where:where + length]
+            return pk[where : where + length], pv[where : where + length]
         shape = (-1, self.block_size) + pk.shape[1:]
-        return (pk.reshape(shape)[where].reshape((-1,) + pk.shape[1:])[:length],
-                pv.reshape(shape)[where].reshape((-1,) + pv.shape[1:])[:length])
+        return (
+            pk.reshape(shape)[where].reshape((-1,) + pk.shape[1:])[:length],
+            pv.reshape(shape)[where].reshape((-1,) + pv.shape[1:])[:length],
+        )
 
     def _matmuls(self, x: np.ndarray, *weights) -> list[np.ndarray]:
         """``x @ W.T`` for each weight (float32 numpy results): numpy for a few rows (GEMV
@@ -282,8 +320,9 @@ class ModelRunner(Runner):
         mx.eval(*outs)
         return [np.asarray(o) for o in outs]
 
-    def _attention(self, i, attn, x, positions, writes, num_rows, row_context,
-                   prefills, prefill_context) -> mx.array:
+    def _attention(
+        self, i, attn, x, positions, writes, num_rows, row_context, prefills, prefill_context
+    ) -> mx.array:
         """Self-attention of layer ``i`` for the packed tokens ``x`` [1, T, hidden] (MLX's path)."""
         T, H, KH, D = x.shape[1], self.n_heads, self.n_kv_heads, self.head_dim
         # Rotary embeddings per token at its own position: treat each token as a batch item.
@@ -298,16 +337,17 @@ class ModelRunner(Runner):
         outputs = []
         if num_rows:  # decode rows: one query each, over its gathered, padded context
             gather, mask = row_context
-            outputs.append(attention.decode_rows(q[:num_rows], keys[gather], values[gather],
-                                                 mask, self.scale))
+            outputs.append(
+                attention.decode_rows(q[:num_rows], keys[gather], values[gather], mask, self.scale)
+            )
         offset = num_rows
         for chunk, (gather, mask) in zip(prefills, prefill_context):
             L = len(chunk.tokens)
             if gather is None:  # first chunk of a prompt: its own keys are the whole context
-                kc, vc = k[offset:offset + L], v[offset:offset + L]
+                kc, vc = k[offset : offset + L], v[offset : offset + L]
             else:
                 kc, vc = keys[gather], values[gather]
-            outputs.append(attention.prefill_chunk(q[offset:offset + L], kc, vc, mask, self.scale))
+            outputs.append(attention.prefill_chunk(q[offset : offset + L], kc, vc, mask, self.scale))
             offset += L
         return mx.concatenate(outputs)[None] if len(outputs) > 1 else outputs[0][None]
 
@@ -317,7 +357,7 @@ class ModelRunner(Runner):
         longest = max(lengths)
         gather = np.zeros((len(rows), longest), dtype=np.int32)
         for r, c in enumerate(rows):
-            gather[r, :lengths[r]] = c.kv_addresses(0, lengths[r], self.block_size)
+            gather[r, : lengths[r]] = c.kv_addresses(0, lengths[r], self.block_size)
         allowed = np.arange(longest)[None, :] < np.array(lengths)[:, None]
         return mx.array(gather), attention.additive_mask(allowed)
 

@@ -17,22 +17,32 @@ from .trace import RequestRecord, StepRecord, Trace
 from .workloads import Workload
 
 
-def run_mlxlm_workload(lm: LoadedModel, workload: Workload, batch_size: int,
-                       prefill_step_size: int = 2048, progress: bool = True) -> Trace:
+def run_mlxlm_workload(
+    lm: LoadedModel, workload: Workload, batch_size: int, prefill_step_size: int = 2048, progress: bool = True
+) -> Trace:
     """Run ``workload`` (greedy, EOS ignored, arrivals honoured) on mlx-lm's BatchGenerator."""
     from mlx_lm.generate import BatchGenerator
     from tqdm.auto import tqdm
 
-    gen = BatchGenerator(lm.model, completion_batch_size=batch_size,
-                         prefill_batch_size=min(batch_size, 8), prefill_step_size=prefill_step_size)
+    gen = BatchGenerator(
+        lm.model,
+        completion_batch_size=batch_size,
+        prefill_batch_size=min(batch_size, 8),
+        prefill_step_size=prefill_step_size,
+    )
     trace = Trace("mlx-lm", batch_size)
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
     by_uid: dict[int, RequestRecord] = {}
     left = {}
     t0 = time.perf_counter()
     clock = lambda: time.perf_counter() - t0  # noqa: E731
-    bar = tqdm(total=sum(r.max_new_tokens for r in reqs), unit="tok", desc=f"mlx-lm {workload.name}",
-               disable=not progress, leave=False)
+    bar = tqdm(
+        total=sum(r.max_new_tokens for r in reqs),
+        unit="tok",
+        desc=f"mlx-lm {workload.name}",
+        disable=not progress,
+        leave=False,
+    )
     nxt = 0
     try:
         while nxt < len(reqs) or left:
@@ -44,8 +54,13 @@ def run_mlxlm_workload(lm: LoadedModel, workload: Workload, batch_size: int,
             if due:
                 uids = gen.insert([r.prompt_ids for r in due], max_tokens=[r.max_new_tokens for r in due])
                 for uid, r in zip(uids, due):
-                    rec = RequestRecord(r.id, r.prompt_len, r.max_new_tokens, r.arrival_s,
-                                        state_times=[(r.arrival_s, "queued")])
+                    rec = RequestRecord(
+                        r.id,
+                        r.prompt_len,
+                        r.max_new_tokens,
+                        r.arrival_s,
+                        state_times=[(r.arrival_s, "queued")],
+                    )
                     by_uid[uid] = trace.requests[r.id] = rec
                     left[uid] = r.max_new_tokens
             if not left:

@@ -22,15 +22,19 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+        if (
+            not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or self.seed < 0):
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
+        ):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
 
     @property
@@ -51,7 +55,7 @@ class Sampler:
         scaled = logits.astype(np.float64) / p.temperature
         candidates = np.arange(scaled.size)
         if 0 < p.top_k < scaled.size:
-            candidates = np.argpartition(-scaled, p.top_k)[:p.top_k]
+            candidates = np.argpartition(-scaled, p.top_k)[: p.top_k]
         order = candidates[np.argsort(-scaled[candidates], kind="stable")]
         probs = np.exp(scaled[order] - scaled[order[0]])
         probs /= probs.sum()

@@ -112,31 +112,44 @@ class Workload:
 
     def head(self, n: int) -> "Workload":
         """The first ``n`` requests (a smaller workload for a quick try)."""
-        return replace(self, name=f"{self.name}[:{n}]", requests=list(self.requests[:n]),
-                       params={**self.params, "head": n})
+        return replace(
+            self,
+            name=f"{self.name}[:{n}]",
+            requests=list(self.requests[:n]),
+            params={**self.params, "head": n},
+        )
 
     def capped(self, max_new_tokens: int) -> "Workload":
         """The same requests, each generating at most ``max_new_tokens`` tokens."""
-        return replace(self, requests=[replace(r, max_new_tokens=min(r.max_new_tokens, max_new_tokens))
-                                       for r in self.requests],
-                       params={**self.params, "capped": max_new_tokens})
+        return replace(
+            self,
+            requests=[
+                replace(r, max_new_tokens=min(r.max_new_tokens, max_new_tokens)) for r in self.requests
+            ],
+            params={**self.params, "capped": max_new_tokens},
+        )
 
-    def with_arrivals(self, arrivals: str, rate: float | None = None, cv: float | None = None,
-                      seed: int | None = None) -> "Workload":
+    def with_arrivals(
+        self, arrivals: str, rate: float | None = None, cv: float | None = None, seed: int | None = None
+    ) -> "Workload":
         """The same requests arriving by another process (see :func:`arrival_times`)."""
         seed = self.seed if seed is None else seed
         rng = np.random.default_rng([seed if seed is not None else 0, 1])
         times = arrival_times(len(self.requests), arrivals, rate=rate, cv=cv, rng=rng)
-        return replace(self, requests=[replace(r, arrival_s=float(t))
-                                       for r, t in zip(self.requests, times)],
-                       params={**self.params, "arrivals": arrivals, "rate": rate, "cv": cv})
+        return replace(
+            self,
+            requests=[replace(r, arrival_s=float(t)) for r, t in zip(self.requests, times)],
+            params={**self.params, "arrivals": arrivals, "rate": rate, "cv": cv},
+        )
 
     def summary(self) -> dict:
         """Counts and lengths at a glance (for tables and lesson text)."""
         p, o, a = np.array(self.prompt_lens), np.array(self.output_lens), np.array(self.arrivals)
         n = len(self.requests)
         return {
-            "name": self.name, "requests": n, "seed": self.seed,
+            "name": self.name,
+            "requests": n,
+            "seed": self.seed,
             "prompt_tokens": int(p.sum()) if n else 0,
             "output_tokens": int(o.sum()) if n else 0,
             "prompt_len_min": int(p.min()) if n else None,
@@ -201,8 +214,9 @@ class PromptMaker:
             self._min_len[instruction] = len(self.encode(instruction + "\n\nThe"))
         return self._min_len[instruction]
 
-    def make(self, target_len: int, rng: np.random.Generator,
-             instruction: str | None = None) -> tuple[list[int], list[dict]]:
+    def make(
+        self, target_len: int, rng: np.random.Generator, instruction: str | None = None
+    ) -> tuple[list[int], list[dict]]:
         """Prompt ids of exactly ``target_len`` tokens (chat template included), and the
         messages they encode: an instruction, a blank line, then real text trimmed to fit."""
         if instruction is None:  # a random instruction among those that leave room for text
@@ -212,8 +226,10 @@ class PromptMaker:
         head = instruction + "\n\n"
         need = target_len - len(self.encode(head))  # tokens of text we need, roughly
         if need < 1:
-            raise ValueError(f"a prompt of {target_len} tokens is too short for the chat "
-                             f"template and the instruction {instruction!r}")
+            raise ValueError(
+                f"a prompt of {target_len} tokens is too short for the chat "
+                f"template and the instruction {instruction!r}"
+            )
         best: tuple[list[int], str] | None = None
         for _ in range(8):  # a fresh passage when this one cannot hit the length exactly
             text_ids = self.tok.encode(_passage(rng, min_chars=6 * need + 200))
@@ -242,8 +258,13 @@ def _maker(tokenizer: Any) -> PromptMaker:
 
 
 # -- arrivals --------------------------------------------------------------------------------
-def arrival_times(n: int, arrivals: str = "all", rate: float | None = None,
-                  cv: float | None = None, rng: np.random.Generator | None = None) -> np.ndarray:
+def arrival_times(
+    n: int,
+    arrivals: str = "all",
+    rate: float | None = None,
+    cv: float | None = None,
+    rng: np.random.Generator | None = None,
+) -> np.ndarray:
     """Arrival times (seconds, the first at 0) of ``n`` requests.
 
     ``"all"``: everyone at 0. ``"poisson"``: independent exponential gaps of mean
@@ -264,7 +285,7 @@ def arrival_times(n: int, arrivals: str = "all", rate: float | None = None,
         cv = 2.0 if cv is None else cv
         if not cv > 0:
             raise ValueError("cv must be > 0")
-        shape = 1.0 / cv ** 2
+        shape = 1.0 / cv**2
         gaps = rng.gamma(shape, 1.0 / (rate * shape), n - 1)
     return np.concatenate([[0.0], np.cumsum(gaps)])
 
@@ -283,8 +304,9 @@ def _size(kind: str, size: str) -> dict:
     return _SIZES[kind][size]
 
 
-def _requests(tokenizer, prefix: str, prompt_lens, output_lens, arrivals_s,
-              rng: np.random.Generator) -> list[WorkloadRequest]:
+def _requests(
+    tokenizer, prefix: str, prompt_lens, output_lens, arrivals_s, rng: np.random.Generator
+) -> list[WorkloadRequest]:
     maker = _maker(getattr(tokenizer, "tokenizer", tokenizer))
     width = max(3, len(str(len(prompt_lens) - 1)))
     out = []
@@ -294,25 +316,41 @@ def _requests(tokenizer, prefix: str, prompt_lens, output_lens, arrivals_s,
     return out
 
 
-def mixed(tokenizer, seed: int = 0, num_requests: int = 16,
-          prompt_range: tuple[int, int] = (40, 300),
-          output_range: tuple[int, int] = (4, 64)) -> Workload:
+def mixed(
+    tokenizer,
+    seed: int = 0,
+    num_requests: int = 16,
+    prompt_range: tuple[int, int] = (40, 300),
+    output_range: tuple[int, int] = (4, 64),
+) -> Workload:
     """The small fixed workload of lessons 1-5: ``num_requests`` requests at time 0,
     prompt and output lengths uniform over the given ranges (inclusive)."""
     rng = np.random.default_rng(seed)
     p = rng.integers(prompt_range[0], prompt_range[1] + 1, num_requests)
     o = rng.integers(output_range[0], output_range[1] + 1, num_requests)
     reqs = _requests(tokenizer, "mix", p, o, np.zeros(num_requests), rng)
-    return Workload("mixed", f"{num_requests} requests at once; prompts {prompt_range[0]}-"
-                    f"{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]} tokens",
-                    reqs, seed, dict(num_requests=num_requests, prompt_range=prompt_range,
-                                     output_range=output_range, arrivals="all"))
+    return Workload(
+        "mixed",
+        f"{num_requests} requests at once; prompts {prompt_range[0]}-"
+        f"{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]} tokens",
+        reqs,
+        seed,
+        dict(num_requests=num_requests, prompt_range=prompt_range, output_range=output_range, arrivals="all"),
+    )
 
 
-def high_variance(tokenizer, size: str = "quick", seed: int = 0, num_requests: int | None = None,
-                  mean_output: float = 64.0, max_output: int = 512,
-                  prompt_range: tuple[int, int] = (40, 128), arrivals: str = "all",
-                  rate: float | None = None, cv: float | None = None) -> Workload:
+def high_variance(
+    tokenizer,
+    size: str = "quick",
+    seed: int = 0,
+    num_requests: int | None = None,
+    mean_output: float = 64.0,
+    max_output: int = 512,
+    prompt_range: tuple[int, int] = (40, 128),
+    arrivals: str = "all",
+    rate: float | None = None,
+    cv: float | None = None,
+) -> Workload:
     """Output lengths exponential with mean ``mean_output`` (rounded up, at most
     ``max_output``): most answers are short, a few are long. Prompts are short (uniform
     over ``prompt_range``) so decoding dominates. Static batching keeps every slot of a
@@ -323,20 +361,41 @@ def high_variance(tokenizer, size: str = "quick", seed: int = 0, num_requests: i
     o = np.clip(np.ceil(rng.exponential(mean_output, n)), 1, max_output).astype(int)
     t = arrival_times(n, arrivals, rate, cv, rng)
     reqs = _requests(tokenizer, "hv", p, o, t, rng)
-    return Workload("high_variance", f"{n} requests; outputs exponential, mean {mean_output:g} "
-                    f"tokens (max {max_output}); prompts {prompt_range[0]}-{prompt_range[1]} "
-                    f"tokens; arrivals {_arrivals_text(arrivals, rate, cv)}", reqs, seed,
-                    dict(size=size, num_requests=n, mean_output=mean_output,
-                         max_output=max_output, prompt_range=prompt_range, arrivals=arrivals,
-                         rate=rate, cv=cv))
+    return Workload(
+        "high_variance",
+        f"{n} requests; outputs exponential, mean {mean_output:g} "
+        f"tokens (max {max_output}); prompts {prompt_range[0]}-{prompt_range[1]} "
+        f"tokens; arrivals {_arrivals_text(arrivals, rate, cv)}",
+        reqs,
+        seed,
+        dict(
+            size=size,
+            num_requests=n,
+            mean_output=mean_output,
+            max_output=max_output,
+            prompt_range=prompt_range,
+            arrivals=arrivals,
+            rate=rate,
+            cv=cv,
+        ),
+    )
 
 
-def sharegpt(tokenizer, size: str = "quick", seed: int = 0, num_requests: int | None = None,
-             prompt_median: float = 128.0, prompt_sigma: float = 0.7,
-             prompt_range: tuple[int, int] = (40, 1024), output_median: float = 64.0,
-             output_sigma: float = 0.8, output_range: tuple[int, int] = (4, 512),
-             arrivals: str = "poisson", rate: float | None = 0.5,
-             cv: float | None = None) -> Workload:
+def sharegpt(
+    tokenizer,
+    size: str = "quick",
+    seed: int = 0,
+    num_requests: int | None = None,
+    prompt_median: float = 128.0,
+    prompt_sigma: float = 0.7,
+    prompt_range: tuple[int, int] = (40, 1024),
+    output_median: float = 64.0,
+    output_sigma: float = 0.8,
+    output_range: tuple[int, int] = (4, 512),
+    arrivals: str = "poisson",
+    rate: float | None = 0.5,
+    cv: float | None = None,
+) -> Workload:
     """ShareGPT-like chat traffic: prompt and output lengths lognormal (the log of the
     length is normal with ``log(median)`` and ``sigma``), rounded and clipped to the
     ranges. Real ShareGPT conversations are longer (a few hundred tokens each way); these
@@ -347,19 +406,40 @@ def sharegpt(tokenizer, size: str = "quick", seed: int = 0, num_requests: int | 
     o = np.clip(np.rint(rng.lognormal(math.log(output_median), output_sigma, n)), *output_range)
     t = arrival_times(n, arrivals, rate, cv, rng)
     reqs = _requests(tokenizer, "sg", p.astype(int), o.astype(int), t, rng)
-    return Workload("sharegpt", f"{n} requests; prompts lognormal (median {prompt_median:g} "
-                    f"tokens), outputs lognormal (median {output_median:g} tokens); arrivals "
-                    f"{_arrivals_text(arrivals, rate, cv)}", reqs, seed,
-                    dict(size=size, num_requests=n, prompt_median=prompt_median,
-                         prompt_sigma=prompt_sigma, prompt_range=prompt_range,
-                         output_median=output_median, output_sigma=output_sigma,
-                         output_range=output_range, arrivals=arrivals, rate=rate, cv=cv))
+    return Workload(
+        "sharegpt",
+        f"{n} requests; prompts lognormal (median {prompt_median:g} "
+        f"tokens), outputs lognormal (median {output_median:g} tokens); arrivals "
+        f"{_arrivals_text(arrivals, rate, cv)}",
+        reqs,
+        seed,
+        dict(
+            size=size,
+            num_requests=n,
+            prompt_median=prompt_median,
+            prompt_sigma=prompt_sigma,
+            prompt_range=prompt_range,
+            output_median=output_median,
+            output_sigma=output_sigma,
+            output_range=output_range,
+            arrivals=arrivals,
+            rate=rate,
+            cv=cv,
+        ),
+    )
 
 
-def interference(tokenizer, size: str = "quick", seed: int = 0, batch_size: int = 16,
-                 num_long: int | None = None, long_range: tuple[int, int] = (512, 1024),
-                 long_output: int = 16, short_range: tuple[int, int] = (40, 64),
-                 speeds: Speeds = Speeds()) -> Workload:
+def interference(
+    tokenizer,
+    size: str = "quick",
+    seed: int = 0,
+    batch_size: int = 16,
+    num_long: int | None = None,
+    long_range: tuple[int, int] = (512, 1024),
+    long_output: int = 16,
+    short_range: tuple[int, int] = (40, 64),
+    speeds: Speeds = Speeds(),
+) -> Workload:
     """Long prompts arriving while a full batch decodes.
 
     ``batch_size - 1`` short-prompt requests arrive at 0 and decode together; one slot is
@@ -400,13 +480,25 @@ def interference(tokenizer, size: str = "quick", seed: int = 0, batch_size: int 
     reqs = _requests(tokenizer, "if", p, o, times, rng)
     for r in reqs[n_short:]:
         r.id = r.id.replace("if-", "if-long-")
-    return Workload("interference", f"{n_short} short requests decoding {short_output} tokens "
-                    f"each; {k} long prompts ({long_range[0]}-{long_range[1]} tokens, "
-                    f"{long_output} output tokens) arriving one at a time from "
-                    f"{first:.1f} s", reqs, seed,
-                    dict(size=size, batch_size=batch_size, num_long=k, long_range=long_range,
-                         long_output=long_output, short_range=short_range,
-                         short_output=short_output, speeds=vars(speeds)))
+    return Workload(
+        "interference",
+        f"{n_short} short requests decoding {short_output} tokens "
+        f"each; {k} long prompts ({long_range[0]}-{long_range[1]} tokens, "
+        f"{long_output} output tokens) arriving one at a time from "
+        f"{first:.1f} s",
+        reqs,
+        seed,
+        dict(
+            size=size,
+            batch_size=batch_size,
+            num_long=k,
+            long_range=long_range,
+            long_output=long_output,
+            short_range=short_range,
+            short_output=short_output,
+            speeds=vars(speeds),
+        ),
+    )
 
 
 def _arrivals_text(arrivals: str, rate: float | None, cv: float | None) -> str:
@@ -417,10 +509,14 @@ def _arrivals_text(arrivals: str, rate: float | None, cv: float | None) -> str:
     return f"bursty at {rate:g}/s (gap CV {2.0 if cv is None else cv:g})"
 
 
-
-
-def shared_prefix(tokenizer, size: str = "quick", seed: int = 0, num_requests: int | None = None,
-                  system_chars: int = 1200, output_len: int = 8) -> Workload:
+def shared_prefix(
+    tokenizer,
+    size: str = "quick",
+    seed: int = 0,
+    num_requests: int | None = None,
+    system_chars: int = 1200,
+    output_len: int = 8,
+) -> Workload:
     """Requests that share one long system prompt (real text) and differ only in a short
     question about it: the case a prefix cache is for (lesson 8). All arrive at time 0.
     8 requests at size "quick", 32 at "full"."""
@@ -435,22 +531,35 @@ def shared_prefix(tokenizer, size: str = "quick", seed: int = 0, num_requests: i
     for i in range(num_requests):
         topic = paras[int(rng.integers(len(paras)))].split(". ")[0]
         topic = topic if len(topic) <= 80 else topic[:80].rsplit(" ", 1)[0]
-        messages = [{"role": "system", "content": system},
-                    {"role": "user", "content": f"What does the text say about this: {topic}?"}]
-        reqs.append(WorkloadRequest(f"shared-{i:03d}", tok.encode_chat(messages), output_len,
-                                    0.0, messages))
-    return Workload("shared_prefix", f"{num_requests} requests sharing a system prompt of about "
-                    f"{system_chars} characters; outputs of {output_len} tokens", reqs, seed,
-                    dict(num_requests=num_requests, system_chars=system_chars,
-                         output_len=output_len, arrivals="all"))
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"What does the text say about this: {topic}?"},
+        ]
+        reqs.append(WorkloadRequest(f"shared-{i:03d}", tok.encode_chat(messages), output_len, 0.0, messages))
+    return Workload(
+        "shared_prefix",
+        f"{num_requests} requests sharing a system prompt of about "
+        f"{system_chars} characters; outputs of {output_len} tokens",
+        reqs,
+        seed,
+        dict(num_requests=num_requests, system_chars=system_chars, output_len=output_len, arrivals="all"),
+    )
 
 
 # -- for the simulator: lengths only ----------------------------------------------------
-def synthetic_workload(num_requests: int, rate: float, seed: int = 0,
-                       prompt_median: float = 128.0, prompt_sigma: float = 0.7,
-                       prompt_range: tuple[int, int] = (16, 1024), output_median: float = 64.0,
-                       output_sigma: float = 0.8, output_range: tuple[int, int] = (4, 512),
-                       arrivals: str = "poisson", prefix: str = "sim") -> Workload:
+def synthetic_workload(
+    num_requests: int,
+    rate: float,
+    seed: int = 0,
+    prompt_median: float = 128.0,
+    prompt_sigma: float = 0.7,
+    prompt_range: tuple[int, int] = (16, 1024),
+    output_median: float = 64.0,
+    output_sigma: float = 0.8,
+    output_range: tuple[int, int] = (4, 512),
+    arrivals: str = "poisson",
+    prefix: str = "sim",
+) -> Workload:
     """ShareGPT-like lengths (lognormal, as ``sharegpt``) arriving at ``rate``
     per second, with placeholder prompt tokens: the simulator needs lengths, not text,
     and building 10,000 real prompts would take longer than simulating them."""
@@ -459,12 +568,24 @@ def synthetic_workload(num_requests: int, rate: float, seed: int = 0,
     o = np.clip(np.rint(rng.lognormal(math.log(output_median), output_sigma, num_requests)), *output_range)
     t = arrival_times(num_requests, arrivals, rate, rng=rng)
     width = len(str(num_requests - 1))
-    reqs = [WorkloadRequest(f"{prefix}-{i:0{width}d}", [1] * int(pi), int(oi), float(ti))
-            for i, (pi, oi, ti) in enumerate(zip(p, o, t))]
-    return Workload("synthetic", f"{num_requests} requests, Poisson at {rate:g}/s, "
-                    f"ShareGPT-like lengths", reqs, seed,
-                    dict(num_requests=num_requests, rate=rate, prompt_median=prompt_median,
-                         output_median=output_median, arrivals=arrivals, prefix=prefix))
+    reqs = [
+        WorkloadRequest(f"{prefix}-{i:0{width}d}", [1] * int(pi), int(oi), float(ti))
+        for i, (pi, oi, ti) in enumerate(zip(p, o, t))
+    ]
+    return Workload(
+        "synthetic",
+        f"{num_requests} requests, Poisson at {rate:g}/s, ShareGPT-like lengths",
+        reqs,
+        seed,
+        dict(
+            num_requests=num_requests,
+            rate=rate,
+            prompt_median=prompt_median,
+            output_median=output_median,
+            arrivals=arrivals,
+            prefix=prefix,
+        ),
+    )
 
 
 def merge(*workloads: Workload) -> Workload:
@@ -472,13 +593,21 @@ def merge(*workloads: Workload) -> Workload:
     reqs = sorted((r for w in workloads for r in w.requests), key=lambda r: r.arrival_s)
     if len({r.id for r in reqs}) != len(reqs):
         raise ValueError("merged workloads share request ids; give each a different prefix")
-    return Workload("+".join(w.name for w in workloads), "; ".join(w.description for w in workloads),
-                    reqs, None, {"parts": [w.params for w in workloads]})
+    return Workload(
+        "+".join(w.name for w in workloads),
+        "; ".join(w.description for w in workloads),
+        reqs,
+        None,
+        {"parts": [w.params for w in workloads]},
+    )
 
 
 WORKLOADS: dict[str, Callable[..., Workload]] = {
-    "mixed": mixed, "high_variance": high_variance, "sharegpt": sharegpt,
-    "interference": interference, "shared_prefix": shared_prefix,
+    "mixed": mixed,
+    "high_variance": high_variance,
+    "sharegpt": sharegpt,
+    "interference": interference,
+    "shared_prefix": shared_prefix,
 }
 
 
@@ -489,10 +618,18 @@ def make_workload(name: str, tokenizer, **kwargs) -> Workload:
     return WORKLOADS[name](tokenizer, **kwargs)
 
 
-def chat(tokenizer, size: str = "quick", seed: int = 0, num_requests: int | None = None,
-         mean_output: float = 72.0, max_output: int = 256,
-         prompt_range: tuple[int, int] = (40, 128), arrivals: str = "all",
-         rate: float | None = None, cv: float | None = None) -> Workload:
+def chat(
+    tokenizer,
+    size: str = "quick",
+    seed: int = 0,
+    num_requests: int | None = None,
+    mean_output: float = 72.0,
+    max_output: int = 256,
+    prompt_range: tuple[int, int] = (40, 128),
+    arrivals: str = "all",
+    rate: float | None = None,
+    cv: float | None = None,
+) -> Workload:
     """Chat-shaped traffic: the answers are longer than the questions, as in real chat
     (ShareGPT's outputs run to hundreds of tokens). Prompts as ``high_variance``'s (real
     text, uniform over ``prompt_range`` tokens); output lengths exponential with mean
@@ -508,12 +645,24 @@ def chat(tokenizer, size: str = "quick", seed: int = 0, num_requests: int | None
     o = np.clip(np.ceil(rng.exponential(mean_output, n)), 1, max_output).astype(int)
     t = arrival_times(n, arrivals, rate, cv, rng)
     reqs = _requests(tokenizer, "chat", p, o, t, rng)
-    return Workload("chat", f"{n} chat requests; outputs exponential, mean {mean_output:g} "
-                    f"tokens (max {max_output}); prompts {prompt_range[0]}-{prompt_range[1]} "
-                    f"tokens; arrivals {_arrivals_text(arrivals, rate, cv)}", reqs, seed,
-                    dict(size=size, num_requests=n, mean_output=mean_output,
-                         max_output=max_output, prompt_range=prompt_range, arrivals=arrivals,
-                         rate=rate, cv=cv))
+    return Workload(
+        "chat",
+        f"{n} chat requests; outputs exponential, mean {mean_output:g} "
+        f"tokens (max {max_output}); prompts {prompt_range[0]}-{prompt_range[1]} "
+        f"tokens; arrivals {_arrivals_text(arrivals, rate, cv)}",
+        reqs,
+        seed,
+        dict(
+            size=size,
+            num_requests=n,
+            mean_output=mean_output,
+            max_output=max_output,
+            prompt_range=prompt_range,
+            arrivals=arrivals,
+            rate=rate,
+            cv=cv,
+        ),
+    )
 
 
 WORKLOADS["chat"] = chat

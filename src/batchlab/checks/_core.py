@@ -23,6 +23,7 @@ OK, FAIL = "✓", "✗"
 # ---------------------------------------------------------------------------------------
 # The machinery: cases, verdicts, and the loop that runs one against the other.
 
+
 def show(value: Any) -> str:
     """A short, readable rendering of a value for a verdict."""
     if isinstance(value, (mx.array, np.ndarray)):
@@ -87,15 +88,21 @@ class CheckFailed(AssertionError):
     """Raised by ``Verdict.raise_if_failed`` for code that wants a hard failure."""
 
 
-_NOT_THE_LEARNERS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # batchlab
-                     sysconfig.get_paths()["stdlib"])  # e.g. json.loads raising on a bad line
+_NOT_THE_LEARNERS = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # batchlab
+    sysconfig.get_paths()["stdlib"],
+)  # e.g. json.loads raising on a bad line
 
 
 def _where(exc: BaseException) -> str:
     """The learner's line that raised, as ' at `code`', if we can find it."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.startswith(_NOT_THE_LEARNERS) and "site-packages" not in f.filename
-              and "dist-packages" not in f.filename]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(_NOT_THE_LEARNERS)
+        and "site-packages" not in f.filename
+        and "dist-packages" not in f.filename
+    ]
     if frames and frames[-1].line:
         return f" at `{frames[-1].line.strip()}`"
     return ""
@@ -113,22 +120,40 @@ def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
     total = len(cases)
     missing = getattr(fn, "missing_reason", None)  # course.Missing: no usable piece yet
     if missing is not None:
-        return Verdict(name, 0, total, f"{FAIL} {name}: not written yet ({missing}).",
-                       [c.label for c in cases], not_written=True)
+        return Verdict(
+            name,
+            0,
+            total,
+            f"{FAIL} {name}: not written yet ({missing}).",
+            [c.label for c in cases],
+            not_written=True,
+        )
     if not callable(fn):
-        return Verdict(name, 0, total, f"{FAIL} {name}: expected your function, got {show(fn)}. "
-                                       f"Pass the function itself: check.{name}({name})",
-                       [c.label for c in cases])
+        return Verdict(
+            name,
+            0,
+            total,
+            f"{FAIL} {name}: expected your function, got {show(fn)}. "
+            f"Pass the function itself: check.{name}({name})",
+            [c.label for c in cases],
+        )
     failures: list[tuple[int, Case, str]] = []
     for number, case in enumerate(cases, 1):
         try:
             got = case.call(fn)
         except NotImplementedError as e:
             why = f"NotImplementedError: {e}" if str(e) else "it still raises NotImplementedError"
-            return Verdict(name, 0, total, (
-                f"{FAIL} {name}: not written yet ({why}). Write your code where it says "
-                f"# YOUR CODE HERE, run that cell, then run this check again."),
-                [c.label for c in cases], not_written=True)
+            return Verdict(
+                name,
+                0,
+                total,
+                (
+                    f"{FAIL} {name}: not written yet ({why}). Write your code where it says "
+                    f"# YOUR CODE HERE, run that cell, then run this check again."
+                ),
+                [c.label for c in cases],
+                not_written=True,
+            )
         except Exception as e:  # the learner's code crashed on this case
             failures.append((number, case, f"    your function raised {type(e).__name__}: {e}{_where(e)}"))
             continue
@@ -145,8 +170,11 @@ def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
     if not failures:
         return Verdict(name, passed, total, f"{OK} {name}: {passed}/{total} cases match")
     number, case, detail = failures[0]
-    lines = [f"{FAIL} {name}: {passed}/{total} cases match. The first that does not:",
-             f"  case {number} of {total}: {case.label}", detail]
+    lines = [
+        f"{FAIL} {name}: {passed}/{total} cases match. The first that does not:",
+        f"  case {number} of {total}: {case.label}",
+        detail,
+    ]
     if case.hint:
         lines.append(f"    hint: {case.hint}")
     for number, case, _ in failures[1:]:
@@ -194,12 +222,17 @@ def as_whole_number(got: Any) -> tuple[int | None, str | None]:
     return None, f"expected a whole number (a Python int), but you returned a {type(got).__name__}"
 
 
-def answer_compare(read: Callable, diagnose: Callable = lambda got, expected: "",
-                   same: Callable[[Any, Any], bool] = operator.eq) -> Compare:
+def answer_compare(
+    read: Callable,
+    diagnose: Callable = lambda got, expected: "",
+    same: Callable[[Any, Any], bool] = operator.eq,
+) -> Compare:
     """``read(got)`` gives (value, None) or (None, why it is the wrong kind of answer)."""
+
     def compare(got, expected):
         value, problem = read(got)
         return problem or (None if same(value, expected) else diagnose(value, expected))
+
     return compare
 
 
@@ -213,24 +246,28 @@ def whole_number_compare(diagnose: Callable = lambda got, expected: "") -> Compa
 
 def optional_compare(compare: Compare, when_none_expected: str, when_none_got: str | None = None) -> Compare:
     """``compare`` for answers that may rightly be None."""
+
     def optional(got, expected):
         if expected is None:
             return None if got is None else when_none_expected
         if got is None and when_none_got is not None:
             return when_none_got
         return compare(got, expected)
+
     return optional
 
 
 def mistakes(*known, rel: float = 1e-6) -> Callable[[Any, Any], str]:
     """A diagnose for numeric answers: ``known`` are (the value a mistake gives, or None
     where it cannot occur, what to say); the first one the answer is close to."""
-    return lambda got, expected: next((why for value, why in known
-                                       if value is not None and close(got, value, rel)), "")
+    return lambda got, expected: next(
+        (why for value, why in known if value is not None and close(got, value, rel)), ""
+    )
 
 
-def table(name: str, fn: Any, rows, right: Callable | None, judge: Callable, hint: str = "",
-          **case) -> Verdict:
+def table(
+    name: str, fn: Any, rows, right: Callable | None, judge: Callable, hint: str = "", **case
+) -> Verdict:
     """One case per row ``(label, *args)``: ``fn`` gets copies of ``args``, the answer is
     ``right(*args)`` (the library's own code wherever it has one; None: each row ends with
     its answer written out), ``judge(*args)`` the compare. A label ``(label, hint)`` has its own hint."""
@@ -238,6 +275,7 @@ def table(name: str, fn: Any, rows, right: Callable | None, judge: Callable, hin
     for row in rows:
         label, own_hint = row[0] if isinstance(row[0], tuple) else (row[0], hint)
         args, expected = (row[1:-1], row[-1]) if right is None else (row[1:], right(*row[1:]))
-        cases.append(Case(label, lambda f, a=args: f(*copy.deepcopy(a)), expected, judge(*args), own_hint,
-                          **case))
+        cases.append(
+            Case(label, lambda f, a=args: f(*copy.deepcopy(a)), expected, judge(*args), own_hint, **case)
+        )
     return run_cases(name, fn, cases)

@@ -43,8 +43,15 @@ def fake_workload(name: str, rows: list[tuple[int, int]], seed: int = 0) -> Work
     """Requests ``r0, r1, ...`` arriving at once, with (prompt length, new tokens) ``rows``
     and random prompt tokens (never 0, the fake model's EOS)."""
     rng = random.Random(seed)
-    return Workload(name, name, [WorkloadRequest(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(p)], n)
-                                 for i, (p, n) in enumerate(rows)], seed)
+    return Workload(
+        name,
+        name,
+        [
+            WorkloadRequest(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(p)], n)
+            for i, (p, n) in enumerate(rows)
+        ],
+        seed,
+    )
 
 
 def random_rows(seed: int, n: int, prompts: tuple[int, int], outputs: tuple[int, int]) -> list[tuple]:
@@ -67,8 +74,15 @@ class Run:
     preemptions: int = 0
 
 
-def run_piece(cls, workload: Workload, *, max_seq_len: int | None = None, hints: dict | None = None,
-              priorities: dict | None = None, **options) -> Run:
+def run_piece(
+    cls,
+    workload: Workload,
+    *,
+    max_seq_len: int | None = None,
+    hints: dict | None = None,
+    priorities: dict | None = None,
+    **options,
+) -> Run:
     """``workload`` on a fake-model engine built around ``cls`` with ``options`` (those of
     ``make_engine``: the scheduler's own, ``num_kv_blocks``, ``kv_block_size``...).
     ``hints`` say what to tell the learner when the run breaks off: ``"memory"`` (the KV
@@ -76,8 +90,14 @@ def run_piece(cls, workload: Workload, *, max_seq_len: int | None = None, hints:
     ``"stuck"`` (steps that run nothing)."""
     hints = hints or {}
     try:
-        engine = make_engine(cls, FakeModel(vocab_size=VOCAB, max_seq_len=4096), runner=_BoundedRunner,
-                             clock=TickClock(), max_seq_len=max_seq_len, **options)
+        engine = make_engine(
+            cls,
+            FakeModel(vocab_size=VOCAB, max_seq_len=4096),
+            runner=_BoundedRunner,
+            clock=TickClock(),
+            max_seq_len=max_seq_len,
+            **options,
+        )
     except Exception as e:
         return Run(None, f"make_engine could not build an engine from your class: {type(e).__name__}: {e}")
     problem = None
@@ -90,12 +110,19 @@ def run_piece(cls, workload: Workload, *, max_seq_len: int | None = None, hints:
     except _TooManyPasses as e:
         trace, problem = engine.trace, f"{e} (does batches() yield passes with nothing in them?)"
     except MemoryError as e:
-        trace, problem = engine.trace, (f"the KV pool ran out ({num_blocks(engine)} blocks): "
-                                        f"MemoryError: {e}{_where(e)}" + _then(hints.get("memory")))
+        trace, problem = (
+            engine.trace,
+            (
+                f"the KV pool ran out ({num_blocks(engine)} blocks): "
+                f"MemoryError: {e}{_where(e)}" + _then(hints.get("memory"))
+            ),
+        )
     except Exception as e:
         why = hints.get("slot") if SLOT_TAKEN in str(e) else None
-        trace, problem = engine.trace, (f"your scheduler raised {type(e).__name__}: {e}{_where(e)}"
-                                        + _then(why))
+        trace, problem = (
+            engine.trace,
+            (f"your scheduler raised {type(e).__name__}: {e}{_where(e)}" + _then(why)),
+        )
     stats = engine.stats()
     return Run(trace, problem, stats["num_kv_blocks"] - stats["free_kv_blocks"], stats["preemptions"])
 
@@ -111,25 +138,33 @@ def _then(hint: str | None) -> str:
 # ---------------------------------------------------------------------------------------
 # Trace invariants every kind keeps. Each returns None, or what broke, in words.
 
+
 def output_problem(trace: Trace, workload: Workload, max_seq_len: int = 4096) -> str | None:
     """Every request's output equals what the fake model must produce for it."""
     for r in workload:
-        want = reference_output(r.prompt_ids, clamp_new_tokens(r.prompt_len, r.max_new_tokens, max_seq_len),
-                                VOCAB, frozenset())
+        want = reference_output(
+            r.prompt_ids, clamp_new_tokens(r.prompt_len, r.max_new_tokens, max_seq_len), VOCAB, frozenset()
+        )
         rec = trace.requests[r.id]
         if rec.finish_reason == "error":
             return f"{r.id} ended with an error in a forward pass (see the log above)"
         got = list(rec.output_ids)
-        if len(got) > len(want) and got[:len(want)] == want:
-            return (f"{r.id} should have finished after {len(want)} tokens but produced {len(got)}: "
-                    f"a finished request went on decoding")
-        if got != want and got == want[:len(got)]:
-            return (f"{r.id} got only {len(got)} of its {len(want)} tokens: it must keep "
-                    f"decoding until it finishes")
+        if len(got) > len(want) and got[: len(want)] == want:
+            return (
+                f"{r.id} should have finished after {len(want)} tokens but produced {len(got)}: "
+                f"a finished request went on decoding"
+            )
+        if got != want and got == want[: len(got)]:
+            return (
+                f"{r.id} got only {len(got)} of its {len(want)} tokens: it must keep "
+                f"decoding until it finishes"
+            )
         if got != want:
-            return (f"{r.id} (prompt of {r.prompt_len} tokens) produced {len(rec.output_ids)} tokens "
-                    f"{list(rec.output_ids)[:6]}..., the model's answer is {len(want)} tokens "
-                    f"{want[:6]}...: a prompt token was skipped, repeated or never sampled")
+            return (
+                f"{r.id} (prompt of {r.prompt_len} tokens) produced {len(rec.output_ids)} tokens "
+                f"{list(rec.output_ids)[:6]}..., the model's answer is {len(want)} tokens "
+                f"{want[:6]}...: a prompt token was skipped, repeated or never sampled"
+            )
     return None
 
 
@@ -174,13 +209,17 @@ def early_decode_problem(trace: Trace, workload: Workload) -> str | None:
             reached[rid] = max(reached.get(rid, 0), start + n)
         for rid in step.decoded:
             if done.get(rid, 0) < prompt_len.get(rid, 0):
-                return (f"step {step.index}: {rid} ran a decode row with only {done.get(rid, 0)} of "
-                        f"its {prompt_len[rid]} prompt tokens prefilled (its last chunk never ran)")
+                return (
+                    f"step {step.index}: {rid} ran a decode row with only {done.get(rid, 0)} of "
+                    f"its {prompt_len[rid]} prompt tokens prefilled (its last chunk never ran)"
+                )
     for rid, rec in trace.requests.items():  # also a move the engine had no step to record
         moved = [state for _, state in rec.state_times if state in ("awaiting_slot", "decoding")]
         if moved and reached.get(rid, 0) < prompt_len.get(rid, 0):
-            return (f"{rid} went on to {moved[0].replace('_', ' a ')} with only {reached.get(rid, 0)} of "
-                    f"its {prompt_len[rid]} prompt tokens prefilled (its last chunk never ran)")
+            return (
+                f"{rid} went on to {moved[0].replace('_', ' a ')} with only {reached.get(rid, 0)} of "
+                f"its {prompt_len[rid]} prompt tokens prefilled (its last chunk never ran)"
+            )
     return None
 
 
@@ -197,8 +236,10 @@ def gap_problem(trace: Trace, workload: Workload) -> str | None:
             if n < 1:
                 return f"step {index}: a chunk of {n} tokens for {r.id} (a chunk has at least one token)"
             if start != at:
-                return (f"step {index}: {r.id}'s chunk starts at token {start}, but its prefill had "
-                        f"reached token {at} (a {'gap' if start > at else 'repeat'})")
+                return (
+                    f"step {index}: {r.id}'s chunk starts at token {start}, but its prefill had "
+                    f"reached token {at} (a {'gap' if start > at else 'repeat'})"
+                )
             at += n
         if at < r.prompt_len:
             return f"{r.id}'s chunks cover {at} of its {r.prompt_len} prompt tokens"
@@ -212,27 +253,45 @@ def state_problem(trace: Trace, set_decoding: str) -> str | None:
         for rid in step.decoded:
             entered = [s for t, s in trace.requests[rid].state_times if t <= step.end_s]
             if "decoding" not in entered:
-                return (f"step {step.index}: {rid} ran a decode row but its state was never set to "
-                        f"DECODING (it is still {entered[-1] if entered else 'queued'}): {set_decoding}")
+                return (
+                    f"step {step.index}: {rid} ran a decode row but its state was never set to "
+                    f"DECODING (it is still {entered[-1] if entered else 'queued'}): {set_decoding}"
+                )
     return None
 
 
 def blocks_problem(run: Run) -> str | None:
     if run.blocks_held:
-        return (f"at the end {run.blocks_held} KV block(s) were still held: every request that "
-                f"leaves must give its blocks back")
+        return (
+            f"at the end {run.blocks_held} KV block(s) were still held: every request that "
+            f"leaves must give its blocks back"
+        )
     return None
 
 
 def piece_case(label: str, judge: Callable[[type], str | None], hint: str = "") -> Case:
     """A case whose answer is "ok" or the first problem ``judge(cls)`` finds."""
-    return Case(label, lambda cls: judge(cls) or "ok", "ok",
-                lambda got, expected: None if got == "ok" else got, hint,
-                show=lambda got: "runs as it should" if got == "ok" else "a problem (below)")
+    return Case(
+        label,
+        lambda cls: judge(cls) or "ok",
+        "ok",
+        lambda got, expected: None if got == "ok" else got,
+        hint,
+        show=lambda got: "runs as it should" if got == "ok" else "a problem (below)",
+    )
 
 
-def piece_judge(base: type, reference: type, workload: Workload, checks, *, broken=(), schedule=None,
-                hints: dict | None = None, **options) -> Callable[[type], str | None]:
+def piece_judge(
+    base: type,
+    reference: type,
+    workload: Workload,
+    checks,
+    *,
+    broken=(),
+    schedule=None,
+    hints: dict | None = None,
+    **options,
+) -> Callable[[type], str | None]:
     """A judge for ``piece_case``: ``workload`` on the learner's class (refused unless a subclass of
     ``base``) with ``options``; the first problem of ``checks`` (each ``check(trace)``), then of
     ``schedule(trace, reference's trace)``, then a block still held. A run that broke off says why,
@@ -243,36 +302,51 @@ def piece_judge(base: type, reference: type, workload: Workload, checks, *, brok
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise TypeError(f"pass your scheduler class (a subclass of {base.__name__}), not {cls!r}")
         run = run_piece(cls, workload, hints=hints, **options)
-        first = next(filter(None, (check(run.trace) for check in (broken if run.problem else checks)
-                                   if run.trace)), None)
+        first = next(
+            filter(None, (check(run.trace) for check in (broken if run.problem else checks) if run.trace)),
+            None,
+        )
         if run.problem:
             return first or run.problem
         return first or (schedule and schedule(run.trace, ref)) or blocks_problem(run)
+
     return judge
 
 
-def pressure_case(label: str, judge: Callable[[type], str | None], reference: type, workload: Workload,
-                  must_preempt: bool, hint: str = "", **options) -> Case:
+def pressure_case(
+    label: str,
+    judge: Callable[[type], str | None],
+    reference: type,
+    workload: Workload,
+    must_preempt: bool,
+    hint: str = "",
+    **options,
+) -> Case:
     """A case run in a KV pool small enough to matter (``options`` give ``num_kv_blocks``).
     The scenario is checked on the reference first: if it does not preempt where it
     must, the case itself is wrong (so a pass never counts a scenario it did not see)."""
     ref = run_piece(reference, workload, **options)
     if ref.problem or (must_preempt and not ref.preemptions):
-        raise AssertionError(f"checker case {label!r}: the reference run did not show the scenario "
-                             f"({ref.problem or 'no preemption'})")
+        raise AssertionError(
+            f"checker case {label!r}: the reference run did not show the scenario "
+            f"({ref.problem or 'no preemption'})"
+        )
     return piece_case(label, judge, hint)
 
 
-def schedule_problem(got: Trace, expected: Trace, key: Callable, words: Callable,
-                     hint: Callable | None = None) -> str | None:
+def schedule_problem(
+    got: Trace, expected: Trace, key: Callable, words: Callable, hint: Callable | None = None
+) -> str | None:
     """The first step where the learner's trace differs from the reference's (``key(step)``
     is what must match), told as ``words(step, other)``; ``hint(got_step, expected_step)``
     may explain it."""
     for g, e in zip(got.steps, expected.steps):
         if key(g) != key(e):
             why = hint(g, e) if hint else None
-            return (f"step {g.index} differs.\n      expected: {words(e, g)}\n"
-                    f"      got:      {words(g, e)}" + (f"\n    {why}" if why else ""))
+            return (
+                f"step {g.index} differs.\n      expected: {words(e, g)}\n"
+                f"      got:      {words(g, e)}" + (f"\n    {why}" if why else "")
+            )
     if len(got.steps) != len(expected.steps):
         return f"your run took {len(got.steps)} steps, the reference's {len(expected.steps)}"
     return None
@@ -284,5 +358,11 @@ MIXED_OUTPUTS = [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14]  
 def count_exercise(name: str, fn, rows, truth: Callable, diagnose: Callable, hint: str):
     """A count ``fn(output_lens, B) -> int`` (lessons 1 and 2) on rows of (label, output_lens, B):
     the right count is ``truth(lens, B)``, read off a library run; ``diagnose(lens, B, got, expected)``."""
-    return table(name, fn, rows, truth,
-                 lambda lens, B: whole_number_compare(lambda got, want: diagnose(lens, B, got, want)), hint)
+    return table(
+        name,
+        fn,
+        rows,
+        truth,
+        lambda lens, B: whole_number_compare(lambda got, want: diagnose(lens, B, got, want)),
+        hint,
+    )

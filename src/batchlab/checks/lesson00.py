@@ -22,8 +22,10 @@ def _not_python_int(got: Any) -> str | None:
     if isinstance(got, int):
         return None
     if isinstance(got, (mx.array, np.ndarray, np.generic)):
-        return ("that is an array, not a Python int: wrap it in int(...) so the rest of "
-                "the code gets a plain number")
+        return (
+            "that is an array, not a Python int: wrap it in int(...) so the rest of "
+            "the code gets a plain number"
+        )
     return f"a token id is a Python int, but you returned a {type(got).__name__}"
 
 
@@ -55,21 +57,35 @@ def greedy_pick(fn: Callable, lm=None) -> Verdict:
     rows = [
         ("logits [0.1, 2.5, -1.0, 0.3]: the largest is id 1", [0.1, 2.5, -1.0, 0.3]),
         ("logits [3.0, 1.0, 2.0]: the largest is the first, id 0", [3.0, 1.0, 2.0]),
-        ("logits [-5.0, -2.0, -9.0, -1.5]: all negative, the largest (-1.5) is the last, id 3",
-         [-5.0, -2.0, -9.0, -1.5]),
+        (
+            "logits [-5.0, -2.0, -9.0, -1.5]: all negative, the largest (-1.5) is the last, id 3",
+            [-5.0, -2.0, -9.0, -1.5],
+        ),
         ("a vocabulary-sized row (49152 logits) whose largest is at id 40000", big),
     ]
-    cases = [Case(label, lambda f, v=values: f(mx.array(np.asarray(v, dtype=np.float32))),
-                  int(np.argmax(values)), _same_token,
-                  hint="greedy picks the position (the token id) of the largest logit, "
-                       "not the logit itself: mx.argmax gives it")
-             for label, values in rows]
+    cases = [
+        Case(
+            label,
+            lambda f, v=values: f(mx.array(np.asarray(v, dtype=np.float32))),
+            int(np.argmax(values)),
+            _same_token,
+            hint="greedy picks the position (the token id) of the largest logit, "
+            "not the logit itself: mx.argmax gives it",
+        )
+        for label, values in rows
+    ]
     if lm is not None:
         row = _last_logits(lm, _france_ids(lm))
         expected = int(np.argmax(np.array(row)))
-        cases.append(Case(
-            f"the real model's logits after the France question (greedy says id {expected}, "
-            f"{lm.tokenizer.decode([expected])!r})", lambda f: f(row), expected, _same_token))
+        cases.append(
+            Case(
+                f"the real model's logits after the France question (greedy says id {expected}, "
+                f"{lm.tokenizer.decode([expected])!r})",
+                lambda f: f(row),
+                expected,
+                _same_token,
+            )
+        )
     return run_cases("greedy_pick", fn, cases)
 
 
@@ -121,17 +137,24 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         got = list(got)
         if got == expected:
             return None
-        if got[:len(expected)] == expected and expected and expected[-1] in eos:
-            return (f"the first {len(expected)} tokens are right, but you kept going after the "
-                    f"EOS token {expected[-1]} ({tok.decode([expected[-1]])!r})")
+        if got[: len(expected)] == expected and expected and expected[-1] in eos:
+            return (
+                f"the first {len(expected)} tokens are right, but you kept going after the "
+                f"EOS token {expected[-1]} ({tok.decode([expected[-1]])!r})"
+            )
         if got == expected[:-1] and expected[-1] in eos:
-            return (f"you stopped at the EOS token {expected[-1]} ({tok.decode([expected[-1]])!r}) "
-                    f"but left it out: append it, then stop")
-        if len(got) > len(expected) and got[len(got) - len(expected):] == expected:
-            return (f"the new tokens are right, but {len(got) - len(expected)} tokens come before "
-                    f"them (the prompt?): return only the new tokens")
-        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
-                     min(len(got), len(expected)))
+            return (
+                f"you stopped at the EOS token {expected[-1]} ({tok.decode([expected[-1]])!r}) "
+                f"but left it out: append it, then stop"
+            )
+        if len(got) > len(expected) and got[len(got) - len(expected) :] == expected:
+            return (
+                f"the new tokens are right, but {len(got) - len(expected)} tokens come before "
+                f"them (the prompt?): return only the new tokens"
+            )
+        first = next(
+            (i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))
+        )
         return f"they first differ at position {first} (counting from 0)"
 
     recorded: dict[str, list] = {}
@@ -141,20 +164,36 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
             recorder = _Recorder(lm.model)
             recorded[record or ""] = recorder.calls
             return f(replace(lm, model=recorder), list(ids), n)
+
         return Case(label, call, _reference_tokens(lm, ids, n), compare, hint, show_ids)
 
     answer = _reference_tokens(lm, france, 12)
     cases = [
-        case("the France question (chat template), n=1: just the first new token", france, 1,
-             "the first new token comes from the last row of the prefill's logits"),
-        case("the France question, n=5: five tokens, each fed back in as the next input", france, 5,
-             "each step feeds the token just picked, as mx.array([[token]]), with the same cache",
-             record="france5"),
-        case(f"the France question, n=12: the answer ends with {tok.decode(answer[-1:])} (an EOS token) "
-             f"after {len(answer)} tokens, so stop there and keep it", france, 12,
-             "after appending a token, stop if it is in lm.tokenizer.eos_token_ids"),
-        case("a plain text prompt (no chat template) 'Once upon a time', n=6", tok.encode("Once upon a "
-                                                                                          "time"), 6),
+        case(
+            "the France question (chat template), n=1: just the first new token",
+            france,
+            1,
+            "the first new token comes from the last row of the prefill's logits",
+        ),
+        case(
+            "the France question, n=5: five tokens, each fed back in as the next input",
+            france,
+            5,
+            "each step feeds the token just picked, as mx.array([[token]]), with the same cache",
+            record="france5",
+        ),
+        case(
+            f"the France question, n=12: the answer ends with {tok.decode(answer[-1:])} (an EOS token) "
+            f"after {len(answer)} tokens, so stop there and keep it",
+            france,
+            12,
+            "after appending a token, stop if it is in lm.tokenizer.eos_token_ids",
+        ),
+        case(
+            "a plain text prompt (no chat template) 'Once upon a time', n=6",
+            tok.encode("Once upon a time"),
+            6,
+        ),
         case("a one-token prompt [504] ('The'), n=4", [504], 4),
     ]
 
@@ -163,11 +202,15 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
             return "your function never called lm.model"
         for i, (shape, with_cache) in enumerate(calls, 1):
             if not with_cache:
-                return (f"forward pass {i} ran without a cache: make one with "
-                        f"lm.model.make_cache() and pass it as cache=... to every call")
+                return (
+                    f"forward pass {i} ran without a cache: make one with "
+                    f"lm.model.make_cache() and pass it as cache=... to every call"
+                )
             if i > 1 and shape[-1] != 1:
-                return (f"forward pass {i} was given {shape[-1]} tokens: with a KV cache, "
-                        f"each step after the prompt feeds only the newest token")
+                return (
+                    f"forward pass {i} was given {shape[-1]} tokens: with a KV cache, "
+                    f"each step after the prompt feeds only the newest token"
+                )
         return None
 
     def show_calls(calls):
@@ -176,10 +219,16 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         parts = [f"[{', '.join(map(str, s))}]{'' if c else ' (no cache)'}" for s, c in calls]
         return "input shapes " + ", ".join(parts[:8]) + (" ..." if len(parts) > 8 else "")
 
-    cases.append(Case("uses the KV cache: the prompt in one pass, then one new token per pass "
-                      "(the forward passes of case 2)", lambda f: recorded.get("france5", []),
-                      f"input shapes [1, {len(france)}], then [1, 1] for every step, all with the cache",
-                      cache_ok, show=show_calls))
+    cases.append(
+        Case(
+            "uses the KV cache: the prompt in one pass, then one new token per pass "
+            "(the forward passes of case 2)",
+            lambda f: recorded.get("france5", []),
+            f"input shapes [1, {len(france)}], then [1, 1] for every step, all with the cache",
+            cache_ok,
+            show=show_calls,
+        )
+    )
     return run_cases("greedy_generate", fn, cases)
 
 
@@ -192,11 +241,24 @@ def tokens_per_second(fn: Callable) -> Verdict:
         ("1 step of 62 ms at batch 1", [0.062], 1),
         ("3 steps of 238 ms at batch 64", [0.238] * 3, 64),
     ]
-    return table("tokens_per_second", fn, rows, lambda s, b: b * len(s) / sum(s), lambda s, b: number_compare(
-        mistakes((float(np.mean([b / t for t in s])), "that is the average of the per-step rates; throughput "
-                  "is all the tokens made divided by all the time taken"),
-                 (len(s) / sum(s) if b != 1 else None,
-                  f"that leaves out the batch: every step makes {b} tokens, one per sequence"),
-                 (sum(s) / (b * len(s)), "that is seconds per token; tokens per second is the other way "
-                                         "up"))),
-        hint="tokens made = batch x number of steps; time taken = the sum of the step times")
+    return table(
+        "tokens_per_second",
+        fn,
+        rows,
+        lambda s, b: b * len(s) / sum(s),
+        lambda s, b: number_compare(
+            mistakes(
+                (
+                    float(np.mean([b / t for t in s])),
+                    "that is the average of the per-step rates; throughput "
+                    "is all the tokens made divided by all the time taken",
+                ),
+                (
+                    len(s) / sum(s) if b != 1 else None,
+                    f"that leaves out the batch: every step makes {b} tokens, one per sequence",
+                ),
+                (sum(s) / (b * len(s)), "that is seconds per token; tokens per second is the other way up"),
+            )
+        ),
+        hint="tokens made = batch x number of steps; time taken = the sum of the step times",
+    )

@@ -11,21 +11,39 @@ import numpy as np
 
 from ..scheduler import ContinuousScheduler
 from ._core import Verdict, run_cases
-from ._pieces import (MIXED_OUTPUTS, count_exercise, early_decode_problem, fake_workload, gap_problem,
-                      output_problem, piece_case, piece_judge, pressure_case, run_piece, schedule_problem,
-                      slot_problem, state_problem)
+from ._pieces import (
+    MIXED_OUTPUTS,
+    count_exercise,
+    early_decode_problem,
+    fake_workload,
+    gap_problem,
+    output_problem,
+    piece_case,
+    piece_judge,
+    pressure_case,
+    run_piece,
+    schedule_problem,
+    slot_problem,
+    state_problem,
+)
 from .lesson01 import static_step_count
 
 __all__ = ["continuous_scheduler", "continuous_steps"]
 
 HINTS = {
-    "memory": ("admit only a request that self.fits(req, self.prefill_step), and take each chunk's blocks "
-               "with self.make_room(req, n) before yielding it (it preempts when the pool is short)"),
-    "stuck": ("nothing stood in the way of the next queued request: admit it (self.start) "
-              "when nobody prefills or awaits a slot and it fits"),
+    "memory": (
+        "admit only a request that self.fits(req, self.prefill_step), and take each chunk's blocks "
+        "with self.make_room(req, n) before yielding it (it preempts when the pool is short)"
+    ),
+    "stuck": (
+        "nothing stood in the way of the next queued request: admit it (self.start) "
+        "when nobody prefills or awaits a slot and it fits"
+    ),
 }
-PLACED = ("place() must set every request it puts into a slot DECODING "
-          "(req.set_state(State.DECODING, self.clock()))")
+PLACED = (
+    "place() must set every request it puts into a slot DECODING "
+    "(req.set_state(State.DECODING, self.clock()))"
+)
 
 
 def continuous_invariants(trace, B: int, workload=None) -> str | None:
@@ -44,11 +62,15 @@ def continuous_invariants(trace, B: int, workload=None) -> str | None:
         for rid, start, n in step.prefill:
             if rid != prefilling:
                 if prefilling is not None:
-                    return (f"step {k}: {rid} was admitted while {prefilling} was still "
-                            f"prefilling: one request prefills at a time")
+                    return (
+                        f"step {k}: {rid} was admitted while {prefilling} was still "
+                        f"prefilling: one request prefills at a time"
+                    )
                 if awaiting:
-                    return (f"step {k}: {rid} was admitted while {awaiting[0]} awaited a slot: "
-                            f"admit nobody while a prefilled request still waits for a slot")
+                    return (
+                        f"step {k}: {rid} was admitted while {awaiting[0]} awaited a slot: "
+                        f"admit nobody while a prefilled request still waits for a slot"
+                    )
                 prefilling = rid
             if start + n >= prompt_len[rid]:
                 prefilling = None
@@ -60,18 +82,24 @@ def continuous_invariants(trace, B: int, workload=None) -> str | None:
         if any(rid not in awaiting for rid in placed):
             stray = next(rid for rid in placed if rid not in awaiting)
             return f"step {k}: {stray} got a decode row without having been prefilled"
-        if placed != awaiting[:len(placed)]:
-            return (f"step {k}: {placed[0]} was placed before {awaiting[0]}, which had waited "
-                    f"longer: the first prefilled request takes the first free slot")
-        awaiting = awaiting[len(placed):]
+        if placed != awaiting[: len(placed)]:
+            return (
+                f"step {k}: {placed[0]} was placed before {awaiting[0]}, which had waited "
+                f"longer: the first prefilled request takes the first free slot"
+            )
+        awaiting = awaiting[len(placed) :]
         if awaiting and len(step.decoded) < B and not step.preempted:
-            return (f"step {k}: {awaiting[0]} awaited a slot while only {len(step.decoded)} of "
-                    f"the {B} slots decoded: place() must fill every free slot")
+            return (
+                f"step {k}: {awaiting[0]} awaited a slot while only {len(step.decoded)} of "
+                f"the {B} slots decoded: place() must fill every free slot"
+            )
         for rid in step.decoded:
             slot = step.slot_of.get(rid)
             if rid in slot_of and slot is not None and slot != slot_of[rid]:
-                return (f"step {k}: {rid} moved from slot {slot_of[rid]} to slot {slot}: a "
-                        f"request keeps its slot until it finishes")
+                return (
+                    f"step {k}: {rid} moved from slot {slot_of[rid]} to slot {slot}: a "
+                    f"request keeps its slot until it finishes"
+                )
             if slot is not None:
                 slot_of[rid] = slot
         for rid in step.slots:
@@ -98,8 +126,10 @@ def _hint(g, e) -> str | None:
     if g.slots != e.slots and set(filter(None, g.slots)) == set(filter(None, e.slots)):
         return "the first waiting request takes the LOWEST free slot (self.take_slot)"
     if e.prefill and not g.prefill:
-        return ("nothing stood in the way here: admit the next queued request "
-                "(self.policy.next_queued) when it fits")
+        return (
+            "nothing stood in the way here: admit the next queued request "
+            "(self.policy.next_queued) when it fits"
+        )
     return None
 
 
@@ -108,11 +138,24 @@ def continuous_judge(reference, rules, hints, placed, rows, B, seed=0, max_seq_l
     workload)`` are the kind's own."""
     w = fake_workload("req", rows, seed)
     early = [lambda t: state_problem(t, placed), lambda t: early_decode_problem(t, w)]
-    return piece_judge(ContinuousScheduler, reference, w, early + [
-        lambda t: gap_problem(t, w), lambda t: rules(t, B, w), lambda t: slot_problem(t, B),
-        lambda t: output_problem(t, w, max_seq_len or 4096)], broken=early,
-        schedule=lambda t, ref: schedule_problem(t, ref, _key, _words, _hint), hints=hints,
-        max_seq_len=max_seq_len, max_batch_size=B, **options)
+    return piece_judge(
+        ContinuousScheduler,
+        reference,
+        w,
+        early
+        + [
+            lambda t: gap_problem(t, w),
+            lambda t: rules(t, B, w),
+            lambda t: slot_problem(t, B),
+            lambda t: output_problem(t, w, max_seq_len or 4096),
+        ],
+        broken=early,
+        schedule=lambda t, ref: schedule_problem(t, ref, _key, _words, _hint),
+        hints=hints,
+        max_seq_len=max_seq_len,
+        max_batch_size=B,
+        **options,
+    )
 
 
 def continuous_scheduler(cls) -> Verdict:
@@ -125,54 +168,99 @@ def continuous_scheduler(cls) -> Verdict:
     rows = [
         ("5 requests, B=2, outputs [4, 6, 2, 5, 3]", 2, [4, 6, 2, 5, 3], [5, 6, 7, 8, 9]),
         ("outputs [5, 2, 3], B=1: the second waits for the only slot", 1, [5, 2, 3], [5, 5, 5]),
-        ("single-token requests [1, 1, 1], B=2: they finish in their prefill, no slot needed",
-         2, [1, 1, 1], [6, 6, 6]),
-        ("12 requests, B=4, outputs between 1 and 9 tokens; slots are freed in the middle "
-         "and must be refilled", 4, [7, 1, 3, 9, 2, 2, 8, 5, 1, 6, 4, 3], list(range(3, 15))),
-        ("whole workload: 24 requests, outputs 1 to 100 tokens (most short), B=8", 8,
-         [int(o) for o in np.clip(np.ceil(rng.exponential(24, 24)), 1, 100)],
-         [int(p) for p in rng.integers(20, 60, 24)]),
-        ("whole workload: 16 requests with the mixed workload's output lengths, B=8", 8,
-         MIXED_OUTPUTS, [int(p) for p in rng.integers(40, 120, 16)]),
+        (
+            "single-token requests [1, 1, 1], B=2: they finish in their prefill, no slot needed",
+            2,
+            [1, 1, 1],
+            [6, 6, 6],
+        ),
+        (
+            "12 requests, B=4, outputs between 1 and 9 tokens; slots are freed in the middle "
+            "and must be refilled",
+            4,
+            [7, 1, 3, 9, 2, 2, 8, 5, 1, 6, 4, 3],
+            list(range(3, 15)),
+        ),
+        (
+            "whole workload: 24 requests, outputs 1 to 100 tokens (most short), B=8",
+            8,
+            [int(o) for o in np.clip(np.ceil(rng.exponential(24, 24)), 1, 100)],
+            [int(p) for p in rng.integers(20, 60, 24)],
+        ),
+        (
+            "whole workload: 16 requests with the mixed workload's output lengths, B=8",
+            8,
+            MIXED_OUTPUTS,
+            [int(p) for p in rng.integers(40, 120, 16)],
+        ),
     ]
-    hint = ("admit(): only when nobody is prefilling and nobody awaits a slot, start the next "
-            "queued request (self.start) if it fits; prefill_chunk(): the whole prompt of the "
-            "prefilling request as one pass; place(): while somebody awaits and a slot is free, "
-            "move the first awaiting request into it (self.take_slot) and set it DECODING")
+    hint = (
+        "admit(): only when nobody is prefilling and nobody awaits a slot, start the next "
+        "queued request (self.start) if it fits; prefill_chunk(): the whole prompt of the "
+        "prefilling request as one pass; place(): while somebody awaits and a slot is free, "
+        "move the first awaiting request into it (self.take_slot) and set it DECODING"
+    )
 
     def judge(B, rows, seed, **options):
-        return continuous_judge(ContinuousScheduler, continuous_invariants, HINTS, PLACED, rows, B,
-                                seed, **options)
+        return continuous_judge(
+            ContinuousScheduler, continuous_invariants, HINTS, PLACED, rows, B, seed, **options
+        )
 
-    cases = [piece_case(label, judge(B, list(zip(prompts, outputs)), 100 * i), hint)
-             for i, (label, B, outputs, prompts) in enumerate(rows)]
+    cases = [
+        piece_case(label, judge(B, list(zip(prompts, outputs)), 100 * i), hint)
+        for i, (label, B, outputs, prompts) in enumerate(rows)
+    ]
     for label, rows, B, blocks in PRESSURE:
-        cases.append(pressure_case(label, judge(B, rows, 9, num_kv_blocks=blocks), ContinuousScheduler,
-                                   fake_workload("req", rows, 9), True, hint,
-                                   max_batch_size=B, num_kv_blocks=blocks))
+        cases.append(
+            pressure_case(
+                label,
+                judge(B, rows, 9, num_kv_blocks=blocks),
+                ContinuousScheduler,
+                fake_workload("req", rows, 9),
+                True,
+                hint,
+                max_batch_size=B,
+                num_kv_blocks=blocks,
+            )
+        )
     return run_cases("continuous_scheduler", cls, cases)
 
 
 PRESSURE = [  # (label, rows, B, KV blocks of 16 tokens): the reference preempts in each
-    ("memory: 10 requests growing to 60-110 tokens each on a KV pool of 16 blocks, B=4 "
-     "(preemptions must happen)", [(20 + 9 * i % 40, 40 + 7 * i % 30) for i in range(10)], 4, 16),
-    ("memory: 12 requests, prompts up to 120 tokens, on 24 blocks, B=6 (preemptions must happen)",
-     [(30 + 23 * i % 90, 30 + 11 * i % 40) for i in range(12)], 6, 24),
+    (
+        "memory: 10 requests growing to 60-110 tokens each on a KV pool of 16 blocks, B=4 "
+        "(preemptions must happen)",
+        [(20 + 9 * i % 40, 40 + 7 * i % 30) for i in range(10)],
+        4,
+        16,
+    ),
+    (
+        "memory: 12 requests, prompts up to 120 tokens, on 24 blocks, B=6 (preemptions must happen)",
+        [(30 + 23 * i % 90, 30 + 11 * i % 40) for i in range(12)],
+        6,
+        24,
+    ),
 ]
 
 
 def continuous_steps(fn: Callable) -> Verdict:
     """Check ``fn(output_lens, B) -> int``: the steps continuous batching (whole-prompt prefill) takes."""
+
     def truth(lens, B):
-        return len(run_piece(ContinuousScheduler, fake_workload("req", [(5, o) for o in lens], 400),
-                             max_batch_size=B).trace.steps)
+        return len(
+            run_piece(
+                ContinuousScheduler, fake_workload("req", [(5, o) for o in lens], 400), max_batch_size=B
+            ).trace.steps
+        )
 
     def diagnose(lens, B, got, expected):
         if got == static_step_count(lens, B) and got != expected:
             return "that is the count for static batching (lesson 1), not continuous batching"
         if got in (expected + 1, expected - 1):
-            return ("off by one: a request's first token comes from its prefill, and it "
-                    "decodes in the very step it is placed")
+            return (
+                "off by one: a request's first token comes from its prefill, and it "
+                "decodes in the very step it is placed"
+            )
         return ""
 
     rows = [
@@ -184,7 +272,13 @@ def continuous_steps(fn: Callable) -> Verdict:
         ("the mixed workload's outputs, B=8", MIXED_OUTPUTS, 8),
         ("the mixed workload's outputs, B=16", MIXED_OUTPUTS, 16),
     ]
-    return count_exercise("continuous_steps", fn, rows, truth, diagnose,
-                          "simulate the step: admit one request if none waits for a slot (its prefill "
-                          "makes its first token), place waiting requests into free slots, then every "
-                          "occupied slot makes one token; a request leaves its slot when done")
+    return count_exercise(
+        "continuous_steps",
+        fn,
+        rows,
+        truth,
+        diagnose,
+        "simulate the step: admit one request if none waits for a slot (its prefill "
+        "makes its first token), place waiting requests into free slots, then every "
+        "occupied slot makes one token; a request leaves its slot when done",
+    )

@@ -33,9 +33,11 @@ class _SpyLock:
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         if blocking and self._owner == threading.get_ident():
-            raise RuntimeError("self._lock is taken twice by the same thread: it is not "
-                               "re-entrant, so a `with self._lock:` inside another one (or "
-                               "inside a method that takes it) waits forever")
+            raise RuntimeError(
+                "self._lock is taken twice by the same thread: it is not "
+                "re-entrant, so a `with self._lock:` inside another one (or "
+                "inside a method that takes it) waits forever"
+            )
         ok = self._lock.acquire(blocking, timeout)
         if ok:
             self._owner = threading.get_ident()
@@ -68,8 +70,17 @@ _BLOCKS = 16
 
 def _front(cls, slots=1, runner=FakeRunner, lock=None):
     """A fake-model stall-free engine built as ``cls``, with a spy lock."""
-    return make_engine("stallfree", FakeModel(), runner=runner, engine_class=cls, max_batch_size=slots,
-                       token_budget=8, num_kv_blocks=_BLOCKS, kv_block_size=4, lock=lock or _SpyLock())
+    return make_engine(
+        "stallfree",
+        FakeModel(),
+        runner=runner,
+        engine_class=cls,
+        max_batch_size=slots,
+        token_budget=8,
+        num_kv_blocks=_BLOCKS,
+        kv_block_size=4,
+        lock=lock or _SpyLock(),
+    )
 
 
 def _right(rid, new):
@@ -106,8 +117,10 @@ def _diagnose_poll(got, expected):
 
 def poll_case(label, actions, hint="", slots=1):
     """``actions(engine)`` (ending with a poll) on the learner's class; the library's Engine answers."""
+
     def call(f):
         return actions(_front(f, slots))
+
     return Case(label, call, call(Engine), answer_compare(_poll_triple, _diagnose_poll), hint)
 
 
@@ -121,8 +134,10 @@ def once_locked(f):
     if spy.acquisitions == 0:
         return "your poll never takes self._lock: the engine thread can change the request while you read it"
     if spy.acquisitions > 1:
-        return (f"your poll takes self._lock {spy.acquisitions} times: the engine can run a step between two "
-                f"of them (next case); drain the tokens and read the status in ONE `with self._lock:` block")
+        return (
+            f"your poll takes self._lock {spy.acquisitions} times: the engine can run a step between two "
+            f"of them (next case); drain the tokens and read the status in ONE `with self._lock:` block"
+        )
     return None
 
 
@@ -143,9 +158,11 @@ def interleaved(f):
             if result[1] != "running":
                 break
         if got != _right("a", n) and len(got) < n:
-            return (f"with {n} token(s) to make, the client received {got}, {n - len(got)} short: a step "
-                    f"made the last token(s) and finished the request between your drain and your status "
-                    f"read, so the client saw 'done' without them")
+            return (
+                f"with {n} token(s) to make, the client received {got}, {n - len(got)} short: a step "
+                f"made the last token(s) and finished the request between your drain and your status "
+                f"read, so the client saw 'done' without them"
+            )
         if got != _right("a", n):
             return f"with {n} token(s), the client received {got}: tokens twice or out of order"
     return None
@@ -157,6 +174,7 @@ def threaded(f):
 
     errors, wrong = [], []
     with EngineLoop(_front(f, 4)) as loop:
+
         def client(c):
             for j in range(5):
                 prompt = [1 + (7 * c + j) % 60, 2, 3]
@@ -185,8 +203,10 @@ def threaded(f):
         return f"the engine thread died: {type(loop.error).__name__}: {loop.error}"
     if errors or not wrong:
         return errors[0] if errors else None
-    return (f"{len(wrong)} of 30 requests came out wrong, e.g. {wrong[0][0]}: {wrong[0][1]} tokens received "
-            f"of 8 (tokens lost or handed out twice between a drain and a status read)")
+    return (
+        f"{len(wrong)} of 30 requests came out wrong, e.g. {wrong[0][0]}: {wrong[0][1]} tokens received "
+        f"of 8 (tokens lost or handed out twice between a drain and a status read)"
+    )
 
 
 def cancel_running(f):
@@ -202,16 +222,22 @@ def cancel_running(f):
     if first is not True:
         return "cancel of a decoding request must return True: this call stopped it"
     if second is not False:
-        return ("the second cancel returned True: only the call that stopped the request "
-                "returns True; a request already finished (cancelled) gives False")
+        return (
+            "the second cancel returned True: only the call that stopped the request "
+            "returns True; a request already finished (cancelled) gives False"
+        )
     if tuple(polled) != (made, "done", "cancelled"):
-        return (f"after cancel, poll should hand out the tokens made so far with 'done' and "
-                f"'cancelled': expected {show((made, 'done', 'cancelled'))}, got {show(polled)} (finish "
-                f"the request with self._finish(req, 'cancelled'))")
+        return (
+            f"after cancel, poll should hand out the tokens made so far with 'done' and "
+            f"'cancelled': expected {show((made, 'done', 'cancelled'))}, got {show(polled)} (finish "
+            f"the request with self._finish(req, 'cancelled'))"
+        )
     engine.step()
     if list(engine.trace.steps[-1].slots) != ["b"]:
-        return ("after the next step the cancelled request's slot should hold b: put the "
-                "request on self._cancelled, so the next step's sweep frees its slot")
+        return (
+            "after the next step the cancelled request's slot should hold b: put the "
+            "request on self._cancelled, so the next step's sweep frees its slot"
+        )
     engine.run_until_idle()
     if tuple(engine.poll("b")) != (_right("b", 3), "done", "length"):
         return f"b, served after the cancel, should finish with {show((_right('b', 3), 'done', 'length'))}"
@@ -220,8 +246,14 @@ def cancel_running(f):
 
 def _blocks_back(engine):
     lost = _BLOCKS - engine.stats()["free_kv_blocks"]
-    return (f"{lost} KV block(s) never came back: a cancelled request's blocks are freed by the next "
-            f"step's sweep") if lost else None
+    return (
+        (
+            f"{lost} KV block(s) never came back: a cancelled request's blocks are freed by the next "
+            f"step's sweep"
+        )
+        if lost
+        else None
+    )
 
 
 def cancel_queued(f):
@@ -250,8 +282,14 @@ def cancel_done(f):
     got = [engine.cancel("a")]  # finished, "done" not yet polled
     engine.poll("a")
     got += [engine.cancel("a"), engine.cancel("zzz")]
-    for said, what in zip(got, ["a finished request (not polled yet)", "a request already reported done",
-                                "an id the engine never had"]):
+    for said, what in zip(
+        got,
+        [
+            "a finished request (not polled yet)",
+            "a request already reported done",
+            "an id the engine never had",
+        ],
+    ):
         if said is not False:
             return f"cancel of {what} must return False (nothing was running), got {show(said)}"
     return None
@@ -265,8 +303,11 @@ def cancel_mid_pass(f):
     class CancellingRunner(FakeRunner):
         def run(self, chunks):
             if seen.get("armed") and any(c.req_id == "a" for c in chunks):
-                seen.update(armed=False, said=engine.cancel("a"),
-                            held=bool(engine.scheduler.kv_usage()["block_tables"].get("a")))
+                seen.update(
+                    armed=False,
+                    said=engine.cancel("a"),
+                    held=bool(engine.scheduler.kv_usage()["block_tables"].get("a")),
+                )
             return super().run(chunks)
 
     engine = _front(f, 2, runner=CancellingRunner)
@@ -278,9 +319,11 @@ def cancel_mid_pass(f):
     if seen.get("said") is not True:
         return "cancel of a request in the middle of a pass must return True"
     if not seen["held"]:
-        return ("your cancel freed the request's slot or KV blocks while a forward pass was still computing "
-                "it (the runner writes into those blocks; another request could be given them): only mark it "
-                "cancelled and put it on self._cancelled; the next step's sweep frees it")
+        return (
+            "your cancel freed the request's slot or KV blocks while a forward pass was still computing "
+            "it (the runner writes into those blocks; another request could be given them): only mark it "
+            "cancelled and put it on self._cancelled; the next step's sweep frees it"
+        )
     if tuple(engine.poll("b")) != (_right("b", 6), "done", "length"):
         return f"b should still finish normally: expected {show((_right('b', 6), 'done', 'length'))}"
     return _blocks_back(engine)
@@ -292,6 +335,7 @@ def engine_front(cls: Any) -> Verdict:
     is reported; "unknown" for ids it does not know) and ``cancel(rid)`` (True only if this call
     stopped a running request; its slot and blocks are freed by the next step's sweep, never
     during a pass): single steps, a forced interleaving, cancels mid-pass, and real threads."""
+
     def then_poll(*script, rid="a"):  # (request, new tokens) submits, n runs n steps, None: until idle
         def actions(e):
             for item in script:
@@ -300,40 +344,70 @@ def engine_front(cls: Any) -> Verdict:
                 else:
                     _steps(e, item) if item else e.run_until_idle()
             return e.poll(rid)
+
         return actions
 
     cases = [
         poll_case("a request just submitted, no step yet: ([], 'running', None)", then_poll(("a",))),
-        poll_case("after 3 steps, one poll hands out every token made so far", then_poll(("a",), 3),
-                  "hand out all of req.pending, as a list"),
-        poll_case("a second poll with no step in between: ([], 'running', None)",
-                  lambda e: (then_poll(("a",), 3)(e), e.poll("a"))[1],
-                  "after taking the tokens, leave req.pending empty"),
-        poll_case("a finished request: its last tokens AND 'done' with the finish reason",
-                  then_poll(("a", 4), None)),
-        poll_case("after 'done' was reported, the engine forgets the request: 'unknown'",
-                  lambda e: (then_poll(("a", 4), None)(e), e.poll("a"))[1],
-                  "delete the request from self._requests when you report 'done'"),
-        poll_case("an id the engine never had: ([], 'unknown', None)", then_poll(("a",), rid="zzz"),
-                  "self._requests.get(rid) is None for it"),
-        poll_case("another request's tokens are not yours: b's poll sees only b's",
-                  then_poll(("a",), ("b",), 2, rid="b"), slots=2),
+        poll_case(
+            "after 3 steps, one poll hands out every token made so far",
+            then_poll(("a",), 3),
+            "hand out all of req.pending, as a list",
+        ),
+        poll_case(
+            "a second poll with no step in between: ([], 'running', None)",
+            lambda e: (then_poll(("a",), 3)(e), e.poll("a"))[1],
+            "after taking the tokens, leave req.pending empty",
+        ),
+        poll_case(
+            "a finished request: its last tokens AND 'done' with the finish reason", then_poll(("a", 4), None)
+        ),
+        poll_case(
+            "after 'done' was reported, the engine forgets the request: 'unknown'",
+            lambda e: (then_poll(("a", 4), None)(e), e.poll("a"))[1],
+            "delete the request from self._requests when you report 'done'",
+        ),
+        poll_case(
+            "an id the engine never had: ([], 'unknown', None)",
+            then_poll(("a",), rid="zzz"),
+            "self._requests.get(rid) is None for it",
+        ),
+        poll_case(
+            "another request's tokens are not yours: b's poll sees only b's",
+            then_poll(("a",), ("b",), 2, rid="b"),
+            slots=2,
+        ),
         piece_case("one poll takes self._lock exactly once", once_locked),
-        piece_case("a forced interleaving: the engine runs a step each time your poll lets go of the "
-                   "lock; a client polling until 'done' must receive every token (1 to 6 tokens)",
-                   interleaved, "drain the tokens and read the status under one hold of the lock"),
-        piece_case("cancel a decoding request (b waits for its slot): True, then False; poll says "
-                   "'cancelled'; after the next step b has the slot; every block comes back", cancel_running,
-                   "self._finish(req, 'cancelled') and self._cancelled.append(req), under the lock"),
-        piece_case("cancel a request still in the queue: True, poll says cancelled, it never "
-                   "runs", cancel_queued),
-        piece_case("cancel of a finished request, of one already reported done, of an unknown id: "
-                   "False each time", cancel_done,
-                   "return False when self._requests has no such request or it is finished"),
-        piece_case("cancel while a forward pass computes the request: True, and its slot and blocks "
-                   "stay held until the pass ends; the next step frees them", cancel_mid_pass),
-        piece_case("real threads: an EngineLoop serving 6 clients, 5 requests each, polling every "
-                   "millisecond until 'done': every answer equals the fake model's", threaded),
+        piece_case(
+            "a forced interleaving: the engine runs a step each time your poll lets go of the "
+            "lock; a client polling until 'done' must receive every token (1 to 6 tokens)",
+            interleaved,
+            "drain the tokens and read the status under one hold of the lock",
+        ),
+        piece_case(
+            "cancel a decoding request (b waits for its slot): True, then False; poll says "
+            "'cancelled'; after the next step b has the slot; every block comes back",
+            cancel_running,
+            "self._finish(req, 'cancelled') and self._cancelled.append(req), under the lock",
+        ),
+        piece_case(
+            "cancel a request still in the queue: True, poll says cancelled, it never runs", cancel_queued
+        ),
+        piece_case(
+            "cancel of a finished request, of one already reported done, of an unknown id: False each time",
+            cancel_done,
+            "return False when self._requests has no such request or it is finished",
+        ),
+        piece_case(
+            "cancel while a forward pass computes the request: True, and its slot and blocks "
+            "stay held until the pass ends; the next step frees them",
+            cancel_mid_pass,
+        ),
+        piece_case(
+            "real threads: an EngineLoop serving 6 clients, 5 requests each, polling every "
+            "millisecond until 'done': every answer equals the fake model's",
+            threaded,
+        ),
     ]
     return run_cases("engine_front", cls, cases)
 
@@ -374,27 +448,38 @@ def stream_text(fn: Callable, lm) -> Verdict:
                 return "yield pieces of text (str), not token ids"
             text = "".join(pieces)
             if got["polls"] > expected["polls"]:
-                return ("you polled again after the status stopped being 'running': stop "
-                        "polling once it is 'done' (or 'unknown')")
+                return (
+                    "you polled again after the status stopped being 'running': stop "
+                    "polling once it is 'done' (or 'unknown')"
+                )
             if got["polls"] < expected["polls"]:
                 return "you stopped polling while the status was still 'running'"
             if "\ufffd" not in expected["text"] and any("\ufffd" in p for p in pieces):
-                return ("a piece contains '\\ufffd' (the replacement character): feed tokens to "
-                        "detokenizer.add() and yield what it returns, not tokenizer.decode([t])")
+                return (
+                    "a piece contains '\\ufffd' (the replacement character): feed tokens to "
+                    "detokenizer.add() and yield what it returns, not tokenizer.decode([t])"
+                )
             if text != expected["text"]:
                 last_poll = script[-1][0]
                 before = tok.decode([t for tokens, _, _ in script[:-1] for t in tokens])
                 if last_poll and text in (before, before.rstrip("\ufffd")):
-                    return ("the tokens that came in the same poll as the final status are "
-                            "missing: handle a poll's tokens before you look at its status")
+                    return (
+                        "the tokens that came in the same poll as the final status are "
+                        "missing: handle a poll's tokens before you look at its status"
+                    )
                 if expected["text"].startswith(text):
-                    return (f"the text stops short: {expected['text'][len(text):]!r} is missing "
-                            f"(call detokenizer.flush() when the stream ends and yield the rest)")
+                    return (
+                        f"the text stops short: {expected['text'][len(text) :]!r} is missing "
+                        f"(call detokenizer.flush() when the stream ends and yield the rest)"
+                    )
                 return ""
             if streaming and got["at"] and got["at"][0] >= expected["polls"]:
-                return ("the first piece came out only after the last poll: yield each piece as "
-                        "soon as you have it, so the user sees text while it is made")
+                return (
+                    "the first piece came out only after the last poll: yield each piece as "
+                    "soon as you have it, so the user sees text while it is made"
+                )
             return None
+
         return compare
 
     def show_stream(value):
@@ -403,8 +488,14 @@ def stream_text(fn: Callable, lm) -> Verdict:
         return f"text {value['text']!r} after {value['polls']} polls"
 
     def case(label, script, hint="", streaming=False):
-        return Case(label, lambda f: _scripted(f, tok, script), expect(script),
-                    compare_for(script, streaming), hint, show_stream)
+        return Case(
+            label,
+            lambda f: _scripted(f, tok, script),
+            expect(script),
+            compare_for(script, streaming),
+            hint,
+            show_stream,
+        )
 
     def one_per_poll(ids, done="done", reason="stop"):
         return [([t], "running", None) for t in ids[:-1]] + [([ids[-1]], done, reason)]
@@ -413,32 +504,42 @@ def stream_text(fn: Callable, lm) -> Verdict:
     emoji = tok.encode("I love 🍕 and ☕.")
     cut = tok.encode("I love 🍕")[:-1]  # the stream ends inside the emoji
     cases = [
-        case("' The capital of France is Paris.' one token per poll",
-             one_per_poll(answer)),
-        case("the same, checked for streaming: the first piece must come out before the last poll",
-             one_per_poll(answer), "yield inside the loop, right after each add()", streaming=True),
-        case("'I love 🍕 and ☕.': each emoji is 3 tokens, arriving in 3 separate polls",
-             one_per_poll(emoji),
-             "a token can end in the middle of a character; the detokenizer holds it back"),
-        case("the last 4 tokens come in the same poll as 'done': show them too",
-             [(answer[:3], "running", None), (answer[3:], "done", "stop")],
-             "handle the tokens of a poll before you look at its status"),
-        case("polls that return nothing for a while (the engine is busy with others): keep polling",
-             [([], "running", None)] * 3 + [(answer[:2], "running", None), ([], "running", None),
-                                            (answer[2:], "done", "length")]),
-        case("the stream is cut inside an emoji (max_new_tokens reached): flush() hands out what "
-             "was held back", [(cut, "done", "length")],
-             "after the loop, yield detokenizer.flush() if it is not empty"),
-        case("an unknown request id: stop after one poll, no text",
-             [([], "unknown", None)]),
+        case("' The capital of France is Paris.' one token per poll", one_per_poll(answer)),
+        case(
+            "the same, checked for streaming: the first piece must come out before the last poll",
+            one_per_poll(answer),
+            "yield inside the loop, right after each add()",
+            streaming=True,
+        ),
+        case(
+            "'I love 🍕 and ☕.': each emoji is 3 tokens, arriving in 3 separate polls",
+            one_per_poll(emoji),
+            "a token can end in the middle of a character; the detokenizer holds it back",
+        ),
+        case(
+            "the last 4 tokens come in the same poll as 'done': show them too",
+            [(answer[:3], "running", None), (answer[3:], "done", "stop")],
+            "handle the tokens of a poll before you look at its status",
+        ),
+        case(
+            "polls that return nothing for a while (the engine is busy with others): keep polling",
+            [([], "running", None)] * 3
+            + [(answer[:2], "running", None), ([], "running", None), (answer[2:], "done", "length")],
+        ),
+        case(
+            "the stream is cut inside an emoji (max_new_tokens reached): flush() hands out what "
+            "was held back",
+            [(cut, "done", "length")],
+            "after the loop, yield detokenizer.flush() if it is not empty",
+        ),
+        case("an unknown request id: stop after one poll, no text", [([], "unknown", None)]),
     ]
 
     def real(f):
         from ..loop import EngineLoop
 
         ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-        loop = EngineLoop(make_engine("stallfree", lm, max_batch_size=2, token_budget=64,
-                                      num_kv_blocks=16))
+        loop = EngineLoop(make_engine("stallfree", lm, max_batch_size=2, token_budget=64, num_kv_blocks=16))
         seen: list[int] = []
 
         def poll(rid):
@@ -460,7 +561,13 @@ def stream_text(fn: Callable, lm) -> Verdict:
         return None if got[0] == got[1] else f"the engine made {got[1]!r}, your stream showed {got[0]!r}"
 
     if lm is not None:
-        cases.append(Case("the real model on an EngineLoop: the France question streamed to the end",
-                          real, "the text the engine made", real_compare,
-                          show=lambda v: repr(v[0]) if isinstance(v, tuple) else v))
+        cases.append(
+            Case(
+                "the real model on an EngineLoop: the France question streamed to the end",
+                real,
+                "the text the engine made",
+                real_compare,
+                show=lambda v: repr(v[0]) if isinstance(v, tuple) else v,
+            )
+        )
     return run_cases("stream_text", fn, cases)

@@ -28,43 +28,85 @@ def stream_metrics(fn: Callable) -> Verdict:
                 return f"the TTFT is wrong (it should be {e_ttft:g} s)"
             if not isinstance(itl, (list, tuple)) or len(itl) != len(e_itl):
                 n = len(itl) if isinstance(itl, (list, tuple)) else "not a list"
-                return (f"ITL should be a list of {len(e_itl)} gaps (one between each two of the "
-                        f"{len(chunks)} chunks), got {n}")
+                return (
+                    f"ITL should be a list of {len(e_itl)} gaps (one between each two of the "
+                    f"{len(chunks)} chunks), got {n}"
+                )
             if not all(close(a, b, 1e-9) for a, b in zip(itl, e_itl)):
                 return "the gaps are wrong: each is a chunk's time minus the previous chunk's"
             if e_tpot is None:
-                return None if tpot is None else \
-                    "with fewer than 2 tokens there is no TPOT: return None (do not divide by zero)"
+                return (
+                    None
+                    if tpot is None
+                    else "with fewer than 2 tokens there is no TPOT: return None (do not divide by zero)"
+                )
             if not isinstance(tpot, (int, float)):
                 return f"TPOT should be a number, got {tpot!r}"
             if close(tpot, e_tpot, 1e-9):
                 return None
             if close(tpot, (done - sent - ttft) / tokens, 1e-9):
-                return (f"divide by output_tokens - 1 = {tokens - 1}: the first token's time is "
-                        f"the TTFT, so only the other {tokens - 1} share the rest")
+                return (
+                    f"divide by output_tokens - 1 = {tokens - 1}: the first token's time is "
+                    f"the TTFT, so only the other {tokens - 1} share the rest"
+                )
             if len(itl) and close(tpot, sum(itl) / len(itl), 1e-9):
-                return ("that is the mean ITL (chunks); TPOT counts tokens from usage, and the "
-                        "time from the first token to the end of the stream")
+                return (
+                    "that is the mean ITL (chunks); TPOT counts tokens from usage, and the "
+                    "time from the first token to the end of the stream"
+                )
             return ""
+
         return compare
 
     rows = [  # (label, sent, chunks, done, tokens, the answer written out)
-        ("sent at 10.0 s; 4 chunks at 10.5, 10.6, 10.7, 10.8 s; done at 10.8 s; 4 tokens",
-         10.0, [10.5, 10.6, 10.7, 10.8], 10.8, 4, (0.5, [0.1, 0.1, 0.1], 0.1)),
-        ("uneven gaps: sent at 0; chunks at 1.0, 1.2, 2.0 s; done at 2.0 s; 3 tokens",
-         0.0, [1.0, 1.2, 2.0], 2.0, 3, (1.0, [0.2, 0.8], 0.5)),
-        ("one chunk, one token: sent at 5.0, chunk at 5.25, done at 5.25 (no TPOT)",
-         5.0, [5.25], 5.25, 1, (0.25, [], None)),
-        ("the server packed 6 tokens into 3 chunks: sent at 0; chunks at 0.4, 0.6, 0.8; done at "
-         "0.9 s; usage says 6 tokens", 0.0, [0.4, 0.6, 0.8], 0.9, 6, (0.4, [0.2, 0.2], 0.1)),
+        (
+            "sent at 10.0 s; 4 chunks at 10.5, 10.6, 10.7, 10.8 s; done at 10.8 s; 4 tokens",
+            10.0,
+            [10.5, 10.6, 10.7, 10.8],
+            10.8,
+            4,
+            (0.5, [0.1, 0.1, 0.1], 0.1),
+        ),
+        (
+            "uneven gaps: sent at 0; chunks at 1.0, 1.2, 2.0 s; done at 2.0 s; 3 tokens",
+            0.0,
+            [1.0, 1.2, 2.0],
+            2.0,
+            3,
+            (1.0, [0.2, 0.8], 0.5),
+        ),
+        (
+            "one chunk, one token: sent at 5.0, chunk at 5.25, done at 5.25 (no TPOT)",
+            5.0,
+            [5.25],
+            5.25,
+            1,
+            (0.25, [], None),
+        ),
+        (
+            "the server packed 6 tokens into 3 chunks: sent at 0; chunks at 0.4, 0.6, 0.8; done at "
+            "0.9 s; usage says 6 tokens",
+            0.0,
+            [0.4, 0.6, 0.8],
+            0.9,
+            6,
+            (0.4, [0.2, 0.2], 0.1),
+        ),
     ]
-    return table("stream_metrics", fn, rows, None, compare_for,
-                 "TTFT = chunk_times_s[0] - sent_s; ITL = differences of consecutive chunk "
-                 "times; TPOT = (done_s - sent_s - TTFT) / (output_tokens - 1)")
+    return table(
+        "stream_metrics",
+        fn,
+        rows,
+        None,
+        compare_for,
+        "TTFT = chunk_times_s[0] - sent_s; ITL = differences of consecutive chunk "
+        "times; TPOT = (done_s - sent_s - TTFT) / (output_tokens - 1)",
+    )
 
 
-def _event(content: str | None = None, role: str | None = None, finish: str | None = None,
-           usage: dict | None = None) -> str:
+def _event(
+    content: str | None = None, role: str | None = None, finish: str | None = None, usage: dict | None = None
+) -> str:
     delta = {}
     if role:
         delta["role"] = role
@@ -83,19 +125,48 @@ def parse_sse(fn: Callable) -> Verdict:
     chunks without text (the role, the finish, the usage) add nothing."""
     role, done, blank = _event("", role="assistant"), "data: [DONE]", ""
     streams = [
-        ("a plain stream: role chunk, 'Hel', 'lo', finish chunk, [DONE]",
-         [role, blank, _event("Hel"), blank, _event("lo"), blank, _event(finish="stop"), blank,
-          done, blank], ["Hel", "lo"]),
-        ("the role chunk carries content '' and must not become a delta",
-         [role, _event(" world"), done], [" world"]),
-        ("a keep-alive comment line ': ping' between chunks",
-         [role, _event("a"), ": ping", _event("b"), done], ["a", "b"]),
-        ("a usage chunk (empty choices) after the finish chunk",
-         [role, _event("Paris"), _event(".", finish="stop"),
-          _event(usage={"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}), done],
-         ["Paris", "."]),
-        ("text with emoji and a quote: ' 🙂' and ' \"ok\"' (json.loads undoes the escapes)",
-         [role, _event(" 🙂"), _event(' "ok"'), done], [" 🙂", ' "ok"']),
+        (
+            "a plain stream: role chunk, 'Hel', 'lo', finish chunk, [DONE]",
+            [
+                role,
+                blank,
+                _event("Hel"),
+                blank,
+                _event("lo"),
+                blank,
+                _event(finish="stop"),
+                blank,
+                done,
+                blank,
+            ],
+            ["Hel", "lo"],
+        ),
+        (
+            "the role chunk carries content '' and must not become a delta",
+            [role, _event(" world"), done],
+            [" world"],
+        ),
+        (
+            "a keep-alive comment line ': ping' between chunks",
+            [role, _event("a"), ": ping", _event("b"), done],
+            ["a", "b"],
+        ),
+        (
+            "a usage chunk (empty choices) after the finish chunk",
+            [
+                role,
+                _event("Paris"),
+                _event(".", finish="stop"),
+                _event(usage={"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}),
+                done,
+            ],
+            ["Paris", "."],
+        ),
+        (
+            "text with emoji and a quote: ' 🙂' and ' \"ok\"' (json.loads undoes the escapes)",
+            [role, _event(" 🙂"), _event(' "ok"'), done],
+            [" 🙂", ' "ok"'],
+        ),
         ("lines after data: [DONE] are ignored", [_event("x"), done, _event("late")], ["x"]),
     ]
 
@@ -108,13 +179,19 @@ def parse_sse(fn: Callable) -> Verdict:
             return "an empty string is in your list: skip chunks whose content is empty"
         if any(not isinstance(g, str) for g in got):
             return "every item should be the text (a str), not the parsed chunk"
-        if got[:len(expected)] == expected:
+        if got[: len(expected)] == expected:
             return "you kept reading after 'data: [DONE]'"
         return ""
 
-    return table("parse_sse", fn, streams, None, lambda lines: compare,
-                 "for each line starting with 'data: ': stop at '[DONE]', else json.loads the "
-                 "rest and take choices[0]['delta'].get('content') when there are choices")
+    return table(
+        "parse_sse",
+        fn,
+        streams,
+        None,
+        lambda lines: compare,
+        "for each line starting with 'data: ': stop at '[DONE]', else json.loads the "
+        "rest and take choices[0]['delta'].get('content') when there are choices",
+    )
 
 
 def goodput(fn: Callable) -> Verdict:
@@ -126,16 +203,46 @@ def goodput(fn: Callable) -> Verdict:
         return {"ok": ok, "ttft_s": ttft, "tpot_s": tpot}
 
     sets = [
-        ("4 requests, all within TTFT <= 1 s and TPOT <= 0.2 s, in 2 s",
-         [r(), r(), r(ttft=0.9), r(tpot=0.2)], 2.0, 1.0, 0.2, 2.0),
-        ("one misses TTFT (1.5 s > 1 s), one misses TPOT (0.3 s > 0.2 s); 10 s",
-         [r(), r(ttft=1.5), r(tpot=0.3), r()], 10.0, 1.0, 0.2, 0.2),
-        ("a request cut off mid-stream (ok False, fast until then) is not good; 4 s",
-         [r(), r(ok=False, ttft=0.3), r()], 4.0, 1.0, 0.2, 0.5),
-        ("exactly on the limits (TTFT 1.0 s, TPOT 0.2 s) counts as good; 1 s",
-         [r(ttft=1.0, tpot=0.2)], 1.0, 1.0, 0.2, 1.0),
-        ("a one-token answer has TPOT None and cannot miss the TPOT objective; 5 s",
-         [r(tpot=None), r(ttft=2.0, tpot=None)], 5.0, 1.0, 0.2, 0.2),
+        (
+            "4 requests, all within TTFT <= 1 s and TPOT <= 0.2 s, in 2 s",
+            [r(), r(), r(ttft=0.9), r(tpot=0.2)],
+            2.0,
+            1.0,
+            0.2,
+            2.0,
+        ),
+        (
+            "one misses TTFT (1.5 s > 1 s), one misses TPOT (0.3 s > 0.2 s); 10 s",
+            [r(), r(ttft=1.5), r(tpot=0.3), r()],
+            10.0,
+            1.0,
+            0.2,
+            0.2,
+        ),
+        (
+            "a request cut off mid-stream (ok False, fast until then) is not good; 4 s",
+            [r(), r(ok=False, ttft=0.3), r()],
+            4.0,
+            1.0,
+            0.2,
+            0.5,
+        ),
+        (
+            "exactly on the limits (TTFT 1.0 s, TPOT 0.2 s) counts as good; 1 s",
+            [r(ttft=1.0, tpot=0.2)],
+            1.0,
+            1.0,
+            0.2,
+            1.0,
+        ),
+        (
+            "a one-token answer has TPOT None and cannot miss the TPOT objective; 5 s",
+            [r(tpot=None), r(ttft=2.0, tpot=None)],
+            5.0,
+            1.0,
+            0.2,
+            0.2,
+        ),
     ]
 
     def count(reqs, strict=False, any_ok=False, none_misses=False, either=False):
@@ -151,15 +258,38 @@ def goodput(fn: Callable) -> Verdict:
 
     def judge(reqs, d, *slo):
         good = count(reqs)
-        return number_compare(mistakes(
-            (good / len(reqs), "that is the share of good requests; goodput divides their number by "
-                               "the duration in seconds"),
-            (good if d != 1 else None, f"that is the number of good requests ({good}); divide by duration_s"),
-            (count(reqs, strict=True) / d, "a request exactly at a limit meets it: compare with <=, not <"),
-            (count(reqs, none_misses=True) / d, "a tpot_s of None (one token) should not count as a miss"),
-            (count(reqs, either=True) / d, "a request must meet BOTH objectives to be good"),
-            (count(reqs, any_ok=True) / d, "count only requests with ok True"), rel=1e-9), rel=1e-9)
+        return number_compare(
+            mistakes(
+                (
+                    good / len(reqs),
+                    "that is the share of good requests; goodput divides their number by "
+                    "the duration in seconds",
+                ),
+                (
+                    good if d != 1 else None,
+                    f"that is the number of good requests ({good}); divide by duration_s",
+                ),
+                (
+                    count(reqs, strict=True) / d,
+                    "a request exactly at a limit meets it: compare with <=, not <",
+                ),
+                (
+                    count(reqs, none_misses=True) / d,
+                    "a tpot_s of None (one token) should not count as a miss",
+                ),
+                (count(reqs, either=True) / d, "a request must meet BOTH objectives to be good"),
+                (count(reqs, any_ok=True) / d, "count only requests with ok True"),
+                rel=1e-9,
+            ),
+            rel=1e-9,
+        )
 
-    return table("goodput", fn, sets, None, judge,
-                 "good = ok and ttft_s <= slo_ttft_s and (tpot_s is None or tpot_s <= "
-                 "slo_tpot_s); goodput = number good / duration_s")
+    return table(
+        "goodput",
+        fn,
+        sets,
+        None,
+        judge,
+        "good = ok and ttft_s <= slo_ttft_s and (tpot_s is None or tpot_s <= "
+        "slo_tpot_s); goodput = number good / duration_s",
+    )

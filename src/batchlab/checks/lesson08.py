@@ -24,50 +24,77 @@ __all__ = ["kv_slots", "cached_prefix", "memory_scheduler"]
 
 def _ints(why_not: str):
     """A reader for ``answer_compare``: a list of ints from anything that converts, else ``why_not``."""
+
     def read(got):
         try:
             return [int(x) for x in got], None
         except (TypeError, ValueError):
             return None, why_not
+
     return read
 
 
 def kv_slots(fn: Callable) -> Verdict:
     """Check ``fn(table, start, stop, block_size) -> list of ints``: the KV slot of tokens start..stop-1."""
+
     def judge(table, start, stop, size):
         def diagnose(got, expected):
             positions = range(start, stop)
             if len(got) != len(expected):
                 return f"{len(got)} slots for {stop - start} tokens: one slot per token start..stop-1"
             if got == list(positions):
-                return ("those are the token positions themselves; a token lives in block "
-                        "table[position // block_size], at offset position % block_size")
+                return (
+                    "those are the token positions themselves; a token lives in block "
+                    "table[position // block_size], at offset position % block_size"
+                )
             if got == [(p // size) * size + p % size for p in positions]:
                 return "look the block number up in the table: table[position // block_size]"
             if got == [table[p // size] + p % size for p in positions]:
                 return "a block holds block_size slots: block b starts at slot b * block_size, not at slot b"
             return ""
+
         return answer_compare(_ints("return a list of slot numbers (ints), one per token"), diagnose)
 
     rows = [
         ("one block, table [0], tokens 0..3, block size 4", [0], 0, 4, 4),
-        (("table [5], tokens 0..2: block 5 starts at slot 20",
-          "block b holds slots b * block_size .. b * block_size + block_size - 1"), [5], 0, 3, 4),
-        (("table [3, 0, 7], tokens 0..9, block size 4: the tokens cross from block 3 to 0 to 7",
-          "token i sits in block table[i // block_size]"), [3, 0, 7], 0, 10, 4),
+        (
+            (
+                "table [5], tokens 0..2: block 5 starts at slot 20",
+                "block b holds slots b * block_size .. b * block_size + block_size - 1",
+            ),
+            [5],
+            0,
+            3,
+            4,
+        ),
+        (
+            (
+                "table [3, 0, 7], tokens 0..9, block size 4: the tokens cross from block 3 to 0 to 7",
+                "token i sits in block table[i // block_size]",
+            ),
+            [3, 0, 7],
+            0,
+            10,
+            4,
+        ),
         ("the same table, tokens 5..8 only (a later chunk starts mid-block)", [3, 0, 7], 5, 9, 4),
         ("a decode row: one token, position 33, table [2, 9, 4], block size 16", [2, 9, 4], 33, 34, 16),
         ("no tokens (start == stop): an empty list", [1], 2, 2, 4),
     ]
-    return table("kv_slots", fn, rows,
-                 lambda t, a, b, s: Chunk("r", [], 0, list(t)).kv_addresses(a, b, s).tolist(), judge)
+    return table(
+        "kv_slots",
+        fn,
+        rows,
+        lambda t, a, b, s: Chunk("r", [], 0, list(t)).kv_addresses(a, b, s).tolist(),
+        judge,
+    )
 
 
 def _cache_of(sequence, block_size, blocks):
     """A cache holding ``sequence``'s full blocks as the given block numbers."""
     cached, key = {}, b""
     for i, block in enumerate(blocks):
-        key = BlockManager.block_key(key, sequence[i * block_size:(i + 1) * block_size])
+        key = BlockManager.block_key(key, sequence[i * block_size : (i + 1) * block_size])
         cached[key] = block
     return cached
 
@@ -90,31 +117,66 @@ def cached_prefix(fn: Callable) -> Verdict:
 
         def diagnose(got, expected):
             if len(got) > full:
-                return (f"only the first {full} block(s) may be shared: the block holding the last prompt "
-                        f"token is always computed, so the request still gets a next-token distribution")
+                return (
+                    f"only the first {full} block(s) may be shared: the block holding the last prompt "
+                    f"token is always computed, so the request still gets a next-token distribution"
+                )
             if len(got) > len(expected):
-                return ("a block's key chains its parent's key (b\"\" for the first block); the "
-                        "same tokens after a different prefix are a different block")
-            if len(got) < len(expected) and got == expected[:len(got)]:
+                return (
+                    "a block's key chains its parent's key (b\"\" for the first block); the "
+                    "same tokens after a different prefix are a different block"
+                )
+            if len(got) < len(expected) and got == expected[: len(got)]:
                 return "you stopped early: keep going while the next block's key is in the cache"
             return ""
+
         return answer_compare(_ints("return a list of block numbers (the values of the cache)"), diagnose)
 
     rows = [
         ("nothing cached: no hit", system + [1, 2], {}, 4),
-        (("a prompt that starts with the 3 cached blocks, then 2 more tokens: all 3 are shared",
-          "hash block by block, each key from the previous key and the block's "
-          "tokens"), system + [1, 2], cache, 4),
-        (("the same 12 tokens and nothing after: only 2 blocks, the third holds the last token",
-          "stop before the block that holds the last token"), list(system), cache, 4),
-        (("the prompt differs in its 6th token: only the first block matches",
-          "stop at the first key not in the cache"), system[:5] + [99] + system[6:] + [1], cache, 4),
-        (("the second block's tokens, but after a different first block: no hit",
-          "a key includes everything before the block (through the parent's key)"),
-         [1, 1, 1, 1] + system[4:8] + [3], cache, 4),
+        (
+            (
+                "a prompt that starts with the 3 cached blocks, then 2 more tokens: all 3 are shared",
+                "hash block by block, each key from the previous key and the block's tokens",
+            ),
+            system + [1, 2],
+            cache,
+            4,
+        ),
+        (
+            (
+                "the same 12 tokens and nothing after: only 2 blocks, the third holds the last token",
+                "stop before the block that holds the last token",
+            ),
+            list(system),
+            cache,
+            4,
+        ),
+        (
+            (
+                "the prompt differs in its 6th token: only the first block matches",
+                "stop at the first key not in the cache",
+            ),
+            system[:5] + [99] + system[6:] + [1],
+            cache,
+            4,
+        ),
+        (
+            (
+                "the second block's tokens, but after a different first block: no hit",
+                "a key includes everything before the block (through the parent's key)",
+            ),
+            [1, 1, 1, 1] + system[4:8] + [3],
+            cache,
+            4,
+        ),
         ("a prompt shorter than one block: no full block, no hit", system[:3], cache, 4),
-        ("block size 2: a 9-token prompt over a cache of its first 3 blocks",
-         [5, 6, 7, 8, 9, 10, 11, 12, 13], _cache_of([5, 6, 7, 8, 9, 10], 2, [0, 3, 1]), 2),
+        (
+            "block size 2: a 9-token prompt over a cache of its first 3 blocks",
+            [5, 6, 7, 8, 9, 10, 11, 12, 13],
+            _cache_of([5, 6, 7, 8, 9, 10], 2, [0, 3, 1]),
+            2,
+        ),
     ]
     return table("cached_prefix", fn, rows, _lookup_reference, judge)
 
@@ -129,19 +191,34 @@ def _prompt(i, n, offset=0):  # token ids < 60
 
 _POOL = dict(max_batch_size=4, token_budget=24, num_kv_blocks=14)
 SCENARIOS = {  # name: (in words, requests arriving at once, engine options, priorities, must preempt)
-    "tight": ("6 requests growing on a pool of 14 blocks of 4 tokens (preemptions must happen)",
-              [WorkloadRequest(f"r{i}", _prompt(i, 6 + 3 * i), 14 + 2 * i) for i in range(6)], _POOL, None,
-              True),
-    "priorities": ("6 requests of priorities [1, 0, 2, 1, 0, 2] on 14 blocks (preemptions must happen)",
-                   [WorkloadRequest(f"p{i}", _prompt(i, 6 + i, 5), 20) for i in range(6)], _POOL,
-                   {f"p{i}": prio for i, prio in enumerate([1, 0, 2, 1, 0, 2])}, True),
-    "long prompts": ("5 prompts of 30-50 tokens, a budget of 12 tokens a step (chunked admission)",
-                     [WorkloadRequest(f"l{i}", _prompt(i, 30 + 5 * i), 6) for i in range(5)],
-                     dict(max_batch_size=4, token_budget=12, num_kv_blocks=24), None, False),
-    "shared prefix": ("6 requests sharing a 16-token prefix, prefix cache on",
-                      [WorkloadRequest(f"s{i}", _prompt(99, 16) + _prompt(i, 3 + i), 8) for i in range(6)],
-                      dict(max_batch_size=4, token_budget=24, num_kv_blocks=11, enable_prefix_cache=True),
-                      None, False),
+    "tight": (
+        "6 requests growing on a pool of 14 blocks of 4 tokens (preemptions must happen)",
+        [WorkloadRequest(f"r{i}", _prompt(i, 6 + 3 * i), 14 + 2 * i) for i in range(6)],
+        _POOL,
+        None,
+        True,
+    ),
+    "priorities": (
+        "6 requests of priorities [1, 0, 2, 1, 0, 2] on 14 blocks (preemptions must happen)",
+        [WorkloadRequest(f"p{i}", _prompt(i, 6 + i, 5), 20) for i in range(6)],
+        _POOL,
+        {f"p{i}": prio for i, prio in enumerate([1, 0, 2, 1, 0, 2])},
+        True,
+    ),
+    "long prompts": (
+        "5 prompts of 30-50 tokens, a budget of 12 tokens a step (chunked admission)",
+        [WorkloadRequest(f"l{i}", _prompt(i, 30 + 5 * i), 6) for i in range(5)],
+        dict(max_batch_size=4, token_budget=12, num_kv_blocks=24),
+        None,
+        False,
+    ),
+    "shared prefix": (
+        "6 requests sharing a 16-token prefix, prefix cache on",
+        [WorkloadRequest(f"s{i}", _prompt(99, 16) + _prompt(i, 3 + i), 8) for i in range(6)],
+        dict(max_batch_size=4, token_budget=24, num_kv_blocks=11, enable_prefix_cache=True),
+        None,
+        False,
+    ),
 }
 
 
@@ -149,18 +226,26 @@ def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
     """The likely mistake when the learner's fits disagrees with ``Scheduler.fits``, from the situation."""
     hits, _, _ = sched.first_chunk(req, max_tokens)
     decoding = len(sched.in_state(State.DECODING))
-    situation = (f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, {len(hits)} cached block(s), "
-                 f"{decoding} request(s) decoding, {sched.blocks.num_free} free block(s)) your fits said "
-                 f"{got}, the reference {not got}")
+    situation = (
+        f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, {len(hits)} cached block(s), "
+        f"{decoding} request(s) decoding, {sched.blocks.num_free} free block(s)) your fits said "
+        f"{got}, the reference {not got}"
+    )
     if not got and hits:
-        return (f"{situation}: cached prefix blocks (self.blocks.lookup, or self.first_chunk) "
-                f"are shared, not taken: they cost no free block (unless evictable, ref count 0)")
+        return (
+            f"{situation}: cached prefix blocks (self.blocks.lookup, or self.first_chunk) "
+            f"are shared, not taken: they cost no free block (unless evictable, ref count 0)"
+        )
     if not got and req.prefill_len > max_tokens:
-        return (f"{situation}: count only the first chunk (at most max_tokens tokens after "
-                f"the cached prefix), not the whole prompt: later chunks take blocks as they come")
+        return (
+            f"{situation}: count only the first chunk (at most max_tokens tokens after "
+            f"the cached prefix), not the whole prompt: later chunks take blocks as they come"
+        )
     if got and decoding:
-        return (f"{situation}: you left no headroom; keep one free block for every DECODING "
-                f"request, so admitting does not force a preemption at once")
+        return (
+            f"{situation}: you left no headroom; keep one free block for every DECODING "
+            f"request, so admitting does not force a preemption at once"
+        )
     return situation
 
 
@@ -182,19 +267,32 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
             got = super().victim(running)
             want = PriorityPolicy.victim(self, running)
             if got is not want and "victim" not in notes:
-                notes["victim"] = (f"victim: among {[(r.id, r.priority) for r in running]} (id, priority), "
-                                   f"your victim was {getattr(got, 'id', got)!r}, the reference's "
-                                   f"{want.id!r}")
+                notes["victim"] = (
+                    f"victim: among {[(r.id, r.priority) for r in running]} (id, priority), "
+                    f"your victim was {getattr(got, 'id', got)!r}, the reference's "
+                    f"{want.id!r}"
+                )
             if got not in running:
                 raise RuntimeError(f"victim returned {show(got)}, not one of the running requests")
             return got
 
-    run = run_piece(Probe, Workload(name, name, reqs), kv_block_size=4, policy=PolicyProbe(),
-                    priorities=priorities, hints={"stuck": "does your fits ever say True?"}, **options)
+    run = run_piece(
+        Probe,
+        Workload(name, name, reqs),
+        kv_block_size=4,
+        policy=PolicyProbe(),
+        priorities=priorities,
+        hints={"stuck": "does your fits ever say True?"},
+        **options,
+    )
     if run.problem or notes:
         return run.problem or notes.get("fits") or notes["victim"]
-    wrong = [r.id for r in reqs if run.trace.requests[r.id].output_ids !=
-             reference_output(r.prompt_ids, r.max_new_tokens, VOCAB, frozenset())]
+    wrong = [
+        r.id
+        for r in reqs
+        if run.trace.requests[r.id].output_ids
+        != reference_output(r.prompt_ids, r.max_new_tokens, VOCAB, frozenset())
+    ]
     over = [s.index for s in run.trace.steps if s.num_tokens > options["token_budget"]]
     if wrong:
         return f"the outputs of {wrong} differ from the fake model's"
@@ -203,8 +301,10 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
     if over:
         return f"steps {over[:5]} ran more tokens than the budget"
     if must_preempt and not run.preemptions:
-        return ("this scenario must preempt (the pool is too small for everyone's "
-                "growth) but no preemption happened: the run did not test the victim")
+        return (
+            "this scenario must preempt (the pool is too small for everyone's "
+            "growth) but no preemption happened: the run did not test the victim"
+        )
     return None
 
 
@@ -227,11 +327,15 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
                 return "return one of the running requests (the object itself)"
             picked, want = (next(r for r in running if r.id == i) for i in (got, expected))
             if picked.priority < want.priority:
-                return (f"{got} has priority {picked.priority}, more important than "
-                        f"{expected}'s {want.priority}: lower numbers are MORE important")
+                return (
+                    f"{got} has priority {picked.priority}, more important than "
+                    f"{expected}'s {want.priority}: lower numbers are MORE important"
+                )
             if picked.priority == want.priority and picked.arrival_s < want.arrival_s:
-                return (f"{got} and {expected} have the same priority; the NEWER one "
-                        f"(later arrival) gives way: it has the least work to lose")
+                return (
+                    f"{got} and {expected} have the same priority; the NEWER one "
+                    f"(later arrival) gives way: it has the least work to lose"
+                )
             if picked.priority == want.priority:
                 return "on a full tie, the one admitted last (the end of the list) gives way"
             return ""
@@ -239,23 +343,39 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
         return Case(label, call, PriorityPolicy().victim(running).id, compare, hint)
 
     cases = [
-        *[victim_case(label, [_req(*r) for r in running], hint) for label, running, hint in [
-            ("victim: all priority 0, arrivals 1, 2, 3: the newest gives way",
-             [("a", 0, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)], "with equal priorities, the newest arrival is "
-                                                            "the victim"),
-            ("victim: an old request of priority 5 among newer ones of priority 0",
-             [("old", 5, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)],
-             "the least important (highest number) goes first, however old"),
-            ("victim: two of priority 2 (arrivals 1 and 4) and one of priority 1 (arrival 9)",
-             [("x", 2, 1.0), ("y", 1, 9.0), ("z", 2, 4.0)], "among the least important, the newest"),
-            ("victim: equal priority and arrival: the one admitted last (end of the list)",
-             [("p", 1, 2.0), ("q", 1, 2.0), ("r", 0, 2.0)], "break a full tie by admission order: the last "
-                                                            "in the list"),
-        ]],
-        *[piece_case(f"a whole run: {words}; every fits and victim decision matches the reference, "
-                     f"outputs are the fake model's, every block comes back",
-                     lambda pieces, name=name: _whole_run(*pieces(), name))
-          for name, (words, *_) in SCENARIOS.items()],
+        *[
+            victim_case(label, [_req(*r) for r in running], hint)
+            for label, running, hint in [
+                (
+                    "victim: all priority 0, arrivals 1, 2, 3: the newest gives way",
+                    [("a", 0, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)],
+                    "with equal priorities, the newest arrival is the victim",
+                ),
+                (
+                    "victim: an old request of priority 5 among newer ones of priority 0",
+                    [("old", 5, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)],
+                    "the least important (highest number) goes first, however old",
+                ),
+                (
+                    "victim: two of priority 2 (arrivals 1 and 4) and one of priority 1 (arrival 9)",
+                    [("x", 2, 1.0), ("y", 1, 9.0), ("z", 2, 4.0)],
+                    "among the least important, the newest",
+                ),
+                (
+                    "victim: equal priority and arrival: the one admitted last (end of the list)",
+                    [("p", 1, 2.0), ("q", 1, 2.0), ("r", 0, 2.0)],
+                    "break a full tie by admission order: the last in the list",
+                ),
+            ]
+        ],
+        *[
+            piece_case(
+                f"a whole run: {words}; every fits and victim decision matches the reference, "
+                f"outputs are the fake model's, every block comes back",
+                lambda pieces, name=name: _whole_run(*pieces(), name),
+            )
+            for name, (words, *_) in SCENARIOS.items()
+        ],
     ]
     pieces = (lambda: (scheduler_cls, policy_cls)) if missing is None else missing
     return run_cases("memory_scheduler", pieces, cases)

@@ -23,26 +23,41 @@ def mean_in_system(fn: Any) -> Verdict:
         ("two requests, one after the other: 0-1 s and 1-2 s", [0.0, 1.0], [1.0, 2.0]),
         ("two requests overlapping: 0-3 s and 1-3 s", [0.0, 1.0], [3.0, 3.0]),
         ("an idle gap: 0-1 s, then nobody until 3 s, then 3-4 s", [0.0, 3.0], [1.0, 4.0]),
-        ("five requests queueing behind each other (arrive together at 0, leave 1 s apart)",
-         [0.0] * 5, [1.0, 2.0, 3.0, 4.0, 5.0]),
+        (
+            "five requests queueing behind each other (arrive together at 0, leave 1 s apart)",
+            [0.0] * 5,
+            [1.0, 2.0, 3.0, 4.0, 5.0],
+        ),
     ]
 
     def stays(a, d):
         return [y - x for x, y in zip(a, d)]
 
-    return table("mean_in_system", fn, rows, lambda a, d: sum(stays(a, d)) / max(d),
-                 lambda a, d: number_compare(
-        mistakes((sum(stays(a, d)) / len(a), "that is W, the mean time one request spends in the system; L "
-                                             "is "
-                  "how many are in it on average, L = λ W with λ = n / (last departure)"),
-                 (len(a) / max(d), "that is λ, the arrival rate; L = λ W"))),
+    return table(
+        "mean_in_system",
+        fn,
+        rows,
+        lambda a, d: sum(stays(a, d)) / max(d),
+        lambda a, d: number_compare(
+            mistakes(
+                (
+                    sum(stays(a, d)) / len(a),
+                    "that is W, the mean time one request spends in the system; L "
+                    "is "
+                    "how many are in it on average, L = λ W with λ = n / (last departure)",
+                ),
+                (len(a) / max(d), "that is λ, the arrival rate; L = λ W"),
+            )
+        ),
         "add up, over all requests, the time each spends in the system "
-        "(departure - arrival), and divide by the length of the window")
+        "(departure - arrival), and divide by the length of the window",
+    )
 
 
 def to_shed(fn: Any) -> Verdict:
     """Check ``fn(queue, now, ttft_slo_s, prefill_tokens_per_s)``: the ids (in queue order) of the
     ``(id, arrival_s, prompt_len)`` entries whose first token cannot come within the SLO of arrival."""
+
     def compare(got, expected):
         if not isinstance(got, (list, tuple)):
             return f"return a list of request ids, not a {type(got).__name__}"
@@ -53,30 +68,43 @@ def to_shed(fn: Any) -> Verdict:
             return "the right ids, but keep them in queue order"
         missing = [r for r in expected if r not in got]
         if missing:
-            return (f"{missing} cannot make it but you keep them: count the time its prefill "
-                    "will take (prompt_len / prefill_tokens_per_s) on top of the wait so far")
-        return (f"{[r for r in got if r not in expected]} can still make it; shed only those that would be "
-                f"late (> the SLO)")
+            return (
+                f"{missing} cannot make it but you keep them: count the time its prefill "
+                "will take (prompt_len / prefill_tokens_per_s) on top of the wait so far"
+            )
+        return (
+            f"{[r for r in got if r not in expected]} can still make it; shed only those that would be "
+            f"late (> the SLO)"
+        )
 
     rows = [
         ("an empty queue", []),
         ("nobody late: waits of 1 and 2 s, prefills of 0.5 s, SLO 5 s", [("a", 9.0, 50), ("b", 8.0, 50)]),
         ("one has waited 6 s already (SLO 5 s)", [("a", 4.0, 50), ("b", 9.5, 50)]),
-        ("a long prompt that just arrived: 800 tokens take 8 s to prefill (SLO 5 s)",
-         [("short", 9.0, 40), ("long", 10.0, 800)]),
+        (
+            "a long prompt that just arrived: 800 tokens take 8 s to prefill (SLO 5 s)",
+            [("short", 9.0, 40), ("long", 10.0, 800)],
+        ),
         ("exactly on time: waited 4 s + 1 s of prefill = the 5 s SLO (keep it)", [("edge", 6.0, 100)]),
-        ("several late ones, in queue order",
-         [("x", 1.0, 10), ("y", 9.9, 10), ("z", 2.0, 10), ("w", 3.0, 900)]),
+        (
+            "several late ones, in queue order",
+            [("x", 1.0, 10), ("y", 9.9, 10), ("z", 2.0, 10), ("w", 3.0, 900)],
+        ),
     ]
-    return table("to_shed", fn, [(label, q, 10.0, 5.0, 100.0) for label, q in rows],
-                 lambda q, now, slo, speed: [rid for rid, t, n in q if (now - t) + n / speed > slo],
-                 lambda *a: compare, "late if (now - arrival) + prompt_len / prefill_tokens_per_s > "
-                                     "ttft_slo_s")
+    return table(
+        "to_shed",
+        fn,
+        [(label, q, 10.0, 5.0, 100.0) for label, q in rows],
+        lambda q, now, slo, speed: [rid for rid, t, n in q if (now - t) + n / speed > slo],
+        lambda *a: compare,
+        "late if (now - arrival) + prompt_len / prefill_tokens_per_s > ttft_slo_s",
+    )
 
 
 def _queued(rid, arrival_s, preempted=False, state=State.QUEUED):  # a preempted one has begun its answer
-    return SimpleNamespace(id=rid, arrival_s=arrival_s, state=state, prompt_len=64,
-                           output_ids=[5, 6] if preempted else [])
+    return SimpleNamespace(
+        id=rid, arrival_s=arrival_s, state=state, prompt_len=64, output_ids=[5, 6] if preempted else []
+    )
 
 
 def _shed_run(admission, name):
@@ -89,13 +117,16 @@ def _shed_run(admission, name):
     options = dict(max_batch_size=8, token_budget=64)
     if tight:
         options.update(num_kv_blocks=48, kv_block_size=16)
-    workload = synthetic_workload(160, rate=1.2, seed=11 if tight else 7,
-                                  prompt_range=(16, 256), output_range=(4, 256))
+    workload = synthetic_workload(
+        160, rate=1.2, seed=11 if tight else 7, prompt_range=(16, 256), output_range=(4, 256)
+    )
     engine = make_sim_engine("stallfree", admission=admission, **options)
     trace = simulate(engine, workload)
-    return ({rid: r.finish_reason for rid, r in trace.requests.items()},
-            sum(len(s.preempted) for s in trace.steps),
-            {rid for rid, r in trace.requests.items() if r.preemptions})
+    return (
+        {rid: r.finish_reason for rid, r in trace.requests.items()},
+        sum(len(s.preempted) for s in trace.steps),
+        {rid for rid, r in trace.requests.items() if r.preemptions},
+    )
 
 
 def admission_policy(cls: Any) -> Verdict:
@@ -118,8 +149,10 @@ def admission_policy(cls: Any) -> Verdict:
             missing = [r for r in want if r not in got]
             by_id = {r.id: r for r in queue}
             if any(by_id.get(r) is not None and by_id[r].output_ids for r in extra):
-                return (f"{extra} was preempted (it has output_ids: it has begun its answer); a "
-                        f"preempted request waits in the queue to come back and is never shed")
+                return (
+                    f"{extra} was preempted (it has output_ids: it has begun its answer); a "
+                    f"preempted request waits in the queue to come back and is never shed"
+                )
             if max_wait_s is None and got:
                 return "max_wait_s None means: shed nothing"
             if any(by_id.get(r) is not None and now - by_id[r].arrival_s == max_wait_s for r in extra):
@@ -138,25 +171,50 @@ def admission_policy(cls: Any) -> Verdict:
         def judge(f):
             reasons, _, preempted = _shed_run(f(max_wait_s=8.0), name)
             wrong = sorted(r for r in want if reasons.get(r) != want[r])
-            return wrong and (f"{len(wrong)} request(s) ended differently, e.g. {wrong[0]}"
-                              f"{' (it had been preempted)' if wrong[0] in preempted else ''}: yours "
-                              f"{reasons.get(wrong[0])!r}, the reference {want[wrong[0]]!r}") or None
+            return (
+                wrong
+                and (
+                    f"{len(wrong)} request(s) ended differently, e.g. {wrong[0]}"
+                    f"{' (it had been preempted)' if wrong[0] in preempted else ''}: yours "
+                    f"{reasons.get(wrong[0])!r}, the reference {want[wrong[0]]!r}"
+                )
+                or None
+            )
+
         return piece_case(label, judge)
 
     cases = [
         unit("no limit (max_wait_s None): nobody is shed", [_queued("a", 0.0)], 100.0, None),
-        unit("waits of 9 s and 2 s at now = 10 s, limit 8 s: the first goes",
-             [_queued("a", 1.0), _queued("b", 8.0)], 10.0, 8.0,
-             "shed if now - arrival_s > max_wait_s"),
+        unit(
+            "waits of 9 s and 2 s at now = 10 s, limit 8 s: the first goes",
+            [_queued("a", 1.0), _queued("b", 8.0)],
+            10.0,
+            8.0,
+            "shed if now - arrival_s > max_wait_s",
+        ),
         unit("exactly 8 s waited, limit 8 s: it stays", [_queued("edge", 2.0)], 10.0, 8.0),
-        unit("a preempted request (it has output_ids) that arrived long ago: it stays",
-             [_queued("back", 0.0, preempted=True), _queued("new", 9.5)], 10.0, 8.0,
-             "only requests that never started (no output_ids) are shed"),
-        unit("several late ones among others: all of them, in queue order",
-             [_queued("x", 0.5), _queued("y", 9.0), _queued("z", 1.0), _queued("w", 1.5)], 10.0, 8.0),
-        whole("overload", "a whole simulated overload (160 requests at 1.2/s, 8 slots): every "
-                          "request ends as with the library's Admission(max_wait_s=8)"),
-        whole("tight", "the same on a KV pool of 48 blocks, where preempted requests wait in the "
-                       "queue: none of them may be shed"),
+        unit(
+            "a preempted request (it has output_ids) that arrived long ago: it stays",
+            [_queued("back", 0.0, preempted=True), _queued("new", 9.5)],
+            10.0,
+            8.0,
+            "only requests that never started (no output_ids) are shed",
+        ),
+        unit(
+            "several late ones among others: all of them, in queue order",
+            [_queued("x", 0.5), _queued("y", 9.0), _queued("z", 1.0), _queued("w", 1.5)],
+            10.0,
+            8.0,
+        ),
+        whole(
+            "overload",
+            "a whole simulated overload (160 requests at 1.2/s, 8 slots): every "
+            "request ends as with the library's Admission(max_wait_s=8)",
+        ),
+        whole(
+            "tight",
+            "the same on a KV pool of 48 blocks, where preempted requests wait in the "
+            "queue: none of them may be shed",
+        ),
     ]
     return run_cases("admission_policy", cls, cases)

@@ -12,8 +12,20 @@ from PIL import Image, ImageDraw, ImageFont
 
 from ..trace import Trace
 from .colors import PADDING_COLOR, PADDING_EDGE, Palette, fitting_label, lighten, text_color
-from .grid import (DECODE, HELD, IDLE, PADDING, PREFILL, PREFILL_DECODE, Cell, lane_names,
-                   occupancy_so_far, request_colors, slot_grid, trace_of)
+from .grid import (
+    DECODE,
+    HELD,
+    IDLE,
+    PADDING,
+    PREFILL,
+    PREFILL_DECODE,
+    Cell,
+    lane_names,
+    occupancy_so_far,
+    request_colors,
+    slot_grid,
+    trace_of,
+)
 
 ROW, LANE = 16, 14  # pixels per lane (lane height plus a gap)
 GRID_WIDTH = 720  # pixels the steps share (at most 14 a step)
@@ -41,8 +53,13 @@ def _draw_cell(draw: ImageDraw.ImageDraw, box: tuple[int, int, int, int], cell: 
         draw.rectangle(box, fill=IDLE_COLOR)
 
 
-def animation(source, max_frames: int = 200, interval_ms: int = 120, hold_last_ms: int = 2000,
-              palette: Palette | None = None) -> DisplayImage:
+def animation(
+    source,
+    max_frames: int = 200,
+    interval_ms: int = 120,
+    hold_last_ms: int = 2000,
+    palette: Palette | None = None,
+) -> DisplayImage:
     """The slot grid filling in step by step, as an animated PNG in a display object (its
     ``.data`` holds the file's bytes). A run longer than ``max_frames`` steps advances
     several steps a frame; a run longer than 720 steps is too long to read at one pixel a
@@ -54,19 +71,30 @@ def animation(source, max_frames: int = 200, interval_ms: int = 120, hold_last_m
     if not steps:
         raise ValueError("the trace has no steps yet: nothing to animate")
     if len(steps) > GRID_WIDTH:
-        raise ValueError(f"{len(steps)} steps are too many to animate readably (at most {GRID_WIDTH}); "
-                         f"animate a window, e.g. viz.animation(viz.busiest_window(trace, 200))")
+        raise ValueError(
+            f"{len(steps)} steps are too many to animate readably (at most {GRID_WIDTH}); "
+            f"animate a window, e.g. viz.animation(viz.busiest_window(trace, 200))"
+        )
     shown = np.unique(np.linspace(0, len(steps) - 1, min(max_frames, len(steps))).round().astype(int))
     colors = request_colors(trace, palette)
     *_, last = _frames(trace, shown, colors)
     last_colors = _palette_image(last)
     # indexed as they are drawn, so the frames held for the writer (a list: it reads them
     # twice) take a byte a pixel, not three
-    indexed = [frame.quantize(palette=last_colors, dither=Image.Dither.NONE)
-               for frame in _frames(trace, shown, colors)]
+    indexed = [
+        frame.quantize(palette=last_colors, dither=Image.Dither.NONE)
+        for frame in _frames(trace, shown, colors)
+    ]
     buffer = io.BytesIO()
-    indexed[0].save(buffer, format="PNG", save_all=True, append_images=indexed[1:], loop=0, optimize=True,
-                    duration=[interval_ms] * (len(shown) - 1) + [hold_last_ms])
+    indexed[0].save(
+        buffer,
+        format="PNG",
+        save_all=True,
+        append_images=indexed[1:],
+        loop=0,
+        optimize=True,
+        duration=[interval_ms] * (len(shown) - 1) + [hold_last_ms],
+    )
     return DisplayImage(data=buffer.getvalue(), format="png")
 
 
@@ -82,8 +110,13 @@ def _frames(trace: Trace, shown: np.ndarray, colors: dict[str, str]) -> Iterator
     draw = ImageDraw.Draw(canvas)
     draw.fontmode = "1"  # no anti-aliasing: the frames keep few colours, exactly
     occupancy = occupancy_so_far(trace, len(steps) - 1).fraction
-    draw.text((4, 2), f"{trace.kind}: {trace.max_batch_size} slots, steps {steps[0].index}-{steps[-1].index}, "
-              f"occupancy {occupancy:.0%} · labels: request ids", fill="#222", font=font)
+    draw.text(
+        (4, 2),
+        f"{trace.kind}: {trace.max_batch_size} slots, steps {steps[0].index}-{steps[-1].index}, "
+        f"occupancy {occupancy:.0%} · labels: request ids",
+        fill="#222",
+        font=font,
+    )
     for li, name in enumerate(lanes):
         draw.text((4, top + li * ROW), name, fill="#555", font=font)
     _draw_legend(draw, font, 4, top + ROW * len(lanes) + 6)
@@ -95,8 +128,11 @@ def _frames(trace: Trace, shown: np.ndarray, colors: dict[str, str]) -> Iterator
         for c in range(drawn, k + 1):
             for li, cell in enumerate(grid[c]):
                 before = grid[c - 1][li] if c else None
-                if before is None or (before.kind, before.request) != (cell.kind, cell.request) \
-                        or cell.kind == PREFILL_DECODE:
+                if (
+                    before is None
+                    or (before.kind, before.request) != (cell.kind, cell.request)
+                    or cell.kind == PREFILL_DECODE
+                ):
                     run_start[li], labelled[li] = c, False
                 x0, y0 = left + c * cell_w, top + li * ROW
                 color = colors.get(cell.request, "#000000")
@@ -104,8 +140,12 @@ def _frames(trace: Trace, shown: np.ndarray, colors: dict[str, str]) -> Iterator
                 if not labelled[li] and cell.request and cell.kind not in (PADDING, IDLE):
                     label = fitting_label(cell.request, (c + 1 - run_start[li]) * cell_w - 2, font.getlength)
                     if label:
-                        draw.text((left + run_start[li] * cell_w + 2, y0), label, font=font,
-                                  fill=text_color(color) if cell.kind == DECODE else "#111")
+                        draw.text(
+                            (left + run_start[li] * cell_w + 2, y0),
+                            label,
+                            font=font,
+                            fill=text_color(color) if cell.kind == DECODE else "#111",
+                        )
                         labelled[li] = True
         drawn = k + 1
         # only the new columns, the line and its step number change from frame to frame, and
@@ -116,8 +156,12 @@ def _frames(trace: Trace, shown: np.ndarray, colors: dict[str, str]) -> Iterator
         x = left + (k + 1) * cell_w
         frame_draw.rectangle((x, top - 3, x + 1, top + ROW * len(lanes)), fill=PLAYHEAD)
         number = str(steps[k].index)
-        frame_draw.text((min(x - font.getlength(number) / 2, width - font.getlength(number)), 22), number,
-                        fill="#111", font=font)
+        frame_draw.text(
+            (min(x - font.getlength(number) / 2, width - font.getlength(number)), 22),
+            number,
+            fill="#111",
+            font=font,
+        )
         yield frame
 
 
@@ -134,8 +178,14 @@ def _palette_image(last: Image.Image) -> Image.Image:
 
 def _draw_legend(draw: ImageDraw.ImageDraw, font, x: int, y: int) -> None:
     sample = "#4e79a7"
-    for kind, name in [(DECODE, "decode"), (PREFILL, "prefill"), (PADDING, "padding (wasted)"),
-                       (HELD, "holds slot, no work"), (IDLE, "idle"), ("playhead", "current step")]:
+    for kind, name in [
+        (DECODE, "decode"),
+        (PREFILL, "prefill"),
+        (PADDING, "padding (wasted)"),
+        (HELD, "holds slot, no work"),
+        (IDLE, "idle"),
+        ("playhead", "current step"),
+    ]:
         if kind == "playhead":
             draw.rectangle((x + 5, y, x + 6, y + LANE - 1), fill=PLAYHEAD)
         else:

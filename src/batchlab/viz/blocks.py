@@ -63,8 +63,7 @@ _BLOCK_CSS = """
 """
 
 
-def block_frame_html(trace: Trace, k: int, columns: int = 16,
-                     colors: Mapping[str, str] | None = None) -> str:
+def block_frame_html(trace: Trace, k: int, columns: int = 16, colors: Mapping[str, str] | None = None) -> str:
     """The KV pool after step ``k`` as HTML: one cell per block, coloured by the request
     that holds it and labelled with its id (short form); a shared block (prefix cache) has
     a double border and its holder count; a cached block nobody holds (evictable) is
@@ -76,32 +75,58 @@ def block_frame_html(trace: Trace, k: int, columns: int = 16,
     for b, (kind, who) in enumerate(states):
         color = colors.get(who[0], "#4e79a7") if who else "#ffffff"
         style = f"--c:{color};--t:{text_color(color)}"
-        label = {OWNED: short_label(who[0]) if who else "", SHARED: f"×{len(who)}",
-                 CACHED: "c", FREE: ""}[kind]
+        label = {OWNED: short_label(who[0]) if who else "", SHARED: f"×{len(who)}", CACHED: "c", FREE: ""}[
+            kind
+        ]
         title = f"block {b}: {kind}" + (f" by {', '.join(who)}" if who else "")
         request = f' data-request="{html.escape(who[0])}"' if who else ""
-        cells.append(f'<div class="bl-block bl-{kind}"{request} style="{style}" '
-                     f'title="{html.escape(title)}">{html.escape(label)}</div>')
+        cells.append(
+            f'<div class="bl-block bl-{kind}"{request} style="{style}" '
+            f'title="{html.escape(title)}">{html.escape(label)}</div>'
+        )
     counts = {kind: sum(s == kind for s, _ in states) for kind in (OWNED, SHARED, CACHED, FREE)}
-    preempted = (f" · preempted: <b>{html.escape(', '.join(step.preempted))}</b>"
-                 if step.preempted else "")
-    readout = (f'<div class="bl-readout">KV blocks after step {step.index}: '
-               f'<b>{counts[OWNED] + counts[SHARED]}</b> of {len(states)} in use '
-               f'(<b>{counts[SHARED]}</b> shared), <b>{counts[CACHED]}</b> cached and free, '
-               f'<b>{counts[FREE]}</b> free{preempted}</div>')
+    preempted = f" · preempted: <b>{html.escape(', '.join(step.preempted))}</b>" if step.preempted else ""
+    readout = (
+        f'<div class="bl-readout">KV blocks after step {step.index}: '
+        f"<b>{counts[OWNED] + counts[SHARED]}</b> of {len(states)} in use "
+        f"(<b>{counts[SHARED]}</b> shared), <b>{counts[CACHED]}</b> cached and free, "
+        f"<b>{counts[FREE]}</b> free{preempted}</div>"
+    )
     held: dict[str, int] = {}
     for _, who in states:
         for rid in who:
             held[rid] = held.get(rid, 0) + 1
-    holders = ('<div class="bl-holders">holders:' + "".join(
-        f'<span class="bl-swatch" style="--c:{colors.get(rid, "#4e79a7")}"></span>'
-        f'{html.escape(rid)} ({n})' for rid, n in held.items()) + "</div>") if held else ""
-    legend = ('<div class="bl-legend">' + "".join(
-        f'<span class="bl-swatch bl-block bl-{kind}" style="--c:#4e79a7;--t:#fff"></span>{name}'
-        for kind, name in [(OWNED, "held by one request"), (SHARED, "shared (prefix cache)"),
-                           (CACHED, "cached, evictable"), (FREE, "free")]) + "</div>")
-    grid = (f'<div class="bl-blocks" style="grid-template-columns:repeat({columns},24px)">'
-            + "".join(cells) + "</div>")
+    holders = (
+        (
+            '<div class="bl-holders">holders:'
+            + "".join(
+                f'<span class="bl-swatch" style="--c:{colors.get(rid, "#4e79a7")}"></span>'
+                f"{html.escape(rid)} ({n})"
+                for rid, n in held.items()
+            )
+            + "</div>"
+        )
+        if held
+        else ""
+    )
+    legend = (
+        '<div class="bl-legend">'
+        + "".join(
+            f'<span class="bl-swatch bl-block bl-{kind}" style="--c:#4e79a7;--t:#fff"></span>{name}'
+            for kind, name in [
+                (OWNED, "held by one request"),
+                (SHARED, "shared (prefix cache)"),
+                (CACHED, "cached, evictable"),
+                (FREE, "free"),
+            ]
+        )
+        + "</div>"
+    )
+    grid = (
+        f'<div class="bl-blocks" style="grid-template-columns:repeat({columns},24px)">'
+        + "".join(cells)
+        + "</div>"
+    )
     return f'<div class="bl-root"><style>{_BLOCK_CSS}</style>{readout}{grid}{holders}{legend}</div>'
 
 
@@ -126,26 +151,52 @@ def plot_block_map(trace: Trace, ax=None, palette: Palette | None = None) -> Fig
         for count, run in itertools.groupby(counts):
             length = len(list(run))
             if count > 1:
-                ax.text(k + length / 2 - 0.5, b, f"×{count}", ha="center", va="center", fontsize=7,
-                        color="white", fontweight="bold", clip_on=True)
+                ax.text(
+                    k + length / 2 - 0.5,
+                    b,
+                    f"×{count}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white",
+                    fontweight="bold",
+                    clip_on=True,
+                )
             k += length
     longest: dict[str, tuple[int, int, int]] = {}  # request -> (length, block, first step)
     for b in range(n):
-        holder = [(lambda who: who[0] if len(who) == 1 else None)(step_owners.get(b) or [None])
-                  for step_owners in owners]
+        holder = [
+            (lambda who: who[0] if len(who) == 1 else None)(step_owners.get(b) or [None])
+            for step_owners in owners
+        ]
         k = 0
         for rid, run in itertools.groupby(holder):
             length = len(list(run))
             if rid is not None and length > longest.get(rid, (0,))[0]:
                 longest[rid] = (length, b, k)
             k += length
-    ax.imshow(image, aspect="auto", interpolation="nearest", origin="lower",
-              extent=(-0.5, len(steps) - 0.5, -0.5, n - 0.5))
+    ax.imshow(
+        image,
+        aspect="auto",
+        interpolation="nearest",
+        origin="lower",
+        extent=(-0.5, len(steps) - 0.5, -0.5, n - 0.5),
+    )
     step_pt = fig.get_figwidth() * 0.8 * 72 / max(len(steps), 1)
     for rid, (length, b, k) in longest.items():
-        label = fitting_label(rid, length * step_pt, lambda text: _label_width_pt(text, 7)) or short_label(rid)
-        ax.text(k + length / 2 - 0.5, b, label, ha="center", va="center", fontsize=7, clip_on=True,
-                bbox={"facecolor": "white", "alpha": 0.75, "pad": 0.4, "lw": 0})
+        label = fitting_label(rid, length * step_pt, lambda text: _label_width_pt(text, 7)) or short_label(
+            rid
+        )
+        ax.text(
+            k + length / 2 - 0.5,
+            b,
+            label,
+            ha="center",
+            va="center",
+            fontsize=7,
+            clip_on=True,
+            bbox={"facecolor": "white", "alpha": 0.75, "pad": 0.4, "lw": 0},
+        )
     for k, step in enumerate(steps):
         if step.preempted:
             ax.axvline(k, color="#d62728", lw=1, ls="--")
@@ -153,8 +204,11 @@ def plot_block_map(trace: Trace, ax=None, palette: Palette | None = None) -> Fig
     ax.set_ylim(-0.5, max(touched, default=0) + 1.5)  # a big pool's never-used top stays off
     ax.set_xlabel("engine step")
     ax.set_ylabel("KV block")
-    ax.set_title("who holds each KV block (labels: request ids)\n"
-                 "red dashes: a preemption · dark, ×N: shared by N requests · grey: cached", fontsize=10)
+    ax.set_title(
+        "who holds each KV block (labels: request ids)\n"
+        "red dashes: a preemption · dark, ×N: shared by N requests · grey: cached",
+        fontsize=10,
+    )
     return fig
 
 
@@ -163,8 +217,9 @@ class BlockView(SlotView):
     block, shared blocks marked, cached ones dashed. Saved notebooks carry a PNG of the
     block map (``plot_block_map``) for viewers without a kernel."""
 
-    def __init__(self, source, live: bool = False, window: int = 40, interval_ms: int = 250,
-                 columns: int = 16):
+    def __init__(
+        self, source, live: bool = False, window: int = 40, interval_ms: int = 250, columns: int = 16
+    ):
         self.columns = columns
         super().__init__(source, live=live, window=window, interval_ms=interval_ms)
         self.add_class("batchlab-blockview")
@@ -174,8 +229,7 @@ class BlockView(SlotView):
         slots = super().to_html(k)
         if not self.trace.steps:
             return slots
-        return slots + block_frame_html(self.trace, k, self.columns,
-                                        request_colors(self.trace, self.palette))
+        return slots + block_frame_html(self.trace, k, self.columns, request_colors(self.trace, self.palette))
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = widgets.VBox._repr_mimebundle_(self, **kwargs)  # not SlotView's slot-grid PNG
@@ -184,5 +238,7 @@ class BlockView(SlotView):
         return bundle
 
     def __repr__(self) -> str:
-        return (f"BlockView({self.trace.kind} trace, {block_count(self.trace)} KV blocks, "
-                f"{len(self.trace.steps)} steps)")
+        return (
+            f"BlockView({self.trace.kind} trace, {block_count(self.trace)} KV blocks, "
+            f"{len(self.trace.steps)} steps)"
+        )

@@ -7,8 +7,12 @@ import re
 import zlib
 from collections.abc import Callable
 
-STATE_COLORS = {"queued": "#c9c9c9", "prefilling": "#f28e2b", "awaiting_slot": "#edc948",
-                "decoding": "#4e79a7"}
+STATE_COLORS = {
+    "queued": "#c9c9c9",
+    "prefilling": "#f28e2b",
+    "awaiting_slot": "#edc948",
+    "decoding": "#4e79a7",
+}
 PADDING_COLOR, PADDING_EDGE = "#d0d0d0", "#8f8f8f"
 _LIGHTNESS = (0.35, 0.5, 0.65)  # cycled, so requests whose hues end up close differ in lightness
 
@@ -33,7 +37,7 @@ def palette_color(i: int) -> str:
 
 def _luminance(hex_color: str) -> float:
     """WCAG relative luminance."""
-    channels = [int(hex_color[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+    channels = [int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
     r, g, b = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
     return 0.2126 * r + 0.7152 * g + 0.0722 * b
 
@@ -46,12 +50,12 @@ def text_color(hex_color: str) -> str:
 
 
 def lighten(hex_color: str, amount: float = 0.6) -> str:
-    r, g, b = (int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+    r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     return "#" + "".join(f"{round(c + (255 - c) * amount):02x}" for c in (r, g, b))
 
 
 def rgb(hex_color: str) -> tuple[int, int, int]:
-    return tuple(int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
+    return tuple(int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
 
 
 class Palette:

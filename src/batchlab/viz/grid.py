@@ -134,8 +134,11 @@ def runs(cells: list[Cell]):
     prompt-plus-decode cell is a run of its own."""
     start = 0
     for k in range(1, len(cells) + 1):
-        if k == len(cells) or (cells[k].kind, cells[k].request) != (cells[start].kind, cells[start].request) \
-                or cells[k].kind == PREFILL_DECODE:
+        if (
+            k == len(cells)
+            or (cells[k].kind, cells[k].request) != (cells[start].kind, cells[start].request)
+            or cells[k].kind == PREFILL_DECODE
+        ):
             yield start, k - start, cells[start]
             start = k
 
@@ -144,7 +147,7 @@ def occupancy_so_far(trace: Trace, k: int) -> Occupancy:
     """Decode rows ÷ (slots × steps) over steps 0..k: the share of slot-steps that made a
     token. Steps that only prefill count as idle slot-steps. (A bounded trace counts the
     steps it still holds.)"""
-    rows = sum(len(s.decoded) for s in list(trace.steps)[:k + 1])
+    rows = sum(len(s.decoded) for s in list(trace.steps)[: k + 1])
     return Occupancy(rows, trace.max_batch_size * (k + 1))
 
 
@@ -153,9 +156,10 @@ def steps_window(trace: Trace, first: int, width: int) -> Trace:
     """The same trace with only ``width`` steps from position ``first`` (every request kept)."""
     steps = list(trace.steps)
     if not 0 <= first < len(steps) or width < 1:
-        raise ValueError(f"a window of {width} steps from step position {first} does not fit "
-                         f"a trace of {len(steps)} steps")
-    return dataclasses.replace(trace, steps=steps[first:first + width])
+        raise ValueError(
+            f"a window of {width} steps from step position {first} does not fit a trace of {len(steps)} steps"
+        )
+    return dataclasses.replace(trace, steps=steps[first : first + width])
 
 
 def busiest_window(trace: Trace, width: int = 120) -> Trace:
@@ -196,8 +200,9 @@ def token_gaps(record: RequestRecord) -> list[tuple[float, float]]:
 
 def ttfts(trace: Trace) -> list[float]:
     """Time to first token of every request that has one, in seconds."""
-    return [r.first_token_s - r.arrival_s for r in dict(trace.requests).values()
-            if r.first_token_s is not None]
+    return [
+        r.first_token_s - r.arrival_s for r in dict(trace.requests).values() if r.first_token_s is not None
+    ]
 
 
 def time_origin(trace: Trace) -> float:

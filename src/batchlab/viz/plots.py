@@ -18,11 +18,25 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
 from ..trace import Trace
-from .colors import (PADDING_COLOR, PADDING_EDGE, STATE_COLORS, Palette, fitting_label, lighten,
-                     text_color)
-from .grid import (DECODE, HELD, IDLE, PADDING, PREFILL, PREFILL_DECODE, gap_band, lane_names,
-                   occupancy_so_far, request_colors, runs, slot_grid, state_intervals, time_origin,
-                   token_gaps, ttfts)
+from .colors import PADDING_COLOR, PADDING_EDGE, STATE_COLORS, Palette, fitting_label, lighten, text_color
+from .grid import (
+    DECODE,
+    HELD,
+    IDLE,
+    PADDING,
+    PREFILL,
+    PREFILL_DECODE,
+    gap_band,
+    lane_names,
+    occupancy_so_far,
+    request_colors,
+    runs,
+    slot_grid,
+    state_intervals,
+    time_origin,
+    token_gaps,
+    ttfts,
+)
 
 LABEL_FONTSIZE = 7
 
@@ -53,8 +67,7 @@ def _label_width_pt(label: str, fontsize: float = LABEL_FONTSIZE) -> float:
     return 0.62 * fontsize * len(label) + 3
 
 
-def plot_slot_grid(trace: Trace, ax=None, upto: int | None = None,
-                   palette: Palette | None = None) -> Figure:
+def plot_slot_grid(trace: Trace, ax=None, upto: int | None = None, palette: Palette | None = None) -> Figure:
     """The slot grid (lanes × steps) as one picture: what the animation shows, at once.
     Each run of a request is labelled with its id where the run is wide enough (its short
     label where only that fits); the x axis counts the engine's own step numbers, so a
@@ -78,24 +91,45 @@ def plot_slot_grid(trace: Trace, ax=None, upto: int | None = None,
                 ax.add_patch(Rectangle(box, length, 0.84, facecolor=color, edgecolor="white", lw=0.5))
             elif cell.kind in (PREFILL, PREFILL_DECODE):
                 height = 0.84 if cell.kind == PREFILL else 0.46
-                ax.add_patch(Rectangle(box, length, height, facecolor=lighten(color), hatch="////",
-                                       edgecolor=color, lw=0))
+                ax.add_patch(
+                    Rectangle(
+                        box, length, height, facecolor=lighten(color), hatch="////", edgecolor=color, lw=0
+                    )
+                )
                 if cell.kind == PREFILL_DECODE:
-                    ax.add_patch(Rectangle((x, li + 0.54), length, 0.38, facecolor=color,
-                                           edgecolor="white", lw=0.5))
+                    ax.add_patch(
+                        Rectangle((x, li + 0.54), length, 0.38, facecolor=color, edgecolor="white", lw=0.5)
+                    )
             elif cell.kind == PADDING:
-                ax.add_patch(Rectangle(box, length, 0.84, facecolor=PADDING_COLOR, hatch="xxx",
-                                       edgecolor=PADDING_EDGE, lw=0))
+                ax.add_patch(
+                    Rectangle(
+                        box, length, 0.84, facecolor=PADDING_COLOR, hatch="xxx", edgecolor=PADDING_EDGE, lw=0
+                    )
+                )
             elif cell.kind == HELD:
-                ax.add_patch(Rectangle((x + 0.06, li + 0.14), length - 0.12, 0.72,
-                                       facecolor="white", edgecolor=color, lw=1.5))
-            label = None if cell.kind == PADDING else \
-                fitting_label(cell.request, length * step_pt, _label_width_pt)
+                ax.add_patch(
+                    Rectangle(
+                        (x + 0.06, li + 0.14), length - 0.12, 0.72, facecolor="white", edgecolor=color, lw=1.5
+                    )
+                )
+            label = (
+                None
+                if cell.kind == PADDING
+                else fitting_label(cell.request, length * step_pt, _label_width_pt)
+            )
             if label:
-                ax.text(x + 0.15, li + 0.5, label, va="center", fontsize=LABEL_FONTSIZE, clip_on=True,
-                        color=text_color(color) if cell.kind == DECODE else "#111",
-                        bbox=None if cell.kind == DECODE else {"facecolor": "white", "alpha": 0.7,
-                                                               "pad": 0.5, "lw": 0})
+                ax.text(
+                    x + 0.15,
+                    li + 0.5,
+                    label,
+                    va="center",
+                    fontsize=LABEL_FONTSIZE,
+                    clip_on=True,
+                    color=text_color(color) if cell.kind == DECODE else "#111",
+                    bbox=None
+                    if cell.kind == DECODE
+                    else {"facecolor": "white", "alpha": 0.7, "pad": 0.5, "lw": 0},
+                )
     ax.set_xlim(first, first + max(len(grid), 1))
     ax.set_ylim(len(lanes), 0)
     ax.set_yticks([i + 0.5 for i in range(len(lanes))], lanes)
@@ -107,14 +141,23 @@ def plot_slot_grid(trace: Trace, ax=None, upto: int | None = None,
     span = f"steps {steps[0].index}–{steps[len(grid) - 1].index}" if grid else "no steps"
     ax.set_title(f"{trace.kind}: {trace.max_batch_size} slots, {span}, occupancy {occupancy:.0%}")
     sample = "#4e79a7"
-    ax.legend(handles=[Patch(facecolor=sample, label="decode"),
-                       Patch(facecolor=lighten(sample), hatch="////", edgecolor=sample, lw=0, label="prefill"),
-                       Patch(facecolor=PADDING_COLOR, hatch="xxx", edgecolor=PADDING_EDGE, lw=0,
-                             label="padding (wasted)"),
-                       Patch(facecolor="white", edgecolor=sample, lw=1.5, label="holds slot, no work"),
-                       Patch(facecolor="white", edgecolor="#bbbbbb", label="idle")],
-              loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False,
-              title="labels: request ids", title_fontsize=8)
+    ax.legend(
+        handles=[
+            Patch(facecolor=sample, label="decode"),
+            Patch(facecolor=lighten(sample), hatch="////", edgecolor=sample, lw=0, label="prefill"),
+            Patch(
+                facecolor=PADDING_COLOR, hatch="xxx", edgecolor=PADDING_EDGE, lw=0, label="padding (wasted)"
+            ),
+            Patch(facecolor="white", edgecolor=sample, lw=1.5, label="holds slot, no work"),
+            Patch(facecolor="white", edgecolor="#bbbbbb", label="idle"),
+        ],
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        fontsize=8,
+        frameon=False,
+        title="labels: request ids",
+        title_fontsize=8,
+    )
     return fig
 
 
@@ -132,8 +175,9 @@ def plot_timeline(trace: Trace, ax=None) -> Figure:
     for state, segments in bars.items():
         if segments:
             rows, lefts, widths = zip(*segments)
-            ax.barh(rows, widths, left=lefts, height=0.7, color=STATE_COLORS[state],
-                    label=state.replace("_", " "))
+            ax.barh(
+                rows, widths, left=lefts, height=0.7, color=STATE_COLORS[state], label=state.replace("_", " ")
+            )
     tokens = [(t - t0, row) for row, r in enumerate(records) for t in r.token_times_s]
     if tokens:
         xs, ys = zip(*tokens)
@@ -151,8 +195,13 @@ def _worst_gap(record) -> float:
     return max(gap for _, gap in token_gaps(record))
 
 
-def plot_tbt(trace: Trace, ax=None, mark_prefill: bool = True, highlight: str | None = None,
-             palette: Palette | None = None) -> Figure:
+def plot_tbt(
+    trace: Trace,
+    ax=None,
+    mark_prefill: bool = True,
+    highlight: str | None = None,
+    palette: Palette | None = None,
+) -> Figure:
     """Time between tokens over time: one request drawn as a line (``highlight``, by
     default the one with the worst gap), the others as a band from their smallest to their
     largest gap at each moment. Each gap is a flat step as wide as it lasted; steps that ran
@@ -163,19 +212,34 @@ def plot_tbt(trace: Trace, ax=None, mark_prefill: bool = True, highlight: str | 
     if highlight is None and records:
         highlight = max(records, key=_worst_gap).id  # the first of equals
     elif highlight is not None and highlight not in {r.id for r in records}:
-        raise ValueError(f"no request {highlight!r} with two tokens or more in this trace; "
-                         f"choose one of {[r.id for r in records][:10]}")
+        raise ValueError(
+            f"no request {highlight!r} with two tokens or more in this trace; "
+            f"choose one of {[r.id for r in records][:10]}"
+        )
     if mark_prefill:
         for i, step in enumerate(s for s in list(trace.steps) if s.prefill):
-            ax.axvspan(step.start_s - t0, step.end_s - t0, color=STATE_COLORS["prefilling"], alpha=0.15,
-                       lw=0, label="step with a prefill chunk" if i == 0 else None)
+            ax.axvspan(
+                step.start_s - t0,
+                step.end_s - t0,
+                color=STATE_COLORS["prefilling"],
+                alpha=0.15,
+                lw=0,
+                label="step with a prefill chunk" if i == 0 else None,
+            )
     others = [r for r in records if r.id != highlight]
     if others:
         xs, lo, hi = gap_band(others)
         # edged, so the band still shows where all the others have the same gap
-        ax.fill_between(xs - t0, lo * 1000, hi * 1000, step="pre", facecolor=(0.55, 0.55, 0.55, 0.35),
-                        edgecolor=(0.45, 0.45, 0.45, 0.9), lw=0.8,
-                        label=f"the other {len(others)} requests: smallest to largest gap")
+        ax.fill_between(
+            xs - t0,
+            lo * 1000,
+            hi * 1000,
+            step="pre",
+            facecolor=(0.55, 0.55, 0.55, 0.35),
+            edgecolor=(0.45, 0.45, 0.45, 0.9),
+            lw=0.8,
+            label=f"the other {len(others)} requests: smallest to largest gap",
+        )
     if highlight is not None:
         record = trace.requests[highlight]
         # each gap is drawn flat over the time it lasted, from the token before to its token,
@@ -183,9 +247,16 @@ def plot_tbt(trace: Trace, ax=None, mark_prefill: bool = True, highlight: str | 
         times, gaps = zip(*token_gaps(record))
         xs = np.array([record.token_times_s[0], *times]) - t0
         ys = np.array([gaps[0], *gaps]) * 1000
-        ax.plot(xs, ys, drawstyle="steps-pre", marker=".", markevery=slice(1, None), lw=1.6,
-                color=request_colors(trace, palette)[highlight],
-                label=f"{highlight} (worst gap {max(gaps) * 1000:.0f} ms)")
+        ax.plot(
+            xs,
+            ys,
+            drawstyle="steps-pre",
+            marker=".",
+            markevery=slice(1, None),
+            lw=1.6,
+            color=request_colors(trace, palette)[highlight],
+            label=f"{highlight} (worst gap {max(gaps) * 1000:.0f} ms)",
+        )
     ax.set_xlabel("time since first arrival (s)")
     ax.set_ylabel("time between tokens (ms)")
     ax.set_ylim(bottom=0)
@@ -237,8 +308,12 @@ def plot_occupancy(traces: Trace | Mapping[str, Trace], ax=None) -> Figure:
         t0 = time_origin(trace)
         shares = [100 * len(s.decoded) / trace.max_batch_size for s in steps]
         overall = occupancy_so_far(trace, len(steps) - 1).fraction
-        ax.step([s.start_s - t0 for s in steps] + [steps[-1].end_s - t0], shares + shares[-1:],
-                where="post", label=f"{name} (overall {overall:.0%})")
+        ax.step(
+            [s.start_s - t0 for s in steps] + [steps[-1].end_s - t0],
+            shares + shares[-1:],
+            where="post",
+            label=f"{name} (overall {overall:.0%})",
+        )
     ax.set_xlabel("time since first arrival (s)")
     ax.set_ylabel("slot occupancy (%)")
     ax.set_ylim(0, 105)
@@ -256,8 +331,12 @@ def plot_tokens(traces: Trace | Mapping[str, Trace], ax=None) -> Figure:
         times = np.sort([t - t0 for r in dict(trace.requests).values() for t in r.token_times_s])
         if len(times) == 0:
             continue
-        ax.step(np.concatenate([[0.0], times]), np.arange(len(times) + 1), where="post",
-                label=f"{name} ({len(times) / times[-1]:.1f} tokens/s)" if times[-1] > 0 else name)
+        ax.step(
+            np.concatenate([[0.0], times]),
+            np.arange(len(times) + 1),
+            where="post",
+            label=f"{name} ({len(times) / times[-1]:.1f} tokens/s)" if times[-1] > 0 else name,
+        )
     ax.set_xlabel("time since first arrival (s)")
     ax.set_ylabel("output tokens so far")
     ax.set_title("output tokens over time")
@@ -266,16 +345,28 @@ def plot_tokens(traces: Trace | Mapping[str, Trace], ax=None) -> Figure:
     return fig
 
 
-def plot_side_by_side(traces: Mapping[str, Trace], plot: Callable[..., Figure] = plot_slot_grid,
-                      sharex: bool = True, sharey: bool = False, **plot_kw) -> Figure:
+def plot_side_by_side(
+    traces: Mapping[str, Trace],
+    plot: Callable[..., Figure] = plot_slot_grid,
+    sharex: bool = True,
+    sharey: bool = False,
+    **plot_kw,
+) -> Figure:
     """Draw the same figure for several traces, one above the other on shared axes (e.g.
     ``plot_side_by_side({"static": a, "continuous": b}, plot_timeline)``); figures that
     colour requests share one palette, so a request has one colour in every panel."""
     named = dict(traces)
     if "palette" in inspect.signature(plot).parameters:
         plot_kw.setdefault("palette", Palette())
-    fig, axes = plt.subplots(len(named), 1, figsize=(11, 3.2 * len(named)), sharex=sharex,
-                             sharey=sharey, layout="constrained", squeeze=False)
+    fig, axes = plt.subplots(
+        len(named),
+        1,
+        figsize=(11, 3.2 * len(named)),
+        sharex=sharex,
+        sharey=sharey,
+        layout="constrained",
+        squeeze=False,
+    )
     plt.close(fig)
     spans = []
     for ax, (name, trace) in zip(axes[:, 0], named.items()):
@@ -291,4 +382,3 @@ def plot_side_by_side(traces: Mapping[str, Trace], plot: Callable[..., Figure] =
     if sharex:  # each plot set its own range; show the widest so no trace is cut off
         axes[0, 0].set_xlim(min(a for a, _ in spans), max(b for _, b in spans))
     return fig
-

@@ -13,9 +13,23 @@ from IPython.display import display
 from ..trace import StepRecord, Trace
 from .colors import Palette, short_label, text_color
 from .plots import plot_slot_grid, png_base64
-from .grid import (DECODE, HELD, IDLE, PADDING, PREFILL, PREFILL_DECODE, Cell, Occupancy,
-                   _lane_names, _prefill_lanes, _step_cells, request_colors, state_at, time_origin,
-                   trace_of)
+from .grid import (
+    DECODE,
+    HELD,
+    IDLE,
+    PADDING,
+    PREFILL,
+    PREFILL_DECODE,
+    Cell,
+    Occupancy,
+    _lane_names,
+    _prefill_lanes,
+    _step_cells,
+    request_colors,
+    state_at,
+    time_origin,
+    trace_of,
+)
 
 _HATCH = "repeating-linear-gradient(135deg,var(--c) 0 3px,#fff 3px 6px)"
 _CSS = """
@@ -53,34 +67,49 @@ def _cell_style(cell: Cell, color: str) -> str:
 
 
 def _cell_title(cell: Cell, step: int, lane: str) -> str:
-    what = {DECODE: "decode row", PREFILL: f"prefill, {cell.prefill_tokens} prompt tokens",
-            PREFILL_DECODE: f"prefill ({cell.prefill_tokens} prompt tokens) + decode row",
-            PADDING: "padding: finished, still computed", HELD: "holds the slot, ran nothing",
-            IDLE: "idle"}[cell.kind]
+    what = {
+        DECODE: "decode row",
+        PREFILL: f"prefill, {cell.prefill_tokens} prompt tokens",
+        PREFILL_DECODE: f"prefill ({cell.prefill_tokens} prompt tokens) + decode row",
+        PADDING: "padding: finished, still computed",
+        HELD: "holds the slot, ran nothing",
+        IDLE: "idle",
+    }[cell.kind]
     return f"step {step} · {lane}" + (f" · {cell.request}" if cell.request else "") + f" · {what}"
 
 
 def _legend_html() -> str:
-    swatches = [(DECODE, "decode"), (PREFILL, "prefill"), (PADDING, "padding (wasted)"),
-                (HELD, "holds slot, no work"), (IDLE, "idle"), ("playhead", "current step (the line)")]
-    return '<div class="bl-legend">' + "".join(
-        f'<span class="bl-swatch bl-{kind}"></span>{name}' for kind, name in swatches) + "</div>"
+    swatches = [
+        (DECODE, "decode"),
+        (PREFILL, "prefill"),
+        (PADDING, "padding (wasted)"),
+        (HELD, "holds slot, no work"),
+        (IDLE, "idle"),
+        ("playhead", "current step (the line)"),
+    ]
+    return (
+        '<div class="bl-legend">'
+        + "".join(f'<span class="bl-swatch bl-{kind}"></span>{name}' for kind, name in swatches)
+        + "</div>"
+    )
 
 
 def _readout_html(trace: Trace, k: int, steps: list[StepRecord]) -> str:
     size = trace.max_batch_size
     if k < 0:
-        return ('<div class="bl-readout"><span class="bl-counter" data-step="-1">no steps yet</span>'
-                f' · {size} slots · waiting for the engine</div>')
+        return (
+            '<div class="bl-readout"><span class="bl-counter" data-step="-1">no steps yet</span>'
+            f" · {size} slots · waiting for the engine</div>"
+        )
     step = steps[k]
-    occ = Occupancy(sum(len(s.decoded) for s in steps[:k + 1]), size * (k + 1))
+    occ = Occupancy(sum(len(s.decoded) for s in steps[: k + 1]), size * (k + 1))
     records = list(dict(trace.requests).values())
     counts: dict[str, int] = {}
     for rec in records:
         state = state_at(rec, step.end_s)
         if state is not None:
             counts[state] = counts.get(state, 0) + 1
-    tokens = sum(len(t) for s in steps[:k + 1] for t in s.emitted.values())
+    tokens = sum(len(t) for s in steps[: k + 1] for t in s.emitted.values())
     work = []
     if step.decoded:
         work.append("decode " + ", ".join(map(html.escape, step.decoded)))
@@ -88,19 +117,22 @@ def _readout_html(trace: Trace, k: int, steps: list[StepRecord]) -> str:
     if step.padding:
         work.append("padding " + ", ".join(map(html.escape, step.padding)))
     work += [f"<b>{html.escape(rid)}</b> finished ({reason})" for rid, reason in step.finished.items()]
-    states = " · ".join(f"{counts.get(s, 0)} {s.replace('_', ' ')}"
-                        for s in ("queued", "prefilling", "awaiting_slot", "decoding", "finished"))
+    states = " · ".join(
+        f"{counts.get(s, 0)} {s.replace('_', ' ')}"
+        for s in ("queued", "prefilling", "awaiting_slot", "decoding", "finished")
+    )
     return (
         '<div class="bl-readout">'
         f'<div><span class="bl-counter" data-step="{k}"><b>step {step.index}</b></span>'
-        f' (steps {steps[0].index}–{steps[-1].index})'
-        f' · t = {step.end_s - time_origin(trace):.2f} s · '
-        f'this step {step.duration_s * 1000:.0f} ms, {step.passes} forward pass(es)</div>'
+        f" (steps {steps[0].index}–{steps[-1].index})"
+        f" · t = {step.end_s - time_origin(trace):.2f} s · "
+        f"this step {step.duration_s * 1000:.0f} ms, {step.passes} forward pass(es)</div>"
         f'<div class="bl-occupancy" data-decode-rows="{occ.decode_rows}" data-slot-steps="{occ.slot_steps}">'
-        f'occupancy so far: <b>{occ.decode_rows}</b> decode rows ÷ ({size} slots × {k + 1} steps)'
-        f' = <b>{occ.fraction:.0%}</b></div>'
-        f'<div>this step: {" · ".join(work) or "nothing"}</div>'
-        f'<div>requests: {states} · {tokens} tokens out so far</div></div>')
+        f"occupancy so far: <b>{occ.decode_rows}</b> decode rows ÷ ({size} slots × {k + 1} steps)"
+        f" = <b>{occ.fraction:.0%}</b></div>"
+        f"<div>this step: {' · '.join(work) or 'nothing'}</div>"
+        f"<div>requests: {states} · {tokens} tokens out so far</div></div>"
+    )
 
 
 def frame_html(trace: Trace, step: int, window: int = 40, colors: Mapping[str, str] | None = None) -> str:
@@ -118,19 +150,27 @@ def frame_html(trace: Trace, step: int, window: int = 40, colors: Mapping[str, s
     first = max(0, k - window + 1)
     columns = list(range(first, min(len(steps), first + window)))
     colors = request_colors(trace) if colors is None else colors
-    parts = [(f'<div class="batchlab-slots bl-root" data-num-slots="{trace.max_batch_size}" '
-              f'data-step="{k}" data-num-steps="{len(steps)}" data-kind="{html.escape(trace.kind)}">'),
-             f"<style>{_CSS}</style>", _readout_html(trace, k, steps),
-             f'<div class="bl-grid" style="grid-template-columns:5.5em{" 18px" * len(columns)}">',
-             '<div class="bl-lane"></div>']
+    parts = [
+        (
+            f'<div class="batchlab-slots bl-root" data-num-slots="{trace.max_batch_size}" '
+            f'data-step="{k}" data-num-steps="{len(steps)}" data-kind="{html.escape(trace.kind)}">'
+        ),
+        f"<style>{_CSS}</style>",
+        _readout_html(trace, k, steps),
+        f'<div class="bl-grid" style="grid-template-columns:5.5em{" 18px" * len(columns)}">',
+        '<div class="bl-lane"></div>',
+    ]
     for c in columns:
         index = steps[c].index
         label = str(index) if c == k or (index % 5 == 0 and abs(c - k) > 2) else ""
         parts.append(f'<div class="bl-col{" bl-current" if c == k else ""}">{label}</div>')
     cells = {c: _step_cells(steps, trace.max_batch_size, c, prefill_lanes) for c in columns if c <= k}
     for li, lane in enumerate(lanes):
-        slot = f'data-slot="{li}"' if li < trace.max_batch_size else \
-            f'data-prefill-lane="{li - trace.max_batch_size}"'
+        slot = (
+            f'data-slot="{li}"'
+            if li < trace.max_batch_size
+            else f'data-prefill-lane="{li - trace.max_batch_size}"'
+        )
         parts.append(f'<div class="bl-lane" {slot}>{lane}</div>')
         previous = None
         for c in columns:
@@ -138,15 +178,19 @@ def frame_html(trace: Trace, step: int, window: int = 40, colors: Mapping[str, s
                 parts.append('<div class="bl-cell bl-future"></div>')
                 continue
             cell = cells[c][li]
-            show_label = cell.request is not None and cell.kind != PADDING \
+            show_label = (
+                cell.request is not None
+                and cell.kind != PADDING
                 and (previous is None or previous.request != cell.request)
+            )
             label = f"<span>{html.escape(short_label(cell.request))}</span>" if show_label else ""
             current = " bl-current-cell" if c == k else ""
             request = f' data-request="{html.escape(cell.request)}"' if cell.request else ""
             parts.append(
                 f'<div class="bl-cell bl-{cell.kind}{current}" data-lane="{li}" data-step="{c}" '
                 f'data-kind="{cell.kind}"{request} style="{_cell_style(cell, colors.get(cell.request, ""))}" '
-                f'title="{html.escape(_cell_title(cell, steps[c].index, lane))}">{label}</div>')
+                f'title="{html.escape(_cell_title(cell, steps[c].index, lane))}">{label}</div>'
+            )
             previous = cell
     parts += ["</div>", _legend_html(), "</div>"]
     return "".join(parts)
@@ -171,18 +215,22 @@ class SlotView(widgets.VBox):
         self.palette = Palette()  # a request keeps its colour while a live trace grows or forgets
         self.live = live
         self.window = window
-        self._play = widgets.Play(min=0, max=0, interval=interval_ms, show_repeat=False,
-                                  tooltip="play / pause")
+        self._play = widgets.Play(
+            min=0, max=0, interval=interval_ms, show_repeat=False, tooltip="play / pause"
+        )
         self._play.add_class("batchlab-play")
         # no numeric readout: the slider counts positions in the trace, and the frame says
         # which engine step ("step N") it shows, so the two could not disagree
-        self._slider = widgets.IntSlider(min=0, max=0, description="step", readout=False,
-                                         layout=widgets.Layout(width="420px"))
+        self._slider = widgets.IntSlider(
+            min=0, max=0, description="step", readout=False, layout=widgets.Layout(width="420px")
+        )
         widgets.jslink((self._play, "value"), (self._slider, "value"))
-        back = widgets.Button(icon="step-backward", tooltip="one step back",
-                              layout=widgets.Layout(width="36px"))
-        forward = widgets.Button(icon="step-forward", tooltip="one step forward",
-                                 layout=widgets.Layout(width="36px"))
+        back = widgets.Button(
+            icon="step-backward", tooltip="one step back", layout=widgets.Layout(width="36px")
+        )
+        forward = widgets.Button(
+            icon="step-forward", tooltip="one step forward", layout=widgets.Layout(width="36px")
+        )
         back.on_click(lambda _: self.show_step(self._slider.value - 1))
         forward.on_click(lambda _: self.show_step(self._slider.value + 1))
         self._frame = widgets.HTML()
@@ -202,8 +250,12 @@ class SlotView(widgets.VBox):
 
     def to_html(self, step: int | None = None) -> str:
         """The frame for ``step`` (default: the one shown) as standalone HTML."""
-        return frame_html(self.trace, self.step if step is None else step, self.window,
-                          request_colors(self.trace, self.palette))
+        return frame_html(
+            self.trace,
+            self.step if step is None else step,
+            self.window,
+            request_colors(self.trace, self.palette),
+        )
 
     def _render(self, _change=None) -> None:
         self._frame.value = self.to_html()
@@ -221,8 +273,13 @@ class SlotView(widgets.VBox):
         """Show the view as a cell output that ``follow()`` can update when it ends."""
         self._display = display(self, display_id=True)
 
-    def follow(self, until: Callable[[], bool] | None = None, seconds: float = 60.0,
-               interval: float = 0.2, grace: float = 1.0) -> None:
+    def follow(
+        self,
+        until: Callable[[], bool] | None = None,
+        seconds: float = 60.0,
+        interval: float = 0.2,
+        grace: float = 1.0,
+    ) -> None:
         """Refresh every ``interval`` seconds while the engine runs in another thread.
 
         Returns when ``until()`` is true (e.g. ``lambda: not any(t.is_alive() for t in
@@ -259,8 +316,10 @@ class SlotView(widgets.VBox):
         return bundle
 
     def __repr__(self) -> str:
-        return (f"SlotView({self.trace.kind} trace, {self.trace.max_batch_size} slots, "
-                f"{len(self.trace.steps)} steps)")
+        return (
+            f"SlotView({self.trace.kind} trace, {self.trace.max_batch_size} slots, "
+            f"{len(self.trace.steps)} steps)"
+        )
 
 
 def _run_is_over(trace: Trace) -> bool:
@@ -271,4 +330,3 @@ def _run_is_over(trace: Trace) -> bool:
         return False
     served = [r.finished_s for r in records if r.finish_reason != "cancelled"]
     return steps[-1].end_s >= max(served, default=0.0)
-

@@ -11,6 +11,7 @@ import random
 import time
 
 import pytest
+from pathlib import Path
 
 from batchlab import bench
 from batchlab.bench import engines, format_table, run_bench
@@ -125,12 +126,16 @@ def test_others_share(monkeypatch):
 
 def test_cpu_seconds_counts_this_process():
     before = bench.cpu_seconds()
+    if before is None:  # no /proc/stat (macOS): the bench cannot tell others' share, and says so
+        assert not Path("/proc/stat").exists()
+        assert bench.others_share(None, None, 1.0) is None
+        return
     start = time.process_time()
     while time.process_time() - start < 0.3:  # burn 0.3 s of CPU in this process
         pass
     after = bench.cpu_seconds()
     own = after[1] - before[1]
-    assert 0.25 < own < 1.0
+    assert own >= 0.25  # CPU time, not wall time: the 0.3 s burned here are counted (BLAS threads may add)
     assert after[0] - before[0] >= own - 0.05  # the machine was busy at least while we were
 
 

@@ -356,14 +356,37 @@ def high_variance(
     over ``prompt_range``) so decoding dominates. Static batching keeps every slot of a
     batch until its longest answer ends; continuous batching refills them."""
     n = num_requests if num_requests is not None else _size("high_variance", size)["num_requests"]
+    return _exponential_outputs(
+        tokenizer,
+        "high_variance",
+        "hv",
+        "requests",
+        n,
+        size,
+        seed,
+        mean_output,
+        max_output,
+        prompt_range,
+        arrivals,
+        rate,
+        cv,
+    )
+
+
+def _exponential_outputs(
+    tokenizer, name, prefix, what, n, size, seed, mean_output, max_output, prompt_range, arrivals, rate, cv
+) -> Workload:
+    """``n`` requests with prompts uniform over ``prompt_range`` and output lengths
+    exponential with mean ``mean_output`` (rounded up, at most ``max_output``): the shape
+    ``high_variance`` and ``chat`` share, with their own defaults."""
     rng = np.random.default_rng(seed)
     p = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
     o = np.clip(np.ceil(rng.exponential(mean_output, n)), 1, max_output).astype(int)
     t = arrival_times(n, arrivals, rate, cv, rng)
-    reqs = _requests(tokenizer, "hv", p, o, t, rng)
+    reqs = _requests(tokenizer, prefix, p, o, t, rng)
     return Workload(
-        "high_variance",
-        f"{n} requests; outputs exponential, mean {mean_output:g} "
+        name,
+        f"{n} {what}; outputs exponential, mean {mean_output:g} "
         f"tokens (max {max_output}); prompts {prompt_range[0]}-{prompt_range[1]} "
         f"tokens; arrivals {_arrivals_text(arrivals, rate, cv)}",
         reqs,
@@ -640,28 +663,20 @@ def chat(
     if size not in sizes:
         raise ValueError(f"size must be one of {', '.join(sizes)}, not {size!r}")
     n = num_requests if num_requests is not None else sizes[size]
-    rng = np.random.default_rng(seed)
-    p = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
-    o = np.clip(np.ceil(rng.exponential(mean_output, n)), 1, max_output).astype(int)
-    t = arrival_times(n, arrivals, rate, cv, rng)
-    reqs = _requests(tokenizer, "chat", p, o, t, rng)
-    return Workload(
+    return _exponential_outputs(
+        tokenizer,
         "chat",
-        f"{n} chat requests; outputs exponential, mean {mean_output:g} "
-        f"tokens (max {max_output}); prompts {prompt_range[0]}-{prompt_range[1]} "
-        f"tokens; arrivals {_arrivals_text(arrivals, rate, cv)}",
-        reqs,
+        "chat",
+        "chat requests",
+        n,
+        size,
         seed,
-        dict(
-            size=size,
-            num_requests=n,
-            mean_output=mean_output,
-            max_output=max_output,
-            prompt_range=prompt_range,
-            arrivals=arrivals,
-            rate=rate,
-            cv=cv,
-        ),
+        mean_output,
+        max_output,
+        prompt_range,
+        arrivals,
+        rate,
+        cv,
     )
 
 

@@ -9,21 +9,25 @@ folder, so running cells never touches the repository's files.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import re
+import sys
 import shutil
-import signal
-import socket
 import subprocess
 import tempfile
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from jupyterlab_driver import (
+    free_port,
+    isolated_env,
+    launch_chromium,
+    missing,
+    open_notebook,
+    run_all_cells,
+    stop,
+    wait_until_serving,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "notebooks" / "02_continuous_batching.ipynb"
@@ -33,69 +37,17 @@ EXPECTED_SLOTS = 8  # max_batch_size of the run the notebook's first slot view s
 SCREENSHOT = (
     Path(os.environ.get("BATCHLAB_SCREENSHOTS") or tempfile.mkdtemp(prefix="batchlab-shots-")) / "widget.png"
 )
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
 RUN_ALL_TIMEOUT_MS = 600_000  # from "Run All Cells" until the first slot grid is on the page
 # (lesson 2 loads the model and runs two engines on the real model first: ~1 min on a quiet
 # 2-core CPU, several times that on a busy one)
 
-
-def _missing() -> str | None:
-    if importlib.util.find_spec("playwright") is None:
-        return "needs the playwright package"
-    if not CHROMIUM.exists():
-        return f"needs Debian's chromium at {CHROMIUM}"
-    return None
-
-
 # Skipped where the browser or the package is missing (a Mac), but never in CI: there a
 # missing install must fail the run, not hide in a skip.
-MISSING = _missing()
+MISSING = missing()
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(MISSING is not None and os.environ.get("CI") != "true", reason=str(MISSING)),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_until_serving(url: str, server: subprocess.Popen, log: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"JupyterLab exited with {server.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/api/status", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise RuntimeError(f"JupyterLab did not answer within {timeout:.0f} s:\n{log.read_text()[-3000:]}")
-
-
-def _stop(server: subprocess.Popen) -> None:
-    """End the server's process group; on SIGTERM the server shuts its kernels down first."""
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(server.pid, sig)
-            server.wait(wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture
@@ -109,19 +61,8 @@ def jupyterlab(tmp_path):
         # render every cell, so a widget far down the notebook is in the page too
         "notebook-extension/tracker": {"windowingMode": "none"},
     }
-    for name, values in settings.items():
-        path = tmp_path / "settings" / "@jupyterlab" / f"{name}.jupyterlab-settings"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(values))
-    env = {
-        **os.environ,
-        "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
-        "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces"),
-        "JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
-        "JUPYTER_DATA_DIR": str(tmp_path / "data"),
-        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-    }
-    port = _free_port()
+    env = isolated_env(tmp_path, settings)
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "jupyterlab.log"
     with log.open("w") as out:
@@ -147,10 +88,10 @@ def jupyterlab(tmp_path):
             start_new_session=True,
         )
     try:
-        _wait_until_serving(url, server, log)
+        wait_until_serving(url, server, log)
         yield url
     finally:
-        _stop(server)
+        stop(server)
 
 
 def test_slot_animation_plays_in_jupyterlab(jupyterlab):
@@ -158,16 +99,11 @@ def test_slot_animation_plays_in_jupyterlab(jupyterlab):
 
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
+        browser = launch_chromium(p)
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         try:
-            # Run All only once the kernel is connected and idle: sooner races its startup.
-            with page.expect_websocket(lambda ws: "/api/kernels/" in ws.url, timeout=30_000):
-                page.goto(f"{jupyterlab}/lab/tree/{NOTEBOOK.name}")
-            page.locator(".jp-StatusBar-Widget").get_by_text(re.compile(r"\| Idle$")).wait_for(timeout=30_000)
-            page.locator(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current").click()  # more room
-            page.locator("#jp-MainMenu .lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-item", has_text=re.compile(r"^Run All Cells")).click()
+            open_notebook(page, jupyterlab, NOTEBOOK.name)
+            run_all_cells(page)
 
             grid = page.locator(".batchlab-slots").first
             grid.wait_for(timeout=RUN_ALL_TIMEOUT_MS)

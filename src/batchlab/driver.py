@@ -9,6 +9,7 @@ sends them, so it sits above the engine.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -123,6 +124,43 @@ def run_workload(
         )
     steps = [s for s in list(engine.trace.steps) if s.start_s >= t0]  # this run's steps only
     return replace(engine.trace, steps=steps, requests={r.id: records[r.id] for r in reqs if r.id in records})
+
+
+def run_interleaved(
+    engines: Mapping[str, Callable[[], object]],
+    workload: Workload | Mapping[str, Workload],
+    repetitions: int = 3,
+    **run_options,
+) -> dict[str, list[Trace]]:
+    """Time engines side by side, fairly: ``repetitions`` rounds, each running every engine
+    once in the order given (A B C A B C ...), each time on a fresh engine, so a slow moment
+    of a shared machine lands on all of them instead of on one. Returns each name's traces,
+    one per round, in round order; ``metrics.median_range`` reads them.
+
+    ``engines`` maps a name to a function of no arguments that makes a fresh engine
+    (``lambda: make_engine("static", lm, max_batch_size=8)``), run with ``run_workload``.
+    A peer that ``run_workload`` cannot drive may be given as a function that runs itself
+    and returns its trace (``lambda: peers.run_mlxlm_workload(lm, wl, 8, progress=False)``).
+    ``workload`` is one workload for all, or one per name. ``run_options`` go to every
+    ``run_workload`` call (``progress`` is off unless asked for)."""
+    if repetitions < 1:
+        raise ValueError(f"repetitions must be at least 1, not {repetitions}")
+    if not engines:
+        raise ValueError("no engines to run")
+    if isinstance(workload, Mapping):
+        missing = [name for name in engines if name not in workload]
+        if missing:
+            raise ValueError(f"no workload for {', '.join(map(repr, missing))}")
+    run_options.setdefault("progress", False)
+    traces: dict[str, list[Trace]] = {name: [] for name in engines}
+    for _ in range(repetitions):
+        for name, make in engines.items():
+            made = make()
+            if not isinstance(made, Trace):
+                work = workload[name] if isinstance(workload, Mapping) else workload
+                made = run_workload(made, work, **run_options)
+            traces[name].append(made)
+    return traces
 
 
 def measure_speeds(lm, batch_size: int = 16, prefill_tokens: int = 256) -> Speeds:

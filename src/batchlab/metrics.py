@@ -32,7 +32,7 @@ interpolating linearly between the two neighbours. For 1, 2, ..., 100 the p99 is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -266,3 +266,24 @@ def summarize(trace: Trace, slo: SLO | None = None, decode_batch: int | None = N
             slo_tbt_s=None,
         )
     return out
+
+
+# -- repetitions ------------------------------------------------------------------------------
+def median_range(
+    traces: Iterable[Trace], key: str | Callable[[Trace], float | None]
+) -> tuple[float | None, tuple[float, float] | None]:
+    """The median of one figure over repeated runs, and its range ``(min, max)``: ``key`` is
+    a ``summarize`` key (``"output_tokens_per_s"``) or a function of a trace. Runs where the
+    figure is undefined (None) are left out; ``(None, None)`` if none has it. The runs of
+    ``driver.run_interleaved`` are what this is for: report the median, show the range."""
+    get = key if callable(key) else (lambda t: summarize(t)[key])
+    values = [v for v in (get(t) for t in traces) if v is not None]
+    if not values:
+        return None, None
+    return float(np.median(values)), (float(min(values)), float(max(values)))
+
+
+def ranges_overlap(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool:
+    """Whether two ``(min, max)`` ranges share a value: then repeated runs do not tell the
+    two apart, whatever their medians say."""
+    return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]

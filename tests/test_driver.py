@@ -1,0 +1,111 @@
+"""driver.run_interleaved and metrics.median_range: engines timed side by side, fairly, on the
+fake model (instant; the schedules are exact)."""
+
+import pytest
+
+from batchlab import make_engine, metrics
+from batchlab.driver import run_interleaved, run_workload
+from batchlab.fake import FakeModel, FakeRunner
+from batchlab.trace import Trace
+from batchlab.workloads import Workload, WorkloadRequest
+
+LM = FakeModel()
+
+
+def small_workload(n=5, name="w"):
+    return Workload(name, "", [WorkloadRequest(f"{name}-{i}", [1 + i, 2, 3, 4], 3 + i) for i in range(n)])
+
+
+def recording(order, name, kind, **options):
+    # a factory that notes when it is called, then makes a fresh fake engine
+    def make():
+        order.append(name)
+        return make_engine(kind, LM, runner=FakeRunner, **options)
+
+    return make
+
+
+def test_runs_are_interleaved_one_trace_per_repetition():
+    order = []
+    engines = {
+        "static": recording(order, "static", "static", max_batch_size=4),
+        "continuous": recording(order, "continuous", "continuous", max_batch_size=4),
+        "sequential": recording(order, "sequential", "sequential"),
+    }
+    traces = run_interleaved(engines, small_workload(), repetitions=3)
+    assert order == ["static", "continuous", "sequential"] * 3  # A B C A B C A B C, not A A A B B B
+    assert list(traces) == list(engines)
+    for name, runs in traces.items():
+        assert len(runs) == 3
+        assert all(isinstance(t, Trace) for t in runs)
+        assert len({id(t) for t in runs}) == 3  # a fresh engine (and trace) every round
+        assert all(len(t.requests) == 5 and metrics.completed_requests(t) == 5 for t in runs)
+    # the same engine on the same workload: the same schedule in every round
+    plan = [[(s.prefill, s.decoded) for s in t.steps] for t in traces["continuous"]]
+    assert plan[0] == plan[1] == plan[2]
+    assert plan[0] != [[(s.prefill, s.decoded) for s in t.steps] for t in traces["static"]][0]
+
+
+def test_a_workload_per_engine_and_a_peer_that_runs_itself():
+    order = []
+    big, small = small_workload(6, "big"), small_workload(2, "small")
+    reference = run_workload(make_engine("sequential", LM, runner=FakeRunner), small, progress=False)
+
+    def peer():  # e.g. mlx-lm's BatchGenerator: not an engine of ours, it returns its trace
+        order.append("peer")
+        return reference
+
+    traces = run_interleaved(
+        {"continuous": recording(order, "continuous", "continuous", max_batch_size=2), "peer": peer},
+        {"continuous": big, "peer": small},
+        repetitions=2,
+    )
+    assert order == ["continuous", "peer"] * 2
+    assert all(set(t.requests) == {r.id for r in big} for t in traces["continuous"])
+    assert traces["peer"] == [reference, reference]
+
+
+def test_refuses_what_it_cannot_run():
+    make = recording([], "x", "sequential")
+    with pytest.raises(ValueError, match="repetitions"):
+        run_interleaved({"x": make}, small_workload(), repetitions=0)
+    with pytest.raises(ValueError, match="no workload for 'y'"):
+        run_interleaved({"x": make, "y": make}, {"x": small_workload()})
+    with pytest.raises(ValueError, match="no engines"):
+        run_interleaved({}, small_workload())
+
+
+def test_an_engine_that_fails_stops_the_rounds():
+    order = []
+
+    def broken():
+        order.append("broken")
+        raise RuntimeError("no model")
+
+    with pytest.raises(RuntimeError, match="no model"):
+        run_interleaved({"ok": recording(order, "ok", "sequential"), "broken": broken}, small_workload())
+    assert order == ["ok", "broken"]
+
+
+def test_median_range():
+    traces = run_interleaved(
+        {"continuous": lambda: make_engine("continuous", LM, runner=FakeRunner, max_batch_size=4)},
+        small_workload(),
+        repetitions=3,
+    )["continuous"]
+    steps = [len(t.steps) for t in traces]
+    assert metrics.median_range(traces, "steps") == (float(steps[0]), (float(steps[0]),) * 2)
+    values = iter([3.0, 1.0, 2.0])
+    assert metrics.median_range(traces, lambda t: next(values)) == (2.0, (1.0, 3.0))
+    values = iter([None, 5.0, 1.0])  # undefined runs are left out
+    assert metrics.median_range(traces, lambda t: next(values)) == (3.0, (1.0, 5.0))
+    assert metrics.median_range(traces, lambda t: None) == (None, None)
+    assert metrics.median_range([], "steps") == (None, None)
+
+
+def test_ranges_overlap():
+    assert metrics.ranges_overlap((1.0, 2.0), (2.0, 3.0))
+    assert metrics.ranges_overlap((1.0, 5.0), (2.0, 3.0))
+    assert not metrics.ranges_overlap((1.0, 2.0), (2.5, 3.0))
+    assert not metrics.ranges_overlap((2.5, 3.0), (1.0, 2.0))
+    assert not metrics.ranges_overlap(None, (1.0, 2.0))

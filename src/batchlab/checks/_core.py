@@ -1,6 +1,5 @@
-"""What every checker is made of: a :class:`Case` (one input, the right answer, and how to
-compare), a :class:`Verdict`, ``run_cases`` which runs one against the other, and the
-comparisons that many exercises share (numbers, whole numbers, optional values, pairs)."""
+"""What every checker is made of: :class:`Case`, :class:`Verdict`, ``run_cases`` (and ``table``, rows
+of cases) and the comparisons that many exercises share."""
 
 from __future__ import annotations
 
@@ -18,10 +17,6 @@ import mlx.core as mx
 import numpy as np
 
 OK, FAIL = "✓", "✗"
-
-
-# ---------------------------------------------------------------------------------------
-# The machinery: cases, verdicts, and the loop that runs one against the other.
 
 
 def show(value: Any) -> str:
@@ -42,10 +37,8 @@ def show(value: Any) -> str:
 
 @dataclass
 class Case:
-    """One input to try the learner's function on, and the answer it should give.
-
-    ``compare(got, expected)`` returns None when ``got`` is right, otherwise a sentence
-    saying what is wrong ("" when "expected X, got Y" says it all)."""
+    """One input, the answer it should give, and ``compare(got, expected)``: None when right, else
+    what is wrong ("" when "expected X, got Y" says it all)."""
 
     label: str  # the case in plain words, e.g. "the largest logit is the last one"
     call: Callable[[Callable], Any]  # runs the learner's function on this case's input
@@ -94,18 +87,14 @@ _NOT_THE_LEARNERS = (
 )  # e.g. json.loads raising on a bad line
 
 
+def _ours(name: str) -> bool:
+    return name.startswith(_NOT_THE_LEARNERS) or "site-packages" in name or "dist-packages" in name
+
+
 def _where(exc: BaseException) -> str:
     """The learner's line that raised, as ' at `code`', if we can find it."""
-    frames = [
-        f
-        for f in traceback.extract_tb(exc.__traceback__)
-        if not f.filename.startswith(_NOT_THE_LEARNERS)
-        and "site-packages" not in f.filename
-        and "dist-packages" not in f.filename
-    ]
-    if frames and frames[-1].line:
-        return f" at `{frames[-1].line.strip()}`"
-    return ""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _ours(f.filename)]
+    return f" at `{frames[-1].line.strip()}`" if frames and frames[-1].line else ""
 
 
 def run_cases(name: str, fn: Any, cases: list[Case], quiet: bool = False) -> Verdict:
@@ -117,43 +106,23 @@ def run_cases(name: str, fn: Any, cases: list[Case], quiet: bool = False) -> Ver
 
 
 def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
-    total = len(cases)
+    total, labels = len(cases), [c.label for c in cases]
     missing = getattr(fn, "missing_reason", None)  # course.Missing: no usable piece yet
     if missing is not None:
-        return Verdict(
-            name,
-            0,
-            total,
-            f"{FAIL} {name}: not written yet ({missing}).",
-            [c.label for c in cases],
-            not_written=True,
-        )
+        why = f"{FAIL} {name}: not written yet ({missing})."
+        return Verdict(name, 0, total, why, labels, not_written=True)
     if not callable(fn):
-        return Verdict(
-            name,
-            0,
-            total,
-            f"{FAIL} {name}: expected your function, got {show(fn)}. "
-            f"Pass the function itself: check.{name}({name})",
-            [c.label for c in cases],
-        )
+        why = f"expected your function, got {show(fn)}. Pass the function itself: check.{name}({name})"
+        return Verdict(name, 0, total, f"{FAIL} {name}: {why}", labels)
     failures: list[tuple[int, Case, str]] = []
     for number, case in enumerate(cases, 1):
         try:
             got = case.call(fn)
         except NotImplementedError as e:
             why = f"NotImplementedError: {e}" if str(e) else "it still raises NotImplementedError"
-            return Verdict(
-                name,
-                0,
-                total,
-                (
-                    f"{FAIL} {name}: not written yet ({why}). Write your code where it says "
-                    f"# YOUR CODE HERE, run that cell, then run this check again."
-                ),
-                [c.label for c in cases],
-                not_written=True,
-            )
+            then = "Write your code where it says # YOUR CODE HERE, run that cell, then run this check again."
+            why = f"{FAIL} {name}: not written yet ({why}). {then}"
+            return Verdict(name, 0, total, why, labels, not_written=True)
         except Exception as e:  # the learner's code crashed on this case
             failures.append((number, case, f"    your function raised {type(e).__name__}: {e}{_where(e)}"))
             continue
@@ -258,9 +227,9 @@ def optional_compare(compare: Compare, when_none_expected: str, when_none_got: s
 
 
 def mistakes(*known, rel: float = 1e-6) -> Callable[[Any, Any], str]:
-    """A diagnose for numeric answers: ``known`` are (the value a mistake gives, or None
-    where it cannot occur, what to say); the first one the answer is close to."""
-    return lambda got, expected: next(
+    """A diagnose for numeric answers: the first of ``known`` (the value a mistake gives, or None where
+    it cannot occur; what to say) the answer is close to."""
+    return lambda got, _: next(
         (why for value, why in known if value is not None and close(got, value, rel)), ""
     )
 
@@ -268,14 +237,12 @@ def mistakes(*known, rel: float = 1e-6) -> Callable[[Any, Any], str]:
 def table(
     name: str, fn: Any, rows, right: Callable | None, judge: Callable, hint: str = "", **case
 ) -> Verdict:
-    """One case per row ``(label, *args)``: ``fn`` gets copies of ``args``, the answer is
-    ``right(*args)`` (the library's own code wherever it has one; None: each row ends with
-    its answer written out), ``judge(*args)`` the compare. A label ``(label, hint)`` has its own hint."""
+    """One case per row ``(label, *args)``: ``fn`` gets copies of ``args``; the answer is ``right(*args)``
+    (the library's own code; None: each row ends with its answer), ``judge(*args)`` the compare."""
     cases = []
-    for row in rows:
-        label, own_hint = row[0] if isinstance(row[0], tuple) else (row[0], hint)
-        args, expected = (row[1:-1], row[-1]) if right is None else (row[1:], right(*row[1:]))
+    for label, *args in rows:
+        args, expected = (args[:-1], args[-1]) if right is None else (args, right(*args))
         cases.append(
-            Case(label, lambda f, a=args: f(*copy.deepcopy(a)), expected, judge(*args), own_hint, **case)
+            Case(label, lambda f, a=args: f(*copy.deepcopy(a)), expected, judge(*args), hint, **case)
         )
     return run_cases(name, fn, cases)

@@ -1,10 +1,5 @@
-"""The one harness every scheduler checker runs on: build an engine around the learner's
-class with the public ``make_engine(Cls, ...)`` on the fake model, drive it with the one
-workload driver (``driver.run_workload``, whose ``EngineStuck`` is the one stuck
-detector), and judge what happened from public behaviour only: the outputs, the trace,
-and ``stats()`` (every KV block back at the end). The trace invariants shared by every
-kind live here too; each lesson adds the rules of its own kind and compares its schedule
-with the library's reference scheduler run on the same workload."""
+"""The harness of the scheduler checkers: the learner's class in a fake-model engine (``make_engine``),
+driven by ``driver.run_workload`` and judged from public behaviour only (outputs, trace, ``stats()``)."""
 
 from __future__ import annotations
 
@@ -25,13 +20,11 @@ MAX_PASSES = 5000  # far more than any case needs: a scheduler that loops is sto
 
 
 class _TooManyPasses(BaseException):
-    """Not an ``Exception``: the engine, which ends a failed pass's requests and goes on,
-    does not catch it, so a scheduler that never stops ends the run at once."""
+    """Not an ``Exception``, so the engine (which survives a failed pass) does not catch it."""
 
 
 class _BoundedRunner(FakeRunner):
-    """The fake runner, refusing to run more than ``MAX_PASSES`` passes: a scheduler that
-    keeps yielding passes forever is stopped instead of hanging."""
+    """The fake runner, refusing to run more than ``MAX_PASSES`` passes."""
 
     def forward(self, chunks):
         if len(self.passes) >= MAX_PASSES:
@@ -43,15 +36,11 @@ def fake_workload(name: str, rows: list[tuple[int, int]], seed: int = 0) -> Work
     """Requests ``r0, r1, ...`` arriving at once, with (prompt length, new tokens) ``rows``
     and random prompt tokens (never 0, the fake model's EOS)."""
     rng = random.Random(seed)
-    return Workload(
-        name,
-        name,
-        [
-            WorkloadRequest(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(p)], n)
-            for i, (p, n) in enumerate(rows)
-        ],
-        seed,
-    )
+    reqs = [
+        WorkloadRequest(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(p)], n)
+        for i, (p, n) in enumerate(rows)
+    ]
+    return Workload(name, name, reqs, seed)
 
 
 def random_rows(seed: int, n: int, prompts: tuple[int, int], outputs: tuple[int, int]) -> list[tuple]:
@@ -65,8 +54,7 @@ SLOT_TAKEN = "every decode slot is taken"
 
 @dataclass
 class Run:
-    """One run of a scheduler class: its trace (the steps up to where it broke off, if it
-    did), why it broke off, and how many KV blocks were still held at the end."""
+    """One run: its trace (up to where it broke off), why it broke off, the KV blocks still held."""
 
     trace: Trace | None
     problem: str | None = None
@@ -74,29 +62,14 @@ class Run:
     preemptions: int = 0
 
 
-def run_piece(
-    cls,
-    workload: Workload,
-    *,
-    max_seq_len: int | None = None,
-    hints: dict | None = None,
-    priorities: dict | None = None,
-    **options,
-) -> Run:
-    """``workload`` on a fake-model engine built around ``cls`` with ``options`` (those of
-    ``make_engine``: the scheduler's own, ``num_kv_blocks``, ``kv_block_size``...).
-    ``hints`` say what to tell the learner when the run breaks off: ``"memory"`` (the KV
-    pool ran dry: a ``MemoryError``), ``"slot"`` (``take_slot`` found no free slot),
-    ``"stuck"`` (steps that run nothing)."""
+def run_piece(cls, workload: Workload, *, max_seq_len=None, hints=None, priorities=None, **options) -> Run:
+    """``workload`` on a fake-model engine built around ``cls`` with ``make_engine`` ``options``;
+    ``hints`` say what to tell the learner on a ``"memory"`` error, a ``"slot"`` error or ``"stuck"``."""
     hints = hints or {}
     try:
+        model, clock = FakeModel(vocab_size=VOCAB, max_seq_len=4096), TickClock()
         engine = make_engine(
-            cls,
-            FakeModel(vocab_size=VOCAB, max_seq_len=4096),
-            runner=_BoundedRunner,
-            clock=TickClock(),
-            max_seq_len=max_seq_len,
-            **options,
+            cls, model, runner=_BoundedRunner, clock=clock, max_seq_len=max_seq_len, **options
         )
     except Exception as e:
         return Run(None, f"make_engine could not build an engine from your class: {type(e).__name__}: {e}")
@@ -110,25 +83,14 @@ def run_piece(
     except _TooManyPasses as e:
         trace, problem = engine.trace, f"{e} (does batches() yield passes with nothing in them?)"
     except MemoryError as e:
-        trace, problem = (
-            engine.trace,
-            (
-                f"the KV pool ran out ({num_blocks(engine)} blocks): "
-                f"MemoryError: {e}{_where(e)}" + _then(hints.get("memory"))
-            ),
-        )
+        blocks = engine.stats()["num_kv_blocks"]
+        why = f"the KV pool ran out ({blocks} blocks): MemoryError: {e}{_where(e)}"
+        trace, problem = engine.trace, why + _then(hints.get("memory"))
     except Exception as e:
-        why = hints.get("slot") if SLOT_TAKEN in str(e) else None
-        trace, problem = (
-            engine.trace,
-            (f"your scheduler raised {type(e).__name__}: {e}{_where(e)}" + _then(why)),
-        )
+        why = _then(hints.get("slot") if SLOT_TAKEN in str(e) else None)
+        trace, problem = engine.trace, f"your scheduler raised {type(e).__name__}: {e}{_where(e)}{why}"
     stats = engine.stats()
     return Run(trace, problem, stats["num_kv_blocks"] - stats["free_kv_blocks"], stats["preemptions"])
-
-
-def num_blocks(engine) -> int:
-    return engine.stats()["num_kv_blocks"]
 
 
 def _then(hint: str | None) -> str:
@@ -142,35 +104,25 @@ def _then(hint: str | None) -> str:
 def output_problem(trace: Trace, workload: Workload, max_seq_len: int = 4096) -> str | None:
     """Every request's output equals what the fake model must produce for it."""
     for r in workload:
-        want = reference_output(
-            r.prompt_ids, clamp_new_tokens(r.prompt_len, r.max_new_tokens, max_seq_len), VOCAB, frozenset()
-        )
-        rec = trace.requests[r.id]
+        new = clamp_new_tokens(r.prompt_len, r.max_new_tokens, max_seq_len)
+        want, rec = reference_output(r.prompt_ids, new, VOCAB, frozenset()), trace.requests[r.id]
         if rec.finish_reason == "error":
             return f"{r.id} ended with an error in a forward pass (see the log above)"
         got = list(rec.output_ids)
         if len(got) > len(want) and got[: len(want)] == want:
-            return (
-                f"{r.id} should have finished after {len(want)} tokens but produced {len(got)}: "
-                f"a finished request went on decoding"
-            )
+            return f"{r.id} should have finished after {len(want)} tokens but produced {len(got)}"
         if got != want and got == want[: len(got)]:
-            return (
-                f"{r.id} got only {len(got)} of its {len(want)} tokens: it must keep "
-                f"decoding until it finishes"
-            )
+            return f"{r.id} got only {len(got)} of its {len(want)} tokens: it must decode until it finishes"
         if got != want:
             return (
-                f"{r.id} (prompt of {r.prompt_len} tokens) produced {len(rec.output_ids)} tokens "
-                f"{list(rec.output_ids)[:6]}..., the model's answer is {len(want)} tokens "
-                f"{want[:6]}...: a prompt token was skipped, repeated or never sampled"
+                f"{r.id} produced {got[:6]}..., the model's answer is {want[:6]}...: "
+                "a prompt token was skipped, repeated or never sampled"
             )
     return None
 
 
 def slot_problem(trace: Trace, B: int | None = None, rectangular: bool = False) -> str | None:
-    """No decode slot holds two requests at once, nor (unless ``rectangular``: a static
-    batch keeps its finished rows) a request that has finished, nor more than B slots."""
+    """No slot holds two requests, nor (unless ``rectangular``, static) a finished one; at most B slots."""
     finished: set[str] = set()
     for step in trace.steps:
         if B is not None and len(step.slots) > B:
@@ -209,23 +161,19 @@ def early_decode_problem(trace: Trace, workload: Workload) -> str | None:
             reached[rid] = max(reached.get(rid, 0), start + n)
         for rid in step.decoded:
             if done.get(rid, 0) < prompt_len.get(rid, 0):
-                return (
-                    f"step {step.index}: {rid} ran a decode row with only {done.get(rid, 0)} of "
-                    f"its {prompt_len[rid]} prompt tokens prefilled (its last chunk never ran)"
-                )
+                have = f"{done.get(rid, 0)} of its {prompt_len[rid]} prompt tokens"
+                return f"step {step.index}: {rid} decoded with only {have} (its last chunk never ran)"
     for rid, rec in trace.requests.items():  # also a move the engine had no step to record
         moved = [state for _, state in rec.state_times if state in ("awaiting_slot", "decoding")]
         if moved and reached.get(rid, 0) < prompt_len.get(rid, 0):
-            return (
-                f"{rid} went on to {moved[0].replace('_', ' a ')} with only {reached.get(rid, 0)} of "
-                f"its {prompt_len[rid]} prompt tokens prefilled (its last chunk never ran)"
-            )
+            have = f"{reached.get(rid, 0)} of its {prompt_len[rid]} prompt tokens"
+            state = moved[0].replace("_", " a ")
+            return f"{rid} went on to {state} with only {have} (its last chunk never ran)"
     return None
 
 
 def gap_problem(trace: Trace, workload: Workload) -> str | None:
-    """Each prompt is prefilled in order: chunks start where the last one ended (or at 0,
-    after a preemption), and the last covers the prompt exactly."""
+    """Each prompt is prefilled in order, chunk after chunk (from 0 again after a preemption)."""
     chunks = prefill_chunks(trace)
     for r in workload:
         at = 0
@@ -236,10 +184,8 @@ def gap_problem(trace: Trace, workload: Workload) -> str | None:
             if n < 1:
                 return f"step {index}: a chunk of {n} tokens for {r.id} (a chunk has at least one token)"
             if start != at:
-                return (
-                    f"step {index}: {r.id}'s chunk starts at token {start}, but its prefill had "
-                    f"reached token {at} (a {'gap' if start > at else 'repeat'})"
-                )
+                what = "gap" if start > at else "repeat"
+                return f"step {index}: {r.id}'s chunk starts at token {start}, its prefill at {at} (a {what})"
             at += n
         if at < r.prompt_len:
             return f"{r.id}'s chunks cover {at} of its {r.prompt_len} prompt tokens"
@@ -247,25 +193,22 @@ def gap_problem(trace: Trace, workload: Workload) -> str | None:
 
 
 def state_problem(trace: Trace, set_decoding: str) -> str | None:
-    """Every request that ran a decode row had entered the decoding state first (the
-    trace records each request's states); ``set_decoding`` says where that happens."""
+    """Every request that ran a decode row was DECODING first; ``set_decoding`` says where that happens."""
     for step in trace.steps:
         for rid in step.decoded:
             entered = [s for t, s in trace.requests[rid].state_times if t <= step.end_s]
             if "decoding" not in entered:
+                still = entered[-1] if entered else "queued"
                 return (
-                    f"step {step.index}: {rid} ran a decode row but its state was never set to "
-                    f"DECODING (it is still {entered[-1] if entered else 'queued'}): {set_decoding}"
+                    f"step {step.index}: {rid} ran a decode row but its state was never set to DECODING "
+                    f"(it is still {still}): {set_decoding}"
                 )
     return None
 
 
 def blocks_problem(run: Run) -> str | None:
     if run.blocks_held:
-        return (
-            f"at the end {run.blocks_held} KV block(s) were still held: every request that "
-            f"leaves must give its blocks back"
-        )
+        return f"at the end {run.blocks_held} KV block(s) were still held: a request leaving gives them back"
     return None
 
 
@@ -281,17 +224,7 @@ def piece_case(label: str, judge: Callable[[type], str | None], hint: str = "") 
     )
 
 
-def piece_judge(
-    base: type,
-    reference: type,
-    workload: Workload,
-    checks,
-    *,
-    broken=(),
-    schedule=None,
-    hints: dict | None = None,
-    **options,
-) -> Callable[[type], str | None]:
+def piece_judge(base, reference, workload, checks, *, broken=(), schedule=None, hints=None, **options):
     """A judge for ``piece_case``: ``workload`` on the learner's class (refused unless a subclass of
     ``base``) with ``options``; the first problem of ``checks`` (each ``check(trace)``), then of
     ``schedule(trace, reference's trace)``, then a block still held. A run that broke off says why,
@@ -310,36 +243,30 @@ def piece_judge(
             return first or run.problem
         return first or (schedule and schedule(run.trace, ref)) or blocks_problem(run)
 
+    judge.scenario = (reference, workload, options)  # for memory_case
     return judge
 
 
-def pressure_case(
-    label: str,
-    judge: Callable[[type], str | None],
-    reference: type,
-    workload: Workload,
-    must_preempt: bool,
-    hint: str = "",
-    **options,
-) -> Case:
+def pressure_case(label, judge, reference, workload, must_preempt: bool, hint="", **options) -> Case:
     """A case run in a KV pool small enough to matter (``options`` give ``num_kv_blocks``).
     The scenario is checked on the reference first: if it does not preempt where it
     must, the case itself is wrong (so a pass never counts a scenario it did not see)."""
     ref = run_piece(reference, workload, **options)
     if ref.problem or (must_preempt and not ref.preemptions):
-        raise AssertionError(
-            f"checker case {label!r}: the reference run did not show the scenario "
-            f"({ref.problem or 'no preemption'})"
-        )
+        why = ref.problem or "no preemption"
+        raise AssertionError(f"checker case {label!r}: the reference run did not show the scenario ({why})")
     return piece_case(label, judge, hint)
 
 
-def schedule_problem(
-    got: Trace, expected: Trace, key: Callable, words: Callable, hint: Callable | None = None
-) -> str | None:
-    """The first step where the learner's trace differs from the reference's (``key(step)``
-    is what must match), told as ``words(step, other)``; ``hint(got_step, expected_step)``
-    may explain it."""
+def memory_case(label: str, judge: Callable, must_preempt: bool, hint: str = "") -> Case:
+    """``pressure_case`` on the scenario of a ``piece_judge`` judge."""
+    reference, workload, options = judge.scenario
+    return pressure_case(label, judge, reference, workload, must_preempt, hint, **options)
+
+
+def schedule_problem(got: Trace, expected: Trace, key: Callable, words: Callable, hint=None) -> str | None:
+    """The first step whose ``key(step)`` differs from the reference's, told as ``words(step, other)``;
+    ``hint(got_step, expected_step)`` may explain it."""
     for g, e in zip(got.steps, expected.steps):
         if key(g) != key(e):
             why = hint(g, e) if hint else None
@@ -358,11 +285,8 @@ MIXED_OUTPUTS = [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14]  
 def count_exercise(name: str, fn, rows, truth: Callable, diagnose: Callable, hint: str):
     """A count ``fn(output_lens, B) -> int`` (lessons 1 and 2) on rows of (label, output_lens, B):
     the right count is ``truth(lens, B)``, read off a library run; ``diagnose(lens, B, got, expected)``."""
-    return table(
-        name,
-        fn,
-        rows,
-        truth,
-        lambda lens, B: whole_number_compare(lambda got, want: diagnose(lens, B, got, want)),
-        hint,
-    )
+
+    def judge(lens, B):
+        return whole_number_compare(lambda got, want: diagnose(lens, B, got, want))
+
+    return table(name, fn, rows, truth, judge, hint)

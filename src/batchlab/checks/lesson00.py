@@ -1,6 +1,5 @@
-"""Checkers for lesson 0 (the model and one request): ``greedy_pick(fn, lm=None)``,
-``greedy_generate(fn, lm)`` (against ``batchlab.generate`` on the real model) and
-``tokens_per_second(fn)``."""
+"""Checkers for lesson 0 (the model and one request): ``greedy_pick``, ``greedy_generate`` (against
+``batchlab.generate`` on the real model) and ``tokens_per_second``."""
 
 from __future__ import annotations
 
@@ -22,10 +21,7 @@ def _not_python_int(got: Any) -> str | None:
     if isinstance(got, int):
         return None
     if isinstance(got, (mx.array, np.ndarray, np.generic)):
-        return (
-            "that is an array, not a Python int: wrap it in int(...) so the rest of "
-            "the code gets a plain number"
-        )
+        return "that is an array, not a Python int: wrap it in int(...)"
     return f"a token id is a Python int, but you returned a {type(got).__name__}"
 
 
@@ -50,6 +46,10 @@ def _last_logits(lm, ids: list[int]) -> mx.array:
     return _CACHE[key][1]
 
 
+def _on(values):
+    return lambda f: f(mx.array(np.asarray(values, dtype=np.float32)))
+
+
 def greedy_pick(fn: Callable, lm=None) -> Verdict:
     """Check ``fn(logits) -> int``, the id of the largest logit (with ``lm``, also on the real model's)."""
     big = np.full(49152, -3.0, dtype=np.float32)
@@ -57,40 +57,21 @@ def greedy_pick(fn: Callable, lm=None) -> Verdict:
     rows = [
         ("logits [0.1, 2.5, -1.0, 0.3]: the largest is id 1", [0.1, 2.5, -1.0, 0.3]),
         ("logits [3.0, 1.0, 2.0]: the largest is the first, id 0", [3.0, 1.0, 2.0]),
-        (
-            "logits [-5.0, -2.0, -9.0, -1.5]: all negative, the largest (-1.5) is the last, id 3",
-            [-5.0, -2.0, -9.0, -1.5],
-        ),
+        ("logits [-5.0, -2.0, -9.0, -1.5]: all negative, the last is largest", [-5.0, -2.0, -9.0, -1.5]),
         ("a vocabulary-sized row (49152 logits) whose largest is at id 40000", big),
     ]
-    cases = [
-        Case(
-            label,
-            lambda f, v=values: f(mx.array(np.asarray(v, dtype=np.float32))),
-            int(np.argmax(values)),
-            _same_token,
-            hint="greedy picks the position (the token id) of the largest logit, "
-            "not the logit itself: mx.argmax gives it",
-        )
-        for label, values in rows
-    ]
+    hint = "greedy picks the position (the token id) of the largest logit, not the logit: mx.argmax"
+    cases = [Case(label, _on(values), int(np.argmax(values)), _same_token, hint) for label, values in rows]
     if lm is not None:
         row = _last_logits(lm, _france_ids(lm))
         expected = int(np.argmax(np.array(row)))
-        cases.append(
-            Case(
-                f"the real model's logits after the France question (greedy says id {expected}, "
-                f"{lm.tokenizer.decode([expected])!r})",
-                lambda f: f(row),
-                expected,
-                _same_token,
-            )
-        )
+        label = f"the real model's logits after the France question (id {expected})"
+        cases.append(Case(label, lambda f: f(row), expected, _same_token))
     return run_cases("greedy_pick", fn, cases)
 
 
 class _Recorder:
-    """Wraps an mlx-lm model and notes, per forward pass, the input shape and whether a cache was passed."""
+    """Wraps an mlx-lm model and notes, per forward pass, the input shape and whether it had a cache."""
 
     def __init__(self, model):
         self._model, self.calls = model, []
@@ -115,8 +96,7 @@ def _reference_tokens(lm, ids: list[int], n: int) -> list[int]:
 
 
 def greedy_generate(fn: Callable, lm) -> Verdict:
-    """Check ``fn(lm, ids, n) -> list[int]``: greedy decoding with a KV cache of up to ``n``
-    new tokens, stopping after an EOS token (kept); the answer is ``batchlab.generate``'s."""
+    """Check ``fn(lm, ids, n) -> list[int]``: greedy decoding with a KV cache, up to ``n`` new tokens."""
     tok = lm.tokenizer
     france = _france_ids(lm)
     eos = tok.eos_token_ids
@@ -137,21 +117,14 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         got = list(got)
         if got == expected:
             return None
+        last = f"the EOS token {expected[-1]} ({tok.decode(expected[-1:])!r})" if expected else ""
         if got[: len(expected)] == expected and expected and expected[-1] in eos:
-            return (
-                f"the first {len(expected)} tokens are right, but you kept going after the "
-                f"EOS token {expected[-1]} ({tok.decode([expected[-1]])!r})"
-            )
+            return f"the first {len(expected)} tokens are right, but you kept going after {last}"
         if got == expected[:-1] and expected[-1] in eos:
-            return (
-                f"you stopped at the EOS token {expected[-1]} ({tok.decode([expected[-1]])!r}) "
-                f"but left it out: append it, then stop"
-            )
+            return f"you stopped at {last} but left it out: append it, then stop"
         if len(got) > len(expected) and got[len(got) - len(expected) :] == expected:
-            return (
-                f"the new tokens are right, but {len(got) - len(expected)} tokens come before "
-                f"them (the prompt?): return only the new tokens"
-            )
+            extra = f"the new tokens are right, but {len(got) - len(expected)} tokens come before them"
+            return f"{extra} (the prompt?): return only the new tokens"
         first = next(
             (i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))
         )
@@ -170,21 +143,20 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
     answer = _reference_tokens(lm, france, 12)
     cases = [
         case(
-            "the France question (chat template), n=1: just the first new token",
+            "the France question (chat template), n=1",
             france,
             1,
-            "the first new token comes from the last row of the prefill's logits",
+            "the first new token is the prefill's last row's",
         ),
         case(
-            "the France question, n=5: five tokens, each fed back in as the next input",
+            "the France question, n=5",
             france,
             5,
-            "each step feeds the token just picked, as mx.array([[token]]), with the same cache",
-            record="france5",
+            "feed the token just picked, with the same cache",
+            "france5",
         ),
         case(
-            f"the France question, n=12: the answer ends with {tok.decode(answer[-1:])} (an EOS token) "
-            f"after {len(answer)} tokens, so stop there and keep it",
+            f"the France question, n=12: the answer ends with an EOS token after {len(answer)} tokens",
             france,
             12,
             "after appending a token, stop if it is in lm.tokenizer.eos_token_ids",
@@ -202,15 +174,10 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
             return "your function never called lm.model"
         for i, (shape, with_cache) in enumerate(calls, 1):
             if not with_cache:
-                return (
-                    f"forward pass {i} ran without a cache: make one with "
-                    f"lm.model.make_cache() and pass it as cache=... to every call"
-                )
+                return f"forward pass {i} ran without a cache: pass cache=lm.model.make_cache() to every call"
             if i > 1 and shape[-1] != 1:
-                return (
-                    f"forward pass {i} was given {shape[-1]} tokens: with a KV cache, "
-                    f"each step after the prompt feeds only the newest token"
-                )
+                newest = "each step after the prompt feeds only the newest token"
+                return f"forward pass {i} was given {shape[-1]} tokens: {newest}"
         return None
 
     def show_calls(calls):
@@ -219,16 +186,9 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         parts = [f"[{', '.join(map(str, s))}]{'' if c else ' (no cache)'}" for s, c in calls]
         return "input shapes " + ", ".join(parts[:8]) + (" ..." if len(parts) > 8 else "")
 
-    cases.append(
-        Case(
-            "uses the KV cache: the prompt in one pass, then one new token per pass "
-            "(the forward passes of case 2)",
-            lambda f: recorded.get("france5", []),
-            f"input shapes [1, {len(france)}], then [1, 1] for every step, all with the cache",
-            cache_ok,
-            show=show_calls,
-        )
-    )
+    want = f"input shapes [1, {len(france)}], then [1, 1] for every step, all with the cache"
+    label = "uses the KV cache: the prompt in one pass, then one new token per pass (case 2's passes)"
+    cases.append(Case(label, lambda f: recorded.get("france5", []), want, cache_ok, show=show_calls))
     return run_cases("greedy_generate", fn, cases)
 
 
@@ -250,12 +210,11 @@ def tokens_per_second(fn: Callable) -> Verdict:
             mistakes(
                 (
                     float(np.mean([b / t for t in s])),
-                    "that is the average of the per-step rates; throughput "
-                    "is all the tokens made divided by all the time taken",
+                    "that is the average of the per-step rates: divide the totals",
                 ),
                 (
                     len(s) / sum(s) if b != 1 else None,
-                    f"that leaves out the batch: every step makes {b} tokens, one per sequence",
+                    f"that leaves out the batch: every step makes {b} tokens",
                 ),
                 (sum(s) / (b * len(s)), "that is seconds per token; tokens per second is the other way up"),
             )

@@ -1,7 +1,5 @@
-"""Checkers for lesson 1 (static batching), on the fake model through the one harness
-(``_pieces``): ``static_scheduler(MyStaticScheduler)`` (the learner's ``batches()``, against the
-library's ``StaticScheduler`` on the same requests, also in a KV pool too small for everyone),
-``wasted_slot_steps(fn)`` and ``static_steps(fn)`` (counts read off the library's static runs)."""
+"""Checkers for lesson 1 (static batching): ``static_scheduler`` (the learner's ``batches()`` against
+the library's ``StaticScheduler``), ``wasted_slot_steps`` and ``static_steps``."""
 
 from __future__ import annotations
 
@@ -12,41 +10,18 @@ import numpy as np
 from ..scheduler import StaticScheduler
 from ..trace import Trace
 from ._core import Verdict, run_cases
-from ._pieces import (
-    MIXED_OUTPUTS,
-    count_exercise,
-    fake_workload,
-    output_problem,
-    piece_case,
-    piece_judge,
-    pressure_case,
-    run_piece,
-    schedule_problem,
-    slot_problem,
-    state_problem,
-)
+from ._pieces import MIXED_OUTPUTS, count_exercise, fake_workload, memory_case, output_problem, piece_case
+from ._pieces import piece_judge, run_piece, schedule_problem, slot_problem, state_problem
 
 __all__ = ["static_scheduler", "wasted_slot_steps", "static_steps"]
 
 
 HINTS = {
-    "stuck": (
-        "when every request of the batch is done, free them all (self.release(req)), so "
-        "the next call starts a new batch"
-    ),
-    "slot": (
-        "a slot is still held by a request of the last batch: when every request of the "
-        "batch is done, free each with self.release(req) before the next batch starts"
-    ),
-    "memory": (
-        "a request joins the batch only if self.reserve(req) promises its whole KV "
-        "memory (prompt + max_new_tokens); stop filling the batch when it says False"
-    ),
+    "stuck": "when every request of the batch is done, free them all (self.release(req))",
+    "slot": "a slot is still held: free each with self.release(req) before the next batch starts",
+    "memory": "a request joins the batch only if self.reserve(req) promises its whole KV memory",
 }
-BEGIN = (
-    "start each request of the batch with self.begin(req): it leaves the queue as "
-    "PREFILLING, and after its prefill the engine moves it on to DECODING"
-)
+BEGIN = "start each request of the batch with self.begin(req)"
 
 
 def _names(ids) -> str:
@@ -79,39 +54,23 @@ def _words(s, other) -> str:
 
 def _static_hint(g, e) -> str | None:
     if g.prefill and not e.prefill:
-        return (
-            "a new request started while the batch was still running: in static batching "
-            "nobody joins until every request of the batch is done"
-        )
+        return "a new request started while the batch was still running: in static batching nobody joins"
     if e.prefill and g.prefill and len(g.prefill) != len(e.prefill):
-        return (
-            "a new batch takes up to max_batch_size requests from the front of the queue "
-            "(in arrival order), all at once"
-        )
+        return "a new batch takes up to max_batch_size requests from the front of the queue, all at once"
     if any(ge is None and ee is not None for ge, ee in zip(g.slots, e.slots)):
-        return (
-            "a request left its slot while its batch was still running: a finished request keeps its "
-            "slot as a padding row, and nobody joins until every request of the batch is done"
-        )
+        return "a request left its slot while its batch was running: a finished request keeps it as padding"
     if e.padding and not g.padding:
-        return (
-            "a finished request stays in the batch as a padding row until the whole batch "
-            "ends: yield Batch(decode=<live rows>, padding=<finished rows>)"
-        )
+        return "a finished request stays in the batch as a padding row: Batch(decode=live, padding=finished)"
     if g.padding_tokens != e.padding_tokens:
-        return (
-            "padding_tokens counts what a padded prefill would add: for every request of the "
-            f"batch, the longest prompt minus its own prompt length (expected "
-            f"{e.padding_tokens}, got {g.padding_tokens})"
-        )
+        return "padding_tokens: for every request of the batch, the longest prompt minus its own"
     if set(g.decoded) - set(e.decoded):
         return "only requests that are not finished get a decode row"
     return None
 
 
 def static_invariants(trace: Trace, B: int) -> str | None:
-    """The rules of static batching: nobody joins a running batch, and until it ends every request
-    of the batch has a row in every decode step (a decode row, or a padding row once done)."""
+    """The rules of static batching: nobody joins a running batch; each of its requests has a row in
+    every decode step until it ends (a padding row once done)."""
     batch: set[str] = set()
     previous_slots: list = []
     finished: set[str] = set()
@@ -119,24 +78,16 @@ def static_invariants(trace: Trace, B: int) -> str | None:
         started = {rid for rid, _, _ in step.prefill}
         if started:
             if any(previous_slots):
-                return (
-                    f"step {step.index}: {', '.join(sorted(started))} started while the batch "
-                    f"before still held its slots ({[r for r in previous_slots if r]}): in "
-                    f"static batching nobody joins a running batch"
-                )
+                who = ", ".join(sorted(started))
+                return f"step {step.index}: {who} started: in static batching nobody joins a running batch"
             batch = started
         rows = set(step.decoded) | set(step.padding)
         if step.decoded and rows != batch:
             missing = sorted(batch - rows)
             if missing and set(missing) <= finished:
-                return (
-                    f"step {step.index}: finished {', '.join(missing)} had no row: a finished "
-                    f"request stays in its batch as a padding row until the batch ends"
-                )
-            return (
-                f"step {step.index}: the decode step ran rows {sorted(rows)}, but the batch is "
-                f"{sorted(batch)}"
-            )
+                why = "a finished request stays in its batch as a padding row until the batch ends"
+                return f"step {step.index}: finished {', '.join(missing)} had no row: {why}"
+            return f"step {step.index}: the decode step ran rows {sorted(rows)}, the batch is {sorted(batch)}"
         if set(step.decoded) & set(step.padding):
             both = sorted(set(step.decoded) & set(step.padding))
             return f"step {step.index}: {both} got a decode row and a padding row"
@@ -146,62 +97,34 @@ def static_invariants(trace: Trace, B: int) -> str | None:
 
 
 def _static_judge(rows, B, seed=0, **pool):
-    workload = fake_workload("static", rows, seed)
-    return piece_judge(
-        StaticScheduler,
-        StaticScheduler,
-        workload,
-        [
-            lambda t: output_problem(t, workload),
-            lambda t: slot_problem(t, B, rectangular=True),
-            lambda t: state_problem(t, BEGIN),
-            lambda t: static_invariants(t, B),
-        ],
-        schedule=lambda t, ref: schedule_problem(t, ref, _key, _words, _static_hint),
-        hints=HINTS,
-        max_batch_size=B,
-        **pool,
-    )
+    w = fake_workload("static", rows, seed)
+    checks = [lambda t: output_problem(t, w), lambda t: slot_problem(t, B, rectangular=True)]
+    checks += [lambda t: state_problem(t, BEGIN), lambda t: static_invariants(t, B)]
+    pool.update(schedule=_schedule, hints=HINTS, max_batch_size=B)
+    return piece_judge(StaticScheduler, StaticScheduler, w, checks, **pool)
+
+
+def _schedule(trace, ref):
+    return schedule_problem(trace, ref, _key, _words, _static_hint)
 
 
 def static_scheduler(cls) -> Verdict:
-    """Check ``MyStaticScheduler`` (a ``StaticScheduler`` subclass whose ``batches()`` the learner wrote)."""
+    """Check ``MyStaticScheduler`` (a ``StaticScheduler`` subclass with the learner's ``batches()``)."""
     rng = np.random.default_rng(0)  # lengths drawn like the mixed workload's
     mixed = list(zip(rng.integers(40, 301, 16).tolist(), rng.integers(4, 65, 16).tolist()))
     thirty = list(zip(rng.integers(3, 30, 30).tolist(), rng.integers(1, 41, 30).tolist()))
-    hint = (
-        "take up to B requests from the queue only when no batch runs; yield one prefill, "
-        "then one decode step per call (finished rows as padding); when every request of "
-        "the batch is done, free them all (self.release)"
-    )
+    hint = "start up to B requests only when no batch runs; when all of the batch are done, free them all"
     cases = [
         (
-            "two batches: 5 requests with B=3; the 4th and 5th wait until all of the first three are done",
-            [(4 + i, o) for i, o in enumerate([3, 7, 2, 5, 4])],
+            "two batches: 5 requests, B=3; the 4th and 5th wait for the first three",
+            [(4, 3), (5, 7), (6, 2), (7, 5), (8, 4)],
             3,
         ),
-        (
-            "one batch with fewer requests than slots: 3 requests (prompts of 5, 9 and 3 tokens, "
-            "outputs of 4, 2 and 6 tokens), B=4",
-            [(5, 4), (9, 2), (3, 6)],
-            4,
-        ),
-        (
-            "every request wants a single token (3 requests, B=2): the prefill makes it, no decode rows",
-            [(6, 1)] * 3,
-            2,
-        ),
-        (
-            "a request stops early (as on EOS, after 4 tokens) and stays in its batch as a padding row",
-            [(7, 9), (6, 4), (5, 8)],
-            3,
-        ),
+        ("one batch of 3 requests with B=4 (fewer requests than slots)", [(5, 4), (9, 2), (3, 6)], 4),
+        ("every request wants a single token (3 requests, B=2): no decode rows", [(6, 1)] * 3, 2),
+        ("a request stops early and stays in its batch as a padding row", [(7, 9), (6, 4), (5, 8)], 3),
         ("B=1: one request at a time", [(4, 3), (5, 1), (6, 4)], 1),
-        (
-            "whole workload: 16 requests with prompt and output lengths drawn like the mixed workload's, B=8",
-            mixed,
-            8,
-        ),
+        ("whole workload: 16 requests drawn like the mixed workload's, B=8", mixed, 8),
         ("whole workload: 30 requests, outputs 1 to 40 tokens, B=4 (eight batches)", thirty, 4),
     ]
     cases = [
@@ -209,18 +132,12 @@ def static_scheduler(cls) -> Verdict:
         for i, (label, rows, B) in enumerate(cases)
     ]
     tight = [(20 + 7 * i % 25, 8 + 5 * i % 30) for i in range(12)]
-    pool = dict(num_kv_blocks=16)
     cases.append(
-        pressure_case(
-            "memory: 12 requests on a KV pool of 16 blocks of 16 tokens, B=8: a batch takes only the "
-            "requests whose whole memory the pool can promise",
-            _static_judge(tight, 8, seed=7, **pool),
-            StaticScheduler,
-            fake_workload("static", tight, 7),
+        memory_case(
+            "memory: 12 requests on a KV pool of 16 blocks of 16 tokens, B=8",
+            _static_judge(tight, 8, seed=7, num_kv_blocks=16),
             False,
             hint,
-            max_batch_size=8,
-            **pool,
         )
     )
     return run_cases("static_scheduler", cls, cases)
@@ -228,13 +145,16 @@ def static_scheduler(cls) -> Verdict:
 
 def _static_trace(output_lens: list[int], B: int) -> Trace:
     """The library's static engine on short prompts with these output lengths, all at once."""
-    return run_piece(
-        StaticScheduler, fake_workload("static", [(5, o) for o in output_lens], 60), max_batch_size=B
-    ).trace
+    workload = fake_workload("static", [(5, o) for o in output_lens], 60)
+    return run_piece(StaticScheduler, workload, max_batch_size=B).trace
 
 
 def static_step_count(output_lens: list[int], B: int) -> int:
     return len(_static_trace(output_lens, B).steps)
+
+
+def _wasted(output_lens: list[int], B: int) -> int:
+    return sum(B - len(s.decoded) for s in _static_trace(output_lens, B).steps if s.decoded)
 
 
 def wasted_slot_steps(fn: Callable) -> Verdict:
@@ -243,17 +163,9 @@ def wasted_slot_steps(fn: Callable) -> Verdict:
     def diagnose(lens, B, got, expected):
         m = max(lens)
         if got == sum(m - o for o in lens) and len(lens) < B:
-            empty = B - len(lens)
-            return (
-                f"that counts the padding rows, but {empty} of the {B} slots "
-                f"{'holds' if empty == 1 else 'hold'} no request at all: "
-                f"{'it wastes' if empty == 1 else 'they waste'} every decode step too"
-            )
+            return f"that counts the padding rows, but {B - len(lens)} of the {B} slots waste every step too"
         if got == B * m - sum(lens) or got == sum(m - o for o in lens) + (B - len(lens)) * m:
-            return (
-                f"the batch runs max - 1 = {m - 1} decode steps, not {m}: each request's "
-                "first token comes from the prefill, not from a decode row"
-            )
+            return f"the batch runs max - 1 = {m - 1} decode steps, not {m}: the prefill makes a token"
         return ""
 
     rows = [
@@ -264,15 +176,8 @@ def wasted_slot_steps(fn: Callable) -> Verdict:
         ("outputs [1, 1], B=2: the prefill makes every token, there is no decode step", [1, 1], 2),
         ("the first batch of the mixed workload: [42, 37, 38, 61, 20, 53, 44, 4], B=8", MIXED_OUTPUTS[:8], 8),
     ]
-    return count_exercise(
-        "wasted_slot_steps",
-        fn,
-        rows,
-        lambda lens, B: sum(B - len(s.decoded) for s in _static_trace(lens, B).steps if s.decoded),
-        diagnose,
-        "count, over the max(output_lens) - 1 decode steps, the slots that made no "
-        "token: B slots per step minus the decode rows of requests still running",
-    )
+    hint = "count, over the max(output_lens) - 1 decode steps, the slots that made no token"
+    return count_exercise("wasted_slot_steps", fn, rows, _wasted, diagnose, hint)
 
 
 def static_steps(fn: Callable) -> Verdict:
@@ -281,17 +186,11 @@ def static_steps(fn: Callable) -> Verdict:
     def diagnose(lens, B, got, expected):
         groups = [lens[i : i + B] for i in range(0, len(lens), B)]
         if got == sum(max(g) for g in groups):
-            return (
-                "each batch takes max - 1 steps, not max: the prefill makes every request's first token "
-                "in the batch's first step, together with the first decode row"
-            )
+            return "each batch takes max - 1 steps, not max: the prefill makes every first token"
         if got == sum(max(g) - 1 for g in groups):
             return "a batch whose requests all want a single token still takes one step (its prefill)"
         if len(groups) > 1 and got in (max(lens) - 1, max(lens)):
-            return (
-                f"with B={B}, the {len(lens)} requests run as {len(groups)} batches, one "
-                f"after the other, in arrival order"
-            )
+            return f"with B={B}, the {len(lens)} requests run as {len(groups)} batches, one after the other"
         return ""
 
     rows = [
@@ -303,12 +202,5 @@ def static_steps(fn: Callable) -> Verdict:
         ("the mixed workload's outputs, B=8", MIXED_OUTPUTS, 8),
         ("the mixed workload's outputs, B=16 (a single batch)", MIXED_OUTPUTS, 16),
     ]
-    return count_exercise(
-        "static_steps",
-        fn,
-        rows,
-        static_step_count,
-        diagnose,
-        "split the requests into batches of B in arrival order; a batch lasts "
-        "until its longest request is done",
-    )
+    hint = "split the requests into batches of B in arrival order; a batch lasts until its longest is done"
+    return count_exercise("static_steps", fn, rows, static_step_count, diagnose, hint)

@@ -1,7 +1,5 @@
-"""Checkers for lesson 2 (continuous batching): ``continuous_scheduler(MyContinuousScheduler)``
-(the learner's ``admit()``, ``prefill_chunk()`` and ``place()``, on the fake model through the one
-harness, also in KV pools that force preemption: the rules of continuous batching on the trace,
-the reference tokens, every block back, the library's schedule) and ``continuous_steps(fn)``."""
+"""Checkers for lesson 2 (continuous batching): ``continuous_scheduler`` (the learner's ``admit()``,
+``prefill_chunk()`` and ``place()`` on the fake model) and ``continuous_steps``."""
 
 from __future__ import annotations
 
@@ -11,48 +9,23 @@ import numpy as np
 
 from ..scheduler import ContinuousScheduler
 from ._core import Verdict, run_cases
-from ._pieces import (
-    MIXED_OUTPUTS,
-    count_exercise,
-    early_decode_problem,
-    fake_workload,
-    gap_problem,
-    output_problem,
-    piece_case,
-    piece_judge,
-    pressure_case,
-    run_piece,
-    schedule_problem,
-    slot_problem,
-    state_problem,
-)
+from ._pieces import MIXED_OUTPUTS, count_exercise, early_decode_problem, fake_workload, gap_problem
+from ._pieces import memory_case, output_problem, piece_case, piece_judge, run_piece, schedule_problem
+from ._pieces import slot_problem, state_problem
 from .lesson01 import static_step_count
 
 __all__ = ["continuous_scheduler", "continuous_steps"]
 
 HINTS = {
-    "memory": (
-        "admit only a request that self.fits(req, self.prefill_step), and take each chunk's blocks "
-        "with self.make_room(req, n) before yielding it (it preempts when the pool is short)"
-    ),
-    "stuck": (
-        "nothing stood in the way of the next queued request: admit it (self.start) "
-        "when nobody prefills or awaits a slot and it fits"
-    ),
+    "memory": "admit only a request that self.fits(req, self.prefill_step); a chunk's blocks: make_room",
+    "stuck": "nothing stood in the way of the next queued request: admit it (self.start) when it fits",
 }
-PLACED = (
-    "place() must set every request it puts into a slot DECODING "
-    "(req.set_state(State.DECODING, self.clock()))"
-)
+PLACED = "place() must set each request it places DECODING (req.set_state(State.DECODING, self.clock()))"
 
 
 def continuous_invariants(trace, B: int, workload=None) -> str | None:
-    """The rules of continuous batching, read off a trace, step by step:
-
-    - one request prefills at a time, and nobody is admitted while a prefilled request
-      still awaits a slot;
-    - placement fills every free slot while somebody awaits one, first prefilled first
-      placed, and a request keeps its slot until it finishes."""
+    """The rules of continuous batching on a trace: one request prefills at a time, nobody is admitted
+    while one awaits a slot, free slots are filled first prefilled first, a request keeps its slot."""
     prompt_len = {rid: r.prompt_len for rid, r in trace.requests.items()}
     awaiting: list[str] = []  # prefilled, not yet in a slot, oldest first
     prefilling: str | None = None
@@ -62,15 +35,10 @@ def continuous_invariants(trace, B: int, workload=None) -> str | None:
         for rid, start, n in step.prefill:
             if rid != prefilling:
                 if prefilling is not None:
-                    return (
-                        f"step {k}: {rid} was admitted while {prefilling} was still "
-                        f"prefilling: one request prefills at a time"
-                    )
+                    return f"step {k}: {rid} was admitted while {prefilling} was still prefilling"
                 if awaiting:
-                    return (
-                        f"step {k}: {rid} was admitted while {awaiting[0]} awaited a slot: "
-                        f"admit nobody while a prefilled request still waits for a slot"
-                    )
+                    why = "admit nobody while a prefilled request still waits for a slot"
+                    return f"step {k}: {rid} was admitted while {awaiting[0]} awaited a slot: {why}"
                 prefilling = rid
             if start + n >= prompt_len[rid]:
                 prefilling = None
@@ -83,23 +51,14 @@ def continuous_invariants(trace, B: int, workload=None) -> str | None:
             stray = next(rid for rid in placed if rid not in awaiting)
             return f"step {k}: {stray} got a decode row without having been prefilled"
         if placed != awaiting[: len(placed)]:
-            return (
-                f"step {k}: {placed[0]} was placed before {awaiting[0]}, which had waited "
-                f"longer: the first prefilled request takes the first free slot"
-            )
+            return f"step {k}: {placed[0]} was placed before {awaiting[0]}, which had waited longer"
         awaiting = awaiting[len(placed) :]
         if awaiting and len(step.decoded) < B and not step.preempted:
-            return (
-                f"step {k}: {awaiting[0]} awaited a slot while only {len(step.decoded)} of "
-                f"the {B} slots decoded: place() must fill every free slot"
-            )
+            return f"step {k}: {awaiting[0]} awaited beside a free slot: place() must fill every free slot"
         for rid in step.decoded:
             slot = step.slot_of.get(rid)
             if rid in slot_of and slot is not None and slot != slot_of[rid]:
-                return (
-                    f"step {k}: {rid} moved from slot {slot_of[rid]} to slot {slot}: a "
-                    f"request keeps its slot until it finishes"
-                )
+                return f"step {k}: {rid} moved from slot {slot_of[rid]} to slot {slot}: it keeps its slot"
             if slot is not None:
                 slot_of[rid] = slot
         for rid in step.slots:
@@ -126,57 +85,33 @@ def _hint(g, e) -> str | None:
     if g.slots != e.slots and set(filter(None, g.slots)) == set(filter(None, e.slots)):
         return "the first waiting request takes the LOWEST free slot (self.take_slot)"
     if e.prefill and not g.prefill:
-        return (
-            "nothing stood in the way here: admit the next queued request "
-            "(self.policy.next_queued) when it fits"
-        )
+        return "nothing stood in the way here: admit the next queued request (self.policy.next_queued)"
     return None
 
 
+def _schedule(trace, ref):
+    return schedule_problem(trace, ref, _key, _words, _hint)
+
+
 def continuous_judge(reference, rules, hints, placed, rows, B, seed=0, max_seq_len=None, **options):
-    """A judge for ``piece_case`` shared by the continuous kinds (lessons 2 and 4); ``rules(trace, B,
-    workload)`` are the kind's own."""
+    """A judge for ``piece_case`` shared by lessons 2 and 4; ``rules(trace, B, workload)`` are the kind's."""
     w = fake_workload("req", rows, seed)
     early = [lambda t: state_problem(t, placed), lambda t: early_decode_problem(t, w)]
-    return piece_judge(
-        ContinuousScheduler,
-        reference,
-        w,
-        early
-        + [
-            lambda t: gap_problem(t, w),
-            lambda t: rules(t, B, w),
-            lambda t: slot_problem(t, B),
-            lambda t: output_problem(t, w, max_seq_len or 4096),
-        ],
-        broken=early,
-        schedule=lambda t, ref: schedule_problem(t, ref, _key, _words, _hint),
-        hints=hints,
-        max_seq_len=max_seq_len,
-        max_batch_size=B,
-        **options,
-    )
+    checks = early + [lambda t: gap_problem(t, w), lambda t: rules(t, B, w), lambda t: slot_problem(t, B)]
+    checks.append(lambda t: output_problem(t, w, max_seq_len or 4096))
+    options.update(broken=early, schedule=_schedule, hints=hints, max_seq_len=max_seq_len, max_batch_size=B)
+    return piece_judge(ContinuousScheduler, reference, w, checks, **options)
 
 
 def continuous_scheduler(cls) -> Verdict:
-    """Check ``MyContinuousScheduler`` (a ``ContinuousScheduler`` subclass whose ``admit()``,
-    ``prefill_chunk()`` and ``place()`` the learner wrote): small and whole workloads on the
-    fake model, then two in KV pools small enough to force preemption; the rules of
-    continuous batching are checked on every trace, then the tokens, then the schedule step
-    by step against the library's scheduler, then that every block came back."""
+    """Check ``MyContinuousScheduler``: the rules, the tokens, the library's schedule, every block back."""
     rng = np.random.default_rng(2)
     rows = [
         ("5 requests, B=2, outputs [4, 6, 2, 5, 3]", 2, [4, 6, 2, 5, 3], [5, 6, 7, 8, 9]),
         ("outputs [5, 2, 3], B=1: the second waits for the only slot", 1, [5, 2, 3], [5, 5, 5]),
+        ("single-token requests [1, 1, 1], B=2: no slot needed", 2, [1, 1, 1], [6, 6, 6]),
         (
-            "single-token requests [1, 1, 1], B=2: they finish in their prefill, no slot needed",
-            2,
-            [1, 1, 1],
-            [6, 6, 6],
-        ),
-        (
-            "12 requests, B=4, outputs between 1 and 9 tokens; slots are freed in the middle "
-            "and must be refilled",
+            "12 requests, B=4: slots freed mid-way must be refilled",
             4,
             [7, 1, 3, 9, 2, 2, 8, 5, 1, 6, 4, 3],
             list(range(3, 15)),
@@ -195,10 +130,8 @@ def continuous_scheduler(cls) -> Verdict:
         ),
     ]
     hint = (
-        "admit(): only when nobody is prefilling and nobody awaits a slot, start the next "
-        "queued request (self.start) if it fits; prefill_chunk(): the whole prompt of the "
-        "prefilling request as one pass; place(): while somebody awaits and a slot is free, "
-        "move the first awaiting request into it (self.take_slot) and set it DECODING"
+        "admit(): start the next queued request if it fits and nobody prefills or awaits a slot; "
+        "place(): move the first awaiting request into a free slot and set it DECODING"
     )
 
     def judge(B, rows, seed, **options):
@@ -211,31 +144,19 @@ def continuous_scheduler(cls) -> Verdict:
         for i, (label, B, outputs, prompts) in enumerate(rows)
     ]
     for label, rows, B, blocks in PRESSURE:
-        cases.append(
-            pressure_case(
-                label,
-                judge(B, rows, 9, num_kv_blocks=blocks),
-                ContinuousScheduler,
-                fake_workload("req", rows, 9),
-                True,
-                hint,
-                max_batch_size=B,
-                num_kv_blocks=blocks,
-            )
-        )
+        cases.append(memory_case(label, judge(B, rows, 9, num_kv_blocks=blocks), True, hint))
     return run_cases("continuous_scheduler", cls, cases)
 
 
 PRESSURE = [  # (label, rows, B, KV blocks of 16 tokens): the reference preempts in each
     (
-        "memory: 10 requests growing to 60-110 tokens each on a KV pool of 16 blocks, B=4 "
-        "(preemptions must happen)",
+        "memory: 10 requests on a KV pool of 16 blocks, B=4",
         [(20 + 9 * i % 40, 40 + 7 * i % 30) for i in range(10)],
         4,
         16,
     ),
     (
-        "memory: 12 requests, prompts up to 120 tokens, on 24 blocks, B=6 (preemptions must happen)",
+        "memory: 12 requests on 24 blocks, B=6",
         [(30 + 23 * i % 90, 30 + 11 * i % 40) for i in range(12)],
         6,
         24,
@@ -247,20 +168,14 @@ def continuous_steps(fn: Callable) -> Verdict:
     """Check ``fn(output_lens, B) -> int``: the steps continuous batching (whole-prompt prefill) takes."""
 
     def truth(lens, B):
-        return len(
-            run_piece(
-                ContinuousScheduler, fake_workload("req", [(5, o) for o in lens], 400), max_batch_size=B
-            ).trace.steps
-        )
+        workload = fake_workload("req", [(5, o) for o in lens], 400)
+        return len(run_piece(ContinuousScheduler, workload, max_batch_size=B).trace.steps)
 
     def diagnose(lens, B, got, expected):
         if got == static_step_count(lens, B) and got != expected:
             return "that is the count for static batching (lesson 1), not continuous batching"
         if got in (expected + 1, expected - 1):
-            return (
-                "off by one: a request's first token comes from its prefill, and it "
-                "decodes in the very step it is placed"
-            )
+            return "off by one: the prefill makes the first token; a request decodes the step it is placed"
         return ""
 
     rows = [
@@ -272,13 +187,7 @@ def continuous_steps(fn: Callable) -> Verdict:
         ("the mixed workload's outputs, B=8", MIXED_OUTPUTS, 8),
         ("the mixed workload's outputs, B=16", MIXED_OUTPUTS, 16),
     ]
-    return count_exercise(
-        "continuous_steps",
-        fn,
-        rows,
-        truth,
-        diagnose,
-        "simulate the step: admit one request if none waits for a slot (its prefill "
-        "makes its first token), place waiting requests into free slots, then every "
-        "occupied slot makes one token; a request leaves its slot when done",
+    hint = (
+        "simulate: admit one request if none waits (its prefill makes a token), place, then each slot decodes"
     )
+    return count_exercise("continuous_steps", fn, rows, truth, diagnose, hint)

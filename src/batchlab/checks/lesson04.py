@@ -1,5 +1,5 @@
-"""Checkers for lesson 4, chunked prefill: ``chunked_scheduler(cls)`` (the learner's
-``prefill_chunk()`` in a fake-model engine), ``predict_long_ttft(fn)`` and ``largest_chunk(fn)``."""
+"""Checkers for lesson 4 (chunked prefill): ``chunked_scheduler``, ``predict_long_ttft`` and
+``largest_chunk``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..scheduler import ContinuousScheduler
 from ._core import Verdict, mistakes, number_compare, optional_compare, run_cases, table, whole_number_compare
-from ._pieces import fake_workload, piece_case, prefill_chunks, pressure_case, random_rows
+from ._pieces import memory_case, piece_case, prefill_chunks, random_rows
 from .lesson02 import continuous_judge
 
 __all__ = ["chunked_scheduler", "predict_long_ttft", "largest_chunk"]
@@ -18,12 +18,7 @@ def _n_chunks(prompt_len: int, prefill_step: int | None) -> int:
     return 1 if prefill_step is None else math.ceil(prompt_len / prefill_step)
 
 
-HINTS = {
-    "memory": (
-        "take each chunk's blocks with self.make_room(req, n) before yielding it (it preempts when "
-        "the pool is short; if it returns False, the request gave way: yield nothing)"
-    ),
-}
+HINTS = {"memory": "take each chunk's blocks with self.make_room(req, n) before yielding it"}
 PLACED = "a request whose prompt is done awaits a slot, then place() sets it DECODING"
 
 
@@ -35,10 +30,10 @@ def _chunk_rules(prefill_step, chunks_of=None):
         for rid, mine in chunks.items():
             for index, start, n in mine:
                 if n > limit:
-                    return (
-                        f"step {index}: {rid}'s chunk has {n} tokens, more than prefill_step="
-                        f"{prefill_step}: a chunk takes min(prefill_step, tokens left)"
+                    why = (
+                        f"more than prefill_step={prefill_step}: a chunk takes min(prefill_step, tokens left)"
                     )
+                    return f"step {index}: {rid}'s chunk has {n} tokens, {why}"
         if chunks_of is not None:
             rid, want = chunks_of
             got = [(start, n) for _, start, n in chunks.get(rid, [])]
@@ -47,23 +42,14 @@ def _chunk_rules(prefill_step, chunks_of=None):
         for step in trace.steps:
             if len(step.prefill) > 1:
                 return f"step {step.index} prefilled {len(step.prefill)} chunks: one chunk a step"
-            if step.passes != bool(step.prefill) + bool(step.decoded) or len(step.decoded) != len(
-                set(step.decoded)
-            ):
-                return (
-                    f"step {step.index} ran {step.passes} forward pass(es) for "
-                    f"{'a chunk and decode rows' if step.prefill and step.decoded else 'its work'}: "
-                    f"the chunk is a pass of its own (yield a Batch with only the chunk), then "
-                    f"the decode pass"
-                )
+            fused = len(step.decoded) != len(set(step.decoded))
+            if fused or step.passes != bool(step.prefill) + bool(step.decoded):
+                return f"step {step.index} ran {step.passes} pass(es): the chunk is a pass of its own"
         for rid, mine in chunks.items():
             last = mine[-1][0]
             first = next((s.index for s in trace.steps if rid in s.emitted), None)
             if first is not None and first > last:
-                return (
-                    f"{rid}'s last chunk ran in step {last} but its first token came in step "
-                    f"{first}: the chunk that ends the prompt samples the first token"
-                )
+                return f"{rid}'s last chunk ran in step {last} but its first token came in step {first}"
         return None
 
     return rules
@@ -71,134 +57,88 @@ def _chunk_rules(prefill_step, chunks_of=None):
 
 def _judge(rows, prefill_step, batch=3, max_seq_len=None, chunks_of=None, seed=0, **pool):
     """A judge for ``piece_case``; ``chunks_of=(request id, [(start, length), ...])`` checks its chunks."""
-    return continuous_judge(
-        ContinuousScheduler,
-        _chunk_rules(prefill_step, chunks_of),
-        HINTS,
-        PLACED,
-        rows,
-        batch,
-        seed,
-        max_seq_len=max_seq_len,
-        prefill_step=prefill_step,
-        **pool,
-    )
+    rules = _chunk_rules(prefill_step, chunks_of)
+    pool.update(max_seq_len=max_seq_len, prefill_step=prefill_step)
+    return continuous_judge(ContinuousScheduler, rules, HINTS, PLACED, rows, batch, seed, **pool)
 
 
 def chunked_scheduler(cls) -> Verdict:
-    """Check a ``ContinuousScheduler`` subclass whose ``prefill_chunk()`` runs one chunk of at most
-    ``prefill_step`` tokens as a pass of its own (blocks from ``make_room``); the last forces preemption."""
+    """Check a ``ContinuousScheduler`` subclass whose ``prefill_chunk()`` yields one chunk a step."""
     two = [(5, 12), (5, 12)]  # two short requests that decode while the long prompt prefills
     hint = (
         "n = min(self.prefill_step, req.prefill_left); if self.make_room(req, n): "
         "yield Batch(prefill=[(req, n)])"
     )
+
+    def chunk_case(label, prompt_len, step, chunks, hint=hint):
+        return piece_case(label, _judge(two + [(prompt_len, 3)], step, chunks_of=("r2", chunks)), hint)
+
     tight = random_rows(5, 10, (20, 120), (20, 50))
     cases = [
-        piece_case(
-            "a 300-token prompt in chunks of 128 while two requests decode: (0, 128), (128, 128), (256, 44)",
-            _judge(two + [(300, 3)], 128, chunks_of=("r2", [(0, 128), (128, 128), (256, 44)])),
-            hint,
+        chunk_case(
+            "a 300-token prompt in chunks of 128, two requests decoding",
+            300,
+            128,
+            [(0, 128), (128, 128), (256, 44)],
         ),
-        piece_case(
-            "a 256-token prompt in chunks of 128: exactly two chunks",
-            _judge(two + [(256, 3)], 128, chunks_of=("r2", [(0, 128), (128, 128)])),
-            hint,
+        chunk_case(
+            "a 256-token prompt in chunks of 128: exactly two chunks", 256, 128, [(0, 128), (128, 128)]
         ),
-        piece_case(
-            "a 100-token prompt, shorter than one chunk of 128",
-            _judge(two + [(100, 3)], 128, chunks_of=("r2", [(0, 100)])),
-            hint,
+        chunk_case("a 100-token prompt, shorter than one chunk of 128", 100, 128, [(0, 100)]),
+        chunk_case(
+            "prefill_step=None: a 520-token prompt in one chunk",
+            520,
+            None,
+            [(0, 520)],
+            "self.prefill_step is infinity then",
         ),
+        chunk_case("chunks of 1 token: a 5-token prompt in 5 steps", 5, 1, [(i, 1) for i in range(5)]),
         piece_case(
-            "prefill_step=None: a 520-token prompt in one chunk (whole-prompt prefill)",
-            _judge(two + [(520, 3)], None, chunks_of=("r2", [(0, 520)])),
-            "with prefill_step=None the scheduler's self.prefill_step is infinity",
-        ),
-        piece_case(
-            "chunks of 1 token: a 5-token prompt in 5 steps",
-            _judge(two + [(5, 3)], 1, chunks_of=("r2", [(i, 1) for i in range(5)])),
-            hint,
-        ),
-        piece_case(
-            "a request whose first token is also its last (as with an immediate EOS): "
-            "it finishes at its last chunk and never takes a slot",
+            "a request whose first token is also its last: it never takes a slot",
             _judge([(5, 12), (40, 1), (30, 4)], 16),
-            "after the last chunk, only a request that is not finished waits for a slot",
         ),
         piece_case(
-            "the max_seq_len edge: a 60-token prompt in chunks of 16 on an engine with "
-            "max_seq_len=64 generates 4 tokens and stops",
+            "a 60-token prompt in chunks of 16 with max_seq_len=64: 4 tokens",
             _judge([(5, 12), (60, 10)], 16, max_seq_len=64),
         ),
         piece_case(
-            "a whole workload: 12 requests (prompts 1-90 tokens, 1-12 new tokens) at "
-            "once, 4 slots, chunks of 16",
+            "a whole workload: 12 requests, 4 slots, chunks of 16",
             _judge(random_rows(1, 12, (1, 90), (1, 12)), 16, batch=4, seed=1),
         ),
         piece_case(
             "a whole workload: 10 requests, 3 slots, chunks of 7 tokens",
             _judge(random_rows(2, 10, (1, 60), (1, 9)), 7, batch=3, seed=2),
         ),
-        pressure_case(
-            "memory: 10 requests (prompts 20-120 tokens) in chunks of 16 on a KV pool of "
-            "16 blocks, 4 slots (preemptions must happen)",
+        memory_case(
+            "memory: 10 requests in chunks of 16 on a KV pool of 16 blocks (preemptions must happen)",
             _judge(tight, 16, batch=4, seed=5, num_kv_blocks=16),
-            ContinuousScheduler,
-            fake_workload("req", tight, 5),
             True,
             hint,
-            max_batch_size=4,
-            prefill_step=16,
-            num_kv_blocks=16,
         ),
     ]
     return run_cases("chunked_scheduler", cls, cases)
 
 
 def predict_long_ttft(fn: Callable) -> Verdict:
-    """Check ``fn(prompt_len, prefill_step, prefill_tokens_per_s, decode_step_s) -> seconds``: the TTFT
-    of a prompt prefilled one chunk a step while others decode = prompt_len / rate + (chunks - 1) x decode."""
+    """Check ``fn(prompt_len, prefill_step, prefill_tokens_per_s, decode_step_s) -> seconds``."""
 
     def judge(p, step, rate, dec):
         n = _n_chunks(p, step)
         return number_compare(
             mistakes(
-                (
-                    p / rate + n * dec,
-                    "that adds a decode pass; with the whole prompt in one step, the first "
-                    "token is sampled right after the prefill pass, before the decode "
-                    "pass"
-                    if n == 1
-                    else f"that counts one decode pass per chunk ({n}); the step with the last chunk samples the first "
-                    f"token right after that chunk, before its decode pass, so only {n - 1} decode passes come "
-                    f"first",
-                ),
+                (p / rate + n * dec, f"that counts a decode pass per chunk: only {n - 1} come first"),
                 (
                     p / rate + (p // step - 1) * dec if step is not None and p % step else None,
-                    "the number of chunks is off: a last, shorter chunk is a step too (round the division up)",
+                    "the number of chunks is off: a last, shorter chunk is a step too (round up)",
                 ),
                 (p / rate, "that leaves out the decode passes that run between the chunks"),
             )
         )
 
     rows = [
-        (
-            "512 tokens, whole prompt (prefill_step=None), 256 tokens/s, decode pass 0.1 s: no "
-            "decode pass comes before the first token",
-            512,
-            None,
-            256.0,
-            0.1,
-        ),
+        ("512 tokens, prefill_step=None (one chunk), 256 tokens/s, decode pass 0.1 s", 512, None, 256.0, 0.1),
         ("512 tokens in chunks of 128 (4 chunks), 256 tokens/s, decode pass 0.1 s", 512, 128, 256.0, 0.1),
-        (
-            "520 tokens in chunks of 64 (9 chunks, the last of 8 tokens), 260 tokens/s, decode pass 0.1 s",
-            520,
-            64,
-            260.0,
-            0.1,
-        ),
+        ("520 tokens in 9 chunks of 64 (the last of 8), 260 tokens/s, decode 0.1 s", 520, 64, 260.0, 0.1),
         ("100 tokens in chunks of 128 (1 chunk), 250 tokens/s, decode pass 0.1 s", 100, 128, 250.0, 0.1),
         ("512 tokens in chunks of 32 (16 chunks), 256 tokens/s, decode pass 0.05 s", 512, 32, 256.0, 0.05),
     ]
@@ -218,31 +158,23 @@ def _largest(target, rate, dec, choices):
 
 
 def largest_chunk(fn: Callable) -> Verdict:
-    """Check ``fn(tbt_target_s, prefill_tokens_per_s, decode_step_s, choices) -> int | None``: the largest
-    chunk c with ``c / prefill_tokens_per_s + decode_step_s <= tbt_target_s``; None when none fits."""
+    """Check ``fn(tbt_target_s, prefill_tokens_per_s, decode_step_s, choices) -> int | None``."""
 
     def judge(target, rate, dec, choices):
         def diagnose(got, expected):
             if got == min((c for c in choices if c / rate + dec <= target), default=None):
                 return "that is the smallest chunk that fits; we want the largest"
             if got == _largest(target, rate, 0.0, choices):
-                return (
-                    "that leaves out the decode pass: a decoding request waits for the chunk "
-                    "AND for its own decode pass"
-                )
+                return "that leaves out the decode pass: a decoding request waits for the chunk AND it"
             if got not in choices:
                 return f"{got} is not one of the choices {sorted(choices)}"
             if got / rate + dec > target:
-                return (
-                    f"a chunk of {got} gives {got / rate + dec:.3f} s between tokens, over the "
-                    f"{target} s target"
-                )
+                return f"a chunk of {got} gives {got / rate + dec:.3f} s between tokens, over the target"
             return ""
 
         return optional_compare(
             whole_number_compare(diagnose),
-            "no chunk size meets this target, so the answer is None (then the "
-            "target cannot be met by chunking alone)",
+            "no chunk size meets this target, so the answer is None",
             "a chunk size does fit this target",
         )
 
@@ -251,24 +183,9 @@ def largest_chunk(fn: Callable) -> Verdict:
         ("target 0.5 s, 256 tokens/s, decode pass 0.1 s, choices 32/64/128/256", 0.5, 256.0, 0.1, sizes),
         ("target 1.0 s, same machine", 1.0, 256.0, 0.1, sizes),
         ("target 5.0 s: every choice fits, so the largest", 5.0, 256.0, 0.1, sizes),
-        (
-            "target exactly met: 0.75 s with 128 tokens at 256 tokens/s (0.5 s) + 0.25 s decode "
-            "pass; equal to the target is within it",
-            0.75,
-            256.0,
-            0.25,
-            sizes,
-        ),
+        ("target exactly met: 128 tokens at 256 tokens/s + 0.25 s decode = 0.75 s", 0.75, 256.0, 0.25, sizes),
         ("choices not in order: [256, 32, 128, 64], target 0.5 s", 0.5, 256.0, 0.1, [256, 32, 128, 64]),
         ("target 0.1 s with a 0.1 s decode pass: no chunk fits, None", 0.1, 256.0, 0.1, sizes),
         ("a slow machine: target 2.0 s, 44 tokens/s, decode pass 0.45 s", 2.0, 44.0, 0.45, sizes),
     ]
-    return table(
-        "largest_chunk",
-        fn,
-        rows,
-        _largest,
-        judge,
-        "predicted TBT for a chunk c = c / prefill_tokens_per_s + decode_step_s; "
-        "keep the chunks with that <= target, return the largest (or None)",
-    )
+    return table("largest_chunk", fn, rows, _largest, judge, "the largest c with c / rate + decode <= target")

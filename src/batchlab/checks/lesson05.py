@@ -1,6 +1,5 @@
-"""Checkers for lesson 5 (token budget and hybrid batches): ``stallfree_planner`` (the learner's
-``plan()``, the token-budget rule, in a fake-model engine), ``pack_chunks``, ``skipped_decodes`` and
-``fused_saving`` (lesson 5b); plain data or the fake model, so each is instant."""
+"""Checkers for lesson 5 (token budget and hybrid batches): ``stallfree_planner``, ``pack_chunks``,
+``skipped_decodes`` and ``fused_saving``."""
 
 from __future__ import annotations
 
@@ -13,18 +12,8 @@ from ..runner import Chunk
 from ..scheduler import ContinuousScheduler, StallFreeScheduler
 from ..trace import StepRecord, Trace
 from ._core import Verdict, mistakes, number_compare, run_cases, show, table
-from ._pieces import (
-    early_decode_problem,
-    fake_workload,
-    gap_problem,
-    output_problem,
-    piece_case,
-    piece_judge,
-    pressure_case,
-    random_rows,
-    run_piece,
-    slot_problem,
-)
+from ._pieces import early_decode_problem, fake_workload, gap_problem, memory_case, output_problem, piece_case
+from ._pieces import piece_judge, random_rows, run_piece, schedule_problem, slot_problem
 
 __all__ = ["stallfree_planner", "pack_chunks", "skipped_decodes", "fused_saving"]
 
@@ -49,11 +38,7 @@ def _plan(step) -> tuple[list[str], list[tuple[str, int]]]:
 
 
 HINTS = {
-    "memory": (
-        "take the blocks of every token you plan before planning it: self.make_room(req, 1) "
-        "for each decode (most important first; drop those it preempts), "
-        "self.make_room(req, n) for each continuing chunk, and admit only what self.fits"
-    ),
+    "memory": "take the blocks of each token before planning it: self.make_room(req, 1) for each decode",
     "slot": "admit only while self.free_slot() is not None",
 }
 
@@ -61,38 +46,26 @@ HINTS = {
 def _planner_rules(trace, budget):
     for step in trace.steps:
         if step.passes > 1:
-            return (
-                f"step {step.index} ran {step.passes} forward passes: plan() returns ONE "
-                f"Batch, run as one fused pass"
-            )
+            return f"step {step.index} ran {step.passes} forward passes: plan() returns ONE Batch"
         if step.num_tokens > budget:
-            return (
-                f"step {step.index} ran {step.num_tokens} tokens, over the token budget of "
-                f"{budget} ({len(step.decoded)} decode rows + prefill chunks "
-                f"{[(rid, n) for rid, _, n in step.prefill]})"
-            )
+            return f"step {step.index} ran {step.num_tokens} tokens, over the token budget of {budget}"
     preempted = {rid for s in trace.steps for rid in s.preempted}  # they wait their turn again
     skipped = [(k, rid) for k, rid in _skipped(trace) if rid not in preempted]
     if skipped:
-        return (
-            f"step {skipped[0][0]}: {skipped[0][1]} was decoding but got no decode row: every decoding "
-            f"request takes one token of the budget first, before any prefill"
-        )
+        k, rid = skipped[0]
+        return f"step {k}: {rid} was decoding but got no decode row: decodes come first, before any prefill"
     return None
+
+
+RULE = "the stall-free rule gives: decodes, partial prefills, then admissions while budget and slots remain"
 
 
 def _planner_schedule(trace, ref):
-    for mine, want in zip(trace.steps, ref.steps):
-        if _plan(mine) != _plan(want):
-            (d1, p1), (d2, p2) = _plan(mine), _plan(want)
-            return (
-                f"step {mine.index} ran decode {d1} and prefill chunks {p1}; the stall-free "
-                f"rule gives decode {d2} and prefill chunks {p2} (decodes, then partial "
-                f"prefills in admission order, then admissions while budget and slots remain)"
-            )
-    if len(trace.steps) != len(ref.steps):
-        return f"your run took {len(trace.steps)} steps, the stall-free rule {len(ref.steps)}"
-    return None
+    def words(step, _):
+        decode, prefill = _plan(step)
+        return f"decode {decode} and prefill chunks {prefill}"
+
+    return schedule_problem(trace, ref, _plan, words, lambda got, expected: RULE)
 
 
 def _planner_judge(rows, batch, budget, seed=0, **pool):
@@ -119,62 +92,32 @@ def _planner_judge(rows, batch, budget, seed=0, **pool):
 
 
 TIGHT = random_rows(5, 10, (20, 120), (20, 50))
+HINT = "budget = self.token_budget - len(decode); partial prefills take min(budget, left)"
+ADMIT = "admit from the queue while budget and a free slot remain"
+
+
+def _case(label, rows, batch, budget, hint=HINT, **options):
+    return piece_case(label, _planner_judge(rows, batch, budget, **options), hint)
 
 
 def stallfree_planner(cls) -> Verdict:
-    """Check a ``StallFreeScheduler`` subclass whose ``plan()`` returns the step's one ``Batch``:
-    every decode first, then partial prefills in admission order, then admissions while budget and slots
-    remain."""
-    hint = "budget = self.token_budget - len(decode); partial prefills take min(budget, left)"
+    """Check a ``StallFreeScheduler`` subclass whose ``plan()`` returns the step's one ``Batch``."""
     cases = [
-        piece_case(
-            "3 slots, prompts of 20, 6, 30 and 5 tokens, budget 16 (the lesson's example)",
-            _planner_judge([(20, 4), (6, 3), (30, 2), (5, 3)], 3, 16),
-            hint,
+        _case("the lesson's example: 3 slots, budget 16", [(20, 4), (6, 3), (30, 2), (5, 3)], 3, 16),
+        _case("3 requests of 4 tokens, budget 16: all admitted at once", [(4, 5)] * 3, 3, 16, ADMIT),
+        _case("the decodes fill the budget: 4 slots, budget 4", [(3, 6)] * 4 + [(10, 2)], 4, 4),
+        _case("two partial prefills continue in admission order, budget 8", [(10, 3), (10, 3), (3, 3)], 3, 8),
+        _case("5 requests, 2 slots: the queue waits", [(6, 4), (6, 2), (6, 3), (6, 1), (6, 2)], 2, 16, ADMIT),
+        _case("a request that finishes with its first token", [(5, 6), (12, 1), (7, 3)], 2, 8, ""),
+        _case(
+            "a whole workload, 4 slots, budget 24", random_rows(3, 12, (1, 90), (1, 12)), 4, 24, "", seed=3
         ),
-        piece_case(
-            "only short prompts: 3 requests of 4 tokens, budget 16: all admitted in one step",
-            _planner_judge([(4, 5), (4, 5), (4, 5)], 3, 16),
-            "admit from the queue while budget and a free slot remain",
-        ),
-        piece_case(
-            "the decodes fill the budget: 4 slots, budget 4, so prefill waits while all decode",
-            _planner_judge([(3, 6), (3, 6), (3, 6), (3, 6), (10, 2)], 4, 4),
-            hint,
-        ),
-        piece_case(
-            "two partial prefills continue in admission order, budget 8",
-            _planner_judge([(10, 3), (10, 3), (3, 3)], 3, 8),
-            "the partial prefills continue before anyone new is admitted",
-        ),
-        piece_case(
-            "more requests than slots (5 requests, 2 slots): the queue waits for a free slot",
-            _planner_judge([(6, 4), (6, 2), (6, 3), (6, 1), (6, 2)], 2, 16),
-            "an admitted request takes a slot; with no free slot nobody is admitted",
-        ),
-        piece_case(
-            "a request that finishes with its first token (as with an immediate EOS)",
-            _planner_judge([(5, 6), (12, 1), (7, 3)], 2, 8),
-        ),
-        piece_case(
-            "a whole workload: 12 requests (prompts 1-90 tokens, 1-12 new tokens), 4 slots, budget 24",
-            _planner_judge(random_rows(3, 12, (1, 90), (1, 12)), 4, 24, seed=3),
-        ),
-        piece_case(
-            "a whole workload: 10 requests, 3 slots, budget 5 (decodes leave little for prefill)",
-            _planner_judge(random_rows(4, 10, (1, 40), (1, 9)), 3, 5, seed=4),
-        ),
-        pressure_case(
-            "memory: 10 requests (prompts 20-120 tokens) on a KV pool of 16 blocks, 4 slots, "
-            "budget 24 (preemptions must happen)",
+        _case("a whole workload, 3 slots, budget 5", random_rows(4, 10, (1, 40), (1, 9)), 3, 5, "", seed=4),
+        memory_case(
+            "memory: 10 requests on a KV pool of 16 blocks, budget 24 (preemptions must happen)",
             _planner_judge(TIGHT, 4, 24, seed=5, num_kv_blocks=16),
-            StallFreeScheduler,
-            fake_workload("stall-free", TIGHT, 5),
             True,
-            hint,
-            max_batch_size=4,
-            token_budget=24,
-            num_kv_blocks=16,
+            HINT,
         ),
     ]
     return run_cases("stallfree_planner", cls, cases)
@@ -190,8 +133,7 @@ def _pack_reference(chunks):
 
 
 def pack_chunks(fn: Callable) -> Verdict:
-    """Check ``fn(chunks) -> (tokens, positions, last)``: the chunks' tokens in one flat list, each
-    token's position in its own sequence, and the flat index of each chunk's last token."""
+    """Check ``fn(chunks) -> (tokens, positions, last)``: flat tokens, their positions, each chunk's end."""
 
     def compare(got, expected):
         if not isinstance(got, (tuple, list)) or len(got) != 3:
@@ -206,10 +148,7 @@ def pack_chunks(fn: Callable) -> Verdict:
             return f"{len(positions)} positions for {len(tokens)} tokens: one position per token"
         if positions != expected[1]:
             if positions == list(range(len(tokens))):
-                return (
-                    "those are positions in the packed row; each token needs its position "
-                    "in its OWN sequence, starting at its chunk's start"
-                )
+                return "those are positions in the packed row; each token's is in its OWN sequence"
             return "the positions are wrong: chunk c's tokens sit at c.start, c.start + 1, ..."
         if len(last) != len(expected[2]):
             return f"{len(last)} last indices for {len(expected[2])} chunks: one per chunk"
@@ -218,6 +157,12 @@ def pack_chunks(fn: Callable) -> Verdict:
         return "the last indices are wrong: where each chunk's last token sits in the flat list"
 
     one_step = [Chunk(f"d{i}", [100 + i], s) for i, s in enumerate([52, 7, 130, 88, 41, 64, 19, 23])]
+    hybrid = [
+        Chunk("a", [1], 40),
+        Chunk("b", [2], 7),
+        Chunk("c", [3], 100),
+        Chunk("p", [20, 21, 22, 23, 24], 16),
+    ]
     rows = [
         ("one decode row: token 42 at position 9", [Chunk("a", [42], 9)]),
         (
@@ -225,34 +170,15 @@ def pack_chunks(fn: Callable) -> Verdict:
             [Chunk("p", [5, 6, 7], 0)],
         ),
         (
-            (
-                "a prefill chunk that continues a prompt: 4 tokens from position 16",
-                "a chunk that continues a prompt starts at c.start, not 0",
-            ),
+            "a prefill chunk that continues a prompt: 4 tokens from position 16",
             [Chunk("p", [11, 12, 13, 14], 16)],
         ),
-        (
-            (
-                "a hybrid batch: 3 decode rows (positions 40, 7, 100), then a 5-token chunk from 16",
-                "a decode row is a chunk of one token; its last token is itself",
-            ),
-            [
-                Chunk("a", [1], 40),
-                Chunk("b", [2], 7),
-                Chunk("c", [3], 100),
-                Chunk("p", [20, 21, 22, 23, 24], 16),
-            ],
-        ),
-        (
-            "two prefill chunks of different requests back to back",
-            [Chunk("p", [9, 8, 7], 0), Chunk("q", [6, 5], 30)],
-        ),
-        (
-            "a step like the mixed workload's: 8 decode rows + a 64-token chunk (T = 72)",
-            one_step + [Chunk("p", list(range(500, 564)), 128)],
-        ),
+        ("a hybrid batch: 3 decode rows (positions 40, 7, 100), then a 5-token chunk from 16", hybrid),
+        ("two prefill chunks of different requests", [Chunk("p", [9, 8, 7], 0), Chunk("q", [6, 5], 30)]),
+        ("8 decode rows + a 64-token chunk (T = 72)", one_step + [Chunk("p", list(range(500, 564)), 128)]),
     ]
-    return table("pack_chunks", fn, rows, _pack_reference, lambda chunks: compare)
+    hint = "chunk c's tokens sit at c.start, c.start + 1, ...; a decode row is a chunk of one token"
+    return table("pack_chunks", fn, rows, _pack_reference, lambda chunks: compare, hint)
 
 
 class _PrefillFirst(StallFreeScheduler):
@@ -272,17 +198,16 @@ def _fake_trace(scheduler_cls, batch: int, budget: int, seed: int) -> Trace:
 
 def _hand_trace(*steps) -> Trace:
     """A trace of steps given as (decode rows, tokens emitted)."""
-    return Trace(
-        "hand-made",
-        2,
-        [StepRecord(i, float(i), float(i) + 1, decoded=d, emitted=e) for i, (d, e) in enumerate(steps)],
-        {},
-    )
+    records = [StepRecord(i, float(i), float(i) + 1, decoded=d, emitted=e) for i, (d, e) in enumerate(steps)]
+    return Trace("hand-made", 2, records, {})
+
+
+def _show_pairs(value):
+    return show(sorted(value) if isinstance(value, (list, set)) else value)
 
 
 def skipped_decodes(fn: Callable) -> Verdict:
-    """Check ``fn(trace) -> [(step index, request id), ...]``: every step in which a decoding request
-    (first token in an earlier step, last token in this step or later) has no decode row."""
+    """Check ``fn(trace) -> [(step index, request id), ...]``: the steps a decoding request had no row in."""
 
     def compare(got, expected):
         if not isinstance(got, (list, tuple, set)):
@@ -298,57 +223,30 @@ def skipped_decodes(fn: Callable) -> Verdict:
         missing = sorted(set(expected) - set(pairs))
         extra = sorted(set(pairs) - set(expected))
         if extra:
-            return (
-                f"{extra[:3]} {'is' if len(extra) == 1 else 'are'} not skips: a request is decoding only "
-                f"after the step of its first token and up to the step of its last"
-            )
+            return f"{extra[:3]} are not skips: a request decodes after its first token's step"
         return f"missed {missing[:3]}{' ...' if len(missing) > 3 else ''}"
 
     wrong = _fake_trace(_PrefillFirst, 4, 12, 3)
+    hand = [([], {"a": [5]}), (["a"], {"a": [6], "b": [9]}), (["a"], {"a": [7]})]
+    hand += [(["a", "b"], {"a": [8], "b": [3]}), (["b"], {"b": [4]})]
     rows = [
         (
             "a stall-free run on the fake model (B=4, budget 12): nobody is skipped",
             _fake_trace(StallFreeScheduler, 4, 12, 3),
         ),
+        ("a hand-made trace: b gets its first token in step 1, no decode row in step 2", _hand_trace(*hand)),
         (
-            (
-                "a hand-made trace: b gets its first token in step 1, no decode row in step 2, "
-                "then decodes in steps 3 and 4",
-                "b is decoding from step 2 (the step after its first token) to step 4",
-            ),
-            _hand_trace(
-                ([], {"a": [5]}),
-                (["a"], {"a": [6], "b": [9]}),
-                (["a"], {"a": [7]}),
-                (["a", "b"], {"a": [8], "b": [3]}),
-                (["b"], {"b": [4]}),
-            ),
-        ),
-        (
-            (
-                "a request that got only one token (it never decoded) is never skipped",
-                "a request with a single token has no decoding steps",
-            ),
+            "a request that got only one token is never skipped",
             _hand_trace(([], {"a": [1], "b": [2]}), (["a"], {"a": [3]}), (["a"], {"a": [4]})),
         ),
-        (
-            f"a wrong policy that gives the budget to prefill first and decodes what is left "
-            f"(B=4, budget 12): {len(_skipped(wrong))} skipped decodes",
-            wrong,
-        ),
+        (f"a wrong policy, prefill first (B=4, budget 12): {len(_skipped(wrong))} skipped decodes", wrong),
     ]
-    return table(
-        "skipped_decodes",
-        fn,
-        rows,
-        _skipped,
-        lambda trace: compare,
-        show=lambda v: show(sorted(v) if isinstance(v, (list, set)) else v),
-    )
+    hint = "a request is decoding from the step after its first token to the step of its last"
+    return table("skipped_decodes", fn, rows, _skipped, lambda trace: compare, hint, show=_show_pairs)
 
 
 def fused_saving(fn: Callable) -> Verdict:
-    """Check ``fn(chunk_alone_s, decode_alone_s, fused_s) -> fraction``: ``1 - fused / (chunk + decode)``."""
+    """Check ``fn(chunk_alone_s, decode_alone_s, fused_s) -> fraction``."""
     rows = [
         ("a small chunk: chunk 0.10 s, decodes 0.10 s, fused 0.12 s", 0.10, 0.10, 0.12),
         ("a big chunk: chunk 0.46 s, decodes 0.11 s, fused 0.54 s", 0.46, 0.11, 0.54),
@@ -366,10 +264,7 @@ def fused_saving(fn: Callable) -> Verdict:
                     1 - f / c,
                     "that compares with the chunk pass alone; the saving is against BOTH separate passes",
                 ),
-                (
-                    f / (c + d),
-                    "that is the fused time as a share of the separate time; the saving is 1 minus that",
-                ),
+                (f / (c + d), "that is the fused time as a share of the separate time: 1 minus that"),
                 (100 * (1 - f / (c + d)), "that looks like a percentage: return a fraction (0.25, not 25)"),
             )
         ),

@@ -1,13 +1,5 @@
-"""Checkers for lesson 6 (the poll interface): ``engine_front`` (the learner's ``MyEngine(Engine)``:
-``poll`` drains the new tokens and reads the status in one locked step, ``cancel`` is True once and
-freed by the next step) on a fake-model engine and an ``EngineLoop`` with threads; ``stream_text``
-(a client loop streaming text through the incremental detokenizer).
-
-The thread cases are deterministic where it matters: the engine is built with a *spy lock*
-(``make_engine(..., lock=spy)``) that counts how often it is taken and can run "the engine
-thread" at the exact moment the client lets go of it, which is when a split poll loses tokens.
-Everything else is read from public behaviour: poll and cancel results, the trace, ``stats()``
-and the scheduler's ``kv_usage()``."""
+"""Checkers for lesson 6 (the poll interface): ``engine_front`` (the learner's ``MyEngine``'s poll and
+cancel, with a spy lock that runs a step whenever the client lets go of it) and ``stream_text``."""
 
 from __future__ import annotations
 
@@ -24,8 +16,8 @@ __all__ = ["engine_front", "stream_text"]
 
 
 class _SpyLock:
-    """A lock that counts acquisitions and can run a hook right after each release. A
-    thread taking it twice (it is not re-entrant) gets an error instead of a hang."""
+    """A lock that counts acquisitions and runs ``after_release`` after each release; taking it twice
+    in one thread raises instead of hanging."""
 
     def __init__(self):
         self._lock, self._owner, self._in_hook = threading.Lock(), None, False
@@ -33,11 +25,7 @@ class _SpyLock:
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         if blocking and self._owner == threading.get_ident():
-            raise RuntimeError(
-                "self._lock is taken twice by the same thread: it is not "
-                "re-entrant, so a `with self._lock:` inside another one (or "
-                "inside a method that takes it) waits forever"
-            )
+            raise RuntimeError("self._lock is taken twice by the same thread: a nested `with` waits forever")
         ok = self._lock.acquire(blocking, timeout)
         if ok:
             self._owner = threading.get_ident()
@@ -54,9 +42,6 @@ class _SpyLock:
             finally:
                 self._in_hook = False
 
-    def locked(self) -> bool:
-        return self._lock.locked()
-
     def __enter__(self):
         return self.acquire()
 
@@ -69,7 +54,6 @@ _BLOCKS = 16
 
 
 def _front(cls, slots=1, runner=FakeRunner, lock=None):
-    """A fake-model stall-free engine built as ``cls``, with a spy lock."""
     return make_engine(
         "stallfree",
         FakeModel(),
@@ -96,8 +80,13 @@ def _steps(engine, n):
         engine.step()
 
 
-def _free_blocks(engine) -> int:
-    return engine.stats()["free_kv_blocks"]
+def _started(f, *requests, steps=0, **options):
+    """``f``'s engine with ``requests`` (id, new tokens) submitted and ``steps`` steps run."""
+    engine = _front(f, **options)
+    for rid, new in requests:
+        _submit(engine, rid, new)
+    _steps(engine, steps)
+    return engine
 
 
 def _poll_triple(got):
@@ -126,28 +115,21 @@ def poll_case(label, actions, hint="", slots=1):
 
 def once_locked(f):
     spy = _SpyLock()
-    engine = _front(f, lock=spy)
-    _submit(engine, "a")
-    _steps(engine, 2)
+    engine = _started(f, ("a", 6), steps=2, lock=spy)
     spy.acquisitions = 0
     engine.poll("a")
     if spy.acquisitions == 0:
         return "your poll never takes self._lock: the engine thread can change the request while you read it"
     if spy.acquisitions > 1:
-        return (
-            f"your poll takes self._lock {spy.acquisitions} times: the engine can run a step between two "
-            f"of them (next case); drain the tokens and read the status in ONE `with self._lock:` block"
-        )
+        return f"your poll takes self._lock {spy.acquisitions} times: the engine can step between them"
     return None
 
 
 def interleaved(f):
-    """The engine runs a step every time the client lets go of the lock; the client polls until
-    'done'. Requests of 1 to 6 tokens, so the last token lands at every point of a poll."""
+    """The engine steps whenever the client lets go of the lock; 1 to 6 tokens, polled until 'done'."""
     for n in range(1, 7):
         spy = _SpyLock()
-        engine = _front(f, lock=spy)
-        _submit(engine, "a", n)
+        engine = _started(f, ("a", n), lock=spy)
         spy.after_release = engine.step
         got = []
         for _ in range(60):
@@ -158,18 +140,13 @@ def interleaved(f):
             if result[1] != "running":
                 break
         if got != _right("a", n) and len(got) < n:
-            return (
-                f"with {n} token(s) to make, the client received {got}, {n - len(got)} short: a step "
-                f"made the last token(s) and finished the request between your drain and your status "
-                f"read, so the client saw 'done' without them"
-            )
+            return f"with {n} token(s), the client got {got}: the request finished between drain and status"
         if got != _right("a", n):
             return f"with {n} token(s), the client received {got}: tokens twice or out of order"
     return None
 
 
 def threaded(f):
-    """An EngineLoop on the fake model; 6 client threads, 5 requests each, polling every millisecond."""
     from ..loop import EngineLoop
 
     errors, wrong = [], []
@@ -203,18 +180,11 @@ def threaded(f):
         return f"the engine thread died: {type(loop.error).__name__}: {loop.error}"
     if errors or not wrong:
         return errors[0] if errors else None
-    return (
-        f"{len(wrong)} of 30 requests came out wrong, e.g. {wrong[0][0]}: {wrong[0][1]} tokens received "
-        f"of 8 (tokens lost or handed out twice between a drain and a status read)"
-    )
+    return f"{len(wrong)} of 30 requests came out wrong, e.g. {wrong[0][0]}: {wrong[0][1]} of 8 tokens"
 
 
 def cancel_running(f):
-    """a decodes in the only slot, b waits; cancel a; one more step."""
-    engine = _front(f)
-    _submit(engine, "a", 50)
-    _submit(engine, "b", 3)
-    _steps(engine, 3)
+    engine = _started(f, ("a", 50), ("b", 3), steps=3)
     made = list(engine.trace.requests["a"].output_ids)
     first, second, polled = engine.cancel("a"), engine.cancel("a"), engine.poll("a")
     if not isinstance(first, bool) or not isinstance(second, bool):
@@ -222,22 +192,12 @@ def cancel_running(f):
     if first is not True:
         return "cancel of a decoding request must return True: this call stopped it"
     if second is not False:
-        return (
-            "the second cancel returned True: only the call that stopped the request "
-            "returns True; a request already finished (cancelled) gives False"
-        )
+        return "the second cancel returned True: only the call that stopped the request returns True"
     if tuple(polled) != (made, "done", "cancelled"):
-        return (
-            f"after cancel, poll should hand out the tokens made so far with 'done' and "
-            f"'cancelled': expected {show((made, 'done', 'cancelled'))}, got {show(polled)} (finish "
-            f"the request with self._finish(req, 'cancelled'))"
-        )
+        return f"after cancel, poll should give {show((made, 'done', 'cancelled'))}, got {show(polled)}"
     engine.step()
     if list(engine.trace.steps[-1].slots) != ["b"]:
-        return (
-            "after the next step the cancelled request's slot should hold b: put the "
-            "request on self._cancelled, so the next step's sweep frees its slot"
-        )
+        return "after the next step b should hold the slot: put the request on self._cancelled"
     engine.run_until_idle()
     if tuple(engine.poll("b")) != (_right("b", 3), "done", "length"):
         return f"b, served after the cancel, should finish with {show((_right('b', 3), 'done', 'length'))}"
@@ -246,28 +206,17 @@ def cancel_running(f):
 
 def _blocks_back(engine):
     lost = _BLOCKS - engine.stats()["free_kv_blocks"]
-    return (
-        (
-            f"{lost} KV block(s) never came back: a cancelled request's blocks are freed by the next "
-            f"step's sweep"
-        )
-        if lost
-        else None
-    )
+    return f"{lost} KV block(s) never came back after the cancel" if lost else None
 
 
 def cancel_queued(f):
-    """a decodes, b is still queued: cancel b; it must never run."""
-    engine = _front(f)
-    _submit(engine, "a", 4)
-    _submit(engine, "b", 4)
-    engine.step()
+    engine = _started(f, ("a", 4), ("b", 4), steps=1)
     said, polled = engine.cancel("b"), engine.poll("b")
     engine.run_until_idle()
     if said is not True:
         return "cancel of a queued request must return True: it was waiting to run"
     if tuple(polled) != ([], "done", "cancelled"):
-        return f"poll after cancelling a queued request: expected {show(([], 'done', 'cancelled'))}"
+        return f"poll after cancelling a queued request should give {show(([], 'done', 'cancelled'))}"
     if any("b" in s.decoded or any(p[0] == "b" for p in s.prefill) for s in engine.trace.steps):
         return "b ran after it was cancelled: a cancelled request must never be scheduled"
     if tuple(engine.poll("a")) != (_right("a", 4), "done", "length"):
@@ -276,28 +225,19 @@ def cancel_queued(f):
 
 
 def cancel_done(f):
-    engine = _front(f)
-    _submit(engine, "a", 3)
+    engine = _started(f, ("a", 3))
     engine.run_until_idle()
     got = [engine.cancel("a")]  # finished, "done" not yet polled
     engine.poll("a")
     got += [engine.cancel("a"), engine.cancel("zzz")]
-    for said, what in zip(
-        got,
-        [
-            "a finished request (not polled yet)",
-            "a request already reported done",
-            "an id the engine never had",
-        ],
-    ):
+    for said, what in zip(got, ["a finished request", "a request reported done", "an unknown id"]):
         if said is not False:
             return f"cancel of {what} must return False (nothing was running), got {show(said)}"
     return None
 
 
 def cancel_mid_pass(f):
-    """The client cancels a while a forward pass that computes it runs (the engine's lock is
-    free then): a's KV blocks must stay held until the pass ends."""
+    """Cancel a while a forward pass computes it: its KV blocks stay held until the pass ends."""
     seen = {}
 
     class CancellingRunner(FakeRunner):
@@ -310,31 +250,25 @@ def cancel_mid_pass(f):
                 )
             return super().run(chunks)
 
-    engine = _front(f, 2, runner=CancellingRunner)
-    _submit(engine, "a", 20)
-    _submit(engine, "b", 6)
-    _steps(engine, 3)
+    engine = _started(f, ("a", 20), ("b", 6), steps=3, slots=2, runner=CancellingRunner)
     seen["armed"] = True
     engine.run_until_idle()
     if seen.get("said") is not True:
         return "cancel of a request in the middle of a pass must return True"
     if not seen["held"]:
-        return (
-            "your cancel freed the request's slot or KV blocks while a forward pass was still computing "
-            "it (the runner writes into those blocks; another request could be given them): only mark it "
-            "cancelled and put it on self._cancelled; the next step's sweep frees it"
-        )
+        return "your cancel freed the request's slot or KV blocks while a forward pass was computing it"
     if tuple(engine.poll("b")) != (_right("b", 6), "done", "length"):
-        return f"b should still finish normally: expected {show((_right('b', 6), 'done', 'length'))}"
+        return "b should still finish normally"
     return _blocks_back(engine)
 
 
+PENDING = "hand out all of req.pending, as a list"
+ONE = "drain the tokens and read the status under one hold of the lock"
+CANCEL = "self._finish(req, 'cancelled') and self._cancelled.append(req), under the lock"
+
+
 def engine_front(cls: Any) -> Verdict:
-    """Check ``MyEngine``, an ``Engine`` subclass with its own ``poll(rid) -> (new_tokens, status,
-    finish_reason)`` (drain and status in ONE hold of ``self._lock``; forget a request once "done"
-    is reported; "unknown" for ids it does not know) and ``cancel(rid)`` (True only if this call
-    stopped a running request; its slot and blocks are freed by the next step's sweep, never
-    during a pass): single steps, a forced interleaving, cancels mid-pass, and real threads."""
+    """Check ``MyEngine``'s ``poll(rid) -> (new_tokens, status, finish_reason)`` and ``cancel(rid)``."""
 
     def then_poll(*script, rid="a"):  # (request, new tokens) submits, n runs n steps, None: until idle
         def actions(e):
@@ -349,71 +283,34 @@ def engine_front(cls: Any) -> Verdict:
 
     cases = [
         poll_case("a request just submitted, no step yet: ([], 'running', None)", then_poll(("a",))),
-        poll_case(
-            "after 3 steps, one poll hands out every token made so far",
-            then_poll(("a",), 3),
-            "hand out all of req.pending, as a list",
-        ),
+        poll_case("after 3 steps, one poll hands out every token made so far", then_poll(("a",), 3), PENDING),
         poll_case(
             "a second poll with no step in between: ([], 'running', None)",
             lambda e: (then_poll(("a",), 3)(e), e.poll("a"))[1],
             "after taking the tokens, leave req.pending empty",
         ),
         poll_case(
-            "a finished request: its last tokens AND 'done' with the finish reason", then_poll(("a", 4), None)
+            "a finished request: its last tokens AND 'done' with the reason", then_poll(("a", 4), None)
         ),
         poll_case(
             "after 'done' was reported, the engine forgets the request: 'unknown'",
             lambda e: (then_poll(("a", 4), None)(e), e.poll("a"))[1],
             "delete the request from self._requests when you report 'done'",
         ),
-        poll_case(
-            "an id the engine never had: ([], 'unknown', None)",
-            then_poll(("a",), rid="zzz"),
-            "self._requests.get(rid) is None for it",
-        ),
-        poll_case(
-            "another request's tokens are not yours: b's poll sees only b's",
-            then_poll(("a",), ("b",), 2, rid="b"),
-            slots=2,
-        ),
+        poll_case("an id the engine never had: ([], 'unknown', None)", then_poll(("a",), rid="zzz")),
+        poll_case("b's poll sees only b's tokens", then_poll(("a",), ("b",), 2, rid="b"), slots=2),
         piece_case("one poll takes self._lock exactly once", once_locked),
-        piece_case(
-            "a forced interleaving: the engine runs a step each time your poll lets go of the "
-            "lock; a client polling until 'done' must receive every token (1 to 6 tokens)",
-            interleaved,
-            "drain the tokens and read the status under one hold of the lock",
-        ),
-        piece_case(
-            "cancel a decoding request (b waits for its slot): True, then False; poll says "
-            "'cancelled'; after the next step b has the slot; every block comes back",
-            cancel_running,
-            "self._finish(req, 'cancelled') and self._cancelled.append(req), under the lock",
-        ),
-        piece_case(
-            "cancel a request still in the queue: True, poll says cancelled, it never runs", cancel_queued
-        ),
-        piece_case(
-            "cancel of a finished request, of one already reported done, of an unknown id: False each time",
-            cancel_done,
-            "return False when self._requests has no such request or it is finished",
-        ),
-        piece_case(
-            "cancel while a forward pass computes the request: True, and its slot and blocks "
-            "stay held until the pass ends; the next step frees them",
-            cancel_mid_pass,
-        ),
-        piece_case(
-            "real threads: an EngineLoop serving 6 clients, 5 requests each, polling every "
-            "millisecond until 'done': every answer equals the fake model's",
-            threaded,
-        ),
+        piece_case("a forced interleaving: a step each time your poll lets go of the lock", interleaved, ONE),
+        piece_case("cancel a decoding request: True, then False; b gets its slot", cancel_running, CANCEL),
+        piece_case("cancel a request still in the queue: True, and it never runs", cancel_queued),
+        piece_case("cancel of a finished, a reported or an unknown request: False", cancel_done),
+        piece_case("cancel while a forward pass computes the request", cancel_mid_pass),
+        piece_case("real threads: an EngineLoop serving 6 clients, 5 requests each", threaded),
     ]
     return run_cases("engine_front", cls, cases)
 
 
 def _scripted(fn, tokenizer, script, rid="req-0"):
-    """Run the learner's generator on a scripted poll; note when each piece came out."""
     calls: list[str] = []
 
     def poll(r):
@@ -432,9 +329,12 @@ def _scripted(fn, tokenizer, script, rid="req-0"):
     return {"pieces": pieces, "at": at, "polls": len(calls)}
 
 
+HELD = "a token can end in the middle of a character; the detokenizer holds it back"
+FLUSH = "after the loop, yield detokenizer.flush() if it is not empty"
+
+
 def stream_text(fn: Callable, lm) -> Verdict:
-    """Check ``fn(poll, rid, detokenizer)``: a generator that polls ``rid`` while "running", feeds
-    every new token to ``detokenizer.add``, yields each non-empty piece at once, then ``flush()``'s."""
+    """Check ``fn(poll, rid, detokenizer)``: a generator yielding the text pieces of ``rid``'s tokens."""
     tok = lm.tokenizer
 
     def expect(script):
@@ -448,36 +348,21 @@ def stream_text(fn: Callable, lm) -> Verdict:
                 return "yield pieces of text (str), not token ids"
             text = "".join(pieces)
             if got["polls"] > expected["polls"]:
-                return (
-                    "you polled again after the status stopped being 'running': stop "
-                    "polling once it is 'done' (or 'unknown')"
-                )
+                return "you polled again after the status stopped being 'running'"
             if got["polls"] < expected["polls"]:
                 return "you stopped polling while the status was still 'running'"
             if "\ufffd" not in expected["text"] and any("\ufffd" in p for p in pieces):
-                return (
-                    "a piece contains '\\ufffd' (the replacement character): feed tokens to "
-                    "detokenizer.add() and yield what it returns, not tokenizer.decode([t])"
-                )
+                return "a piece contains '\\ufffd' (the replacement character): use detokenizer.add()"
             if text != expected["text"]:
                 last_poll = script[-1][0]
                 before = tok.decode([t for tokens, _, _ in script[:-1] for t in tokens])
                 if last_poll and text in (before, before.rstrip("\ufffd")):
-                    return (
-                        "the tokens that came in the same poll as the final status are "
-                        "missing: handle a poll's tokens before you look at its status"
-                    )
+                    return "the tokens that came with the final status are missing"
                 if expected["text"].startswith(text):
-                    return (
-                        f"the text stops short: {expected['text'][len(text) :]!r} is missing "
-                        f"(call detokenizer.flush() when the stream ends and yield the rest)"
-                    )
+                    return f"the text stops short: {expected['text'][len(text) :]!r} is missing (flush())"
                 return ""
             if streaming and got["at"] and got["at"][0] >= expected["polls"]:
-                return (
-                    "the first piece came out only after the last poll: yield each piece as "
-                    "soon as you have it, so the user sees text while it is made"
-                )
+                return "the first piece came out only after the last poll: yield each piece at once"
             return None
 
         return compare
@@ -488,14 +373,10 @@ def stream_text(fn: Callable, lm) -> Verdict:
         return f"text {value['text']!r} after {value['polls']} polls"
 
     def case(label, script, hint="", streaming=False):
-        return Case(
-            label,
-            lambda f: _scripted(f, tok, script),
-            expect(script),
-            compare_for(script, streaming),
-            hint,
-            show_stream,
-        )
+        def call(f):
+            return _scripted(f, tok, script)
+
+        return Case(label, call, expect(script), compare_for(script, streaming), hint, show_stream)
 
     def one_per_poll(ids, done="done", reason="stop"):
         return [([t], "running", None) for t in ids[:-1]] + [([ids[-1]], done, reason)]
@@ -503,35 +384,18 @@ def stream_text(fn: Callable, lm) -> Verdict:
     answer = tok.encode(" The capital of France is Paris.")
     emoji = tok.encode("I love 🍕 and ☕.")
     cut = tok.encode("I love 🍕")[:-1]  # the stream ends inside the emoji
+    late = [(answer[:2], "running", None), ([], "running", None), (answer[2:], "done", "length")]
     cases = [
         case("' The capital of France is Paris.' one token per poll", one_per_poll(answer)),
-        case(
-            "the same, checked for streaming: the first piece must come out before the last poll",
-            one_per_poll(answer),
-            "yield inside the loop, right after each add()",
-            streaming=True,
-        ),
-        case(
-            "'I love 🍕 and ☕.': each emoji is 3 tokens, arriving in 3 separate polls",
-            one_per_poll(emoji),
-            "a token can end in the middle of a character; the detokenizer holds it back",
-        ),
+        case("the same: the first piece comes before the last poll", one_per_poll(answer), streaming=True),
+        case("'I love 🍕 and ☕.': each emoji is 3 tokens, in 3 separate polls", one_per_poll(emoji), HELD),
         case(
             "the last 4 tokens come in the same poll as 'done': show them too",
             [(answer[:3], "running", None), (answer[3:], "done", "stop")],
             "handle the tokens of a poll before you look at its status",
         ),
-        case(
-            "polls that return nothing for a while (the engine is busy with others): keep polling",
-            [([], "running", None)] * 3
-            + [(answer[:2], "running", None), ([], "running", None), (answer[2:], "done", "length")],
-        ),
-        case(
-            "the stream is cut inside an emoji (max_new_tokens reached): flush() hands out what "
-            "was held back",
-            [(cut, "done", "length")],
-            "after the loop, yield detokenizer.flush() if it is not empty",
-        ),
+        case("polls that return nothing for a while: keep polling", [([], "running", None)] * 3 + late),
+        case("the stream is cut inside an emoji: flush() gives the rest", [(cut, "done", "length")], FLUSH),
         case("an unknown request id: stop after one poll, no text", [([], "unknown", None)]),
     ]
 
@@ -548,9 +412,7 @@ def stream_text(fn: Callable, lm) -> Verdict:
             return tokens, status, reason
 
         with loop:
-            rid = loop.submit(ids, max_new_tokens=16)
-            pieces = []
-            deadline = time.monotonic() + 120
+            rid, pieces, deadline = loop.submit(ids, max_new_tokens=16), [], time.monotonic() + 120
             for piece in f(poll, rid, tok.detokenizer()):
                 pieces.append(piece)
                 if time.monotonic() > deadline:
@@ -560,14 +422,10 @@ def stream_text(fn: Callable, lm) -> Verdict:
     def real_compare(got, expected):  # against what the engine made: no near-tie can flip it
         return None if got[0] == got[1] else f"the engine made {got[1]!r}, your stream showed {got[0]!r}"
 
-    if lm is not None:
-        cases.append(
-            Case(
-                "the real model on an EngineLoop: the France question streamed to the end",
-                real,
-                "the text the engine made",
-                real_compare,
-                show=lambda v: repr(v[0]) if isinstance(v, tuple) else v,
-            )
-        )
+    def show_real(value):
+        return repr(value[0]) if isinstance(value, tuple) else value
+
+    cases.append(
+        Case("the real model on an EngineLoop", real, "the engine's text", real_compare, show=show_real)
+    )
     return run_cases("stream_text", fn, cases)

@@ -1,5 +1,4 @@
-"""Checkers for lesson 7 (serving): ``stream_metrics`` (TTFT, ITL, TPOT from client timestamps),
-``parse_sse`` (the text deltas of a chat-completion stream) and ``goodput``; small hand-made cases."""
+"""Checkers for lesson 7 (serving): ``stream_metrics``, ``parse_sse`` and ``goodput``."""
 
 from __future__ import annotations
 
@@ -12,9 +11,7 @@ __all__ = ["stream_metrics", "parse_sse", "goodput"]
 
 
 def stream_metrics(fn: Callable) -> Verdict:
-    """Check ``fn(sent_s, chunk_times_s, done_s, output_tokens) -> (ttft_s, itl_s, tpot_s)``:
-    TTFT = first chunk - sent; ITL = the gaps between consecutive chunks (a list);
-    TPOT = (done - sent - TTFT) / (output_tokens - 1), or None with fewer than 2 tokens."""
+    """Check ``fn(sent_s, chunk_times_s, done_s, output_tokens) -> (ttft_s, itl_s, tpot_s)``."""
 
     def compare_for(sent, chunks, done, tokens):
         def compare(got, expected):
@@ -35,25 +32,15 @@ def stream_metrics(fn: Callable) -> Verdict:
             if not all(close(a, b, 1e-9) for a, b in zip(itl, e_itl)):
                 return "the gaps are wrong: each is a chunk's time minus the previous chunk's"
             if e_tpot is None:
-                return (
-                    None
-                    if tpot is None
-                    else "with fewer than 2 tokens there is no TPOT: return None (do not divide by zero)"
-                )
+                return None if tpot is None else "with fewer than 2 tokens there is no TPOT: return None"
             if not isinstance(tpot, (int, float)):
                 return f"TPOT should be a number, got {tpot!r}"
             if close(tpot, e_tpot, 1e-9):
                 return None
             if close(tpot, (done - sent - ttft) / tokens, 1e-9):
-                return (
-                    f"divide by output_tokens - 1 = {tokens - 1}: the first token's time is "
-                    f"the TTFT, so only the other {tokens - 1} share the rest"
-                )
+                return f"divide by output_tokens - 1 = {tokens - 1}: the first token's time is the TTFT"
             if len(itl) and close(tpot, sum(itl) / len(itl), 1e-9):
-                return (
-                    "that is the mean ITL (chunks); TPOT counts tokens from usage, and the "
-                    "time from the first token to the end of the stream"
-                )
+                return "that is the mean ITL (chunks); TPOT counts the tokens from usage"
             return ""
 
         return compare
@@ -94,13 +81,7 @@ def stream_metrics(fn: Callable) -> Verdict:
         ),
     ]
     return table(
-        "stream_metrics",
-        fn,
-        rows,
-        None,
-        compare_for,
-        "TTFT = chunk_times_s[0] - sent_s; ITL = differences of consecutive chunk "
-        "times; TPOT = (done_s - sent_s - TTFT) / (output_tokens - 1)",
+        "stream_metrics", fn, rows, None, compare_for, "TPOT = (done_s - sent_s - TTFT) / (output_tokens - 1)"
     )
 
 
@@ -119,51 +100,32 @@ def _event(
     return "data: " + json.dumps(body)
 
 
+USAGE = {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+
+
 def parse_sse(fn: Callable) -> Verdict:
-    """Check ``fn(lines) -> list[str]``: the non-empty ``delta.content`` texts, in order,
-    of the ``data:`` lines up to ``data: [DONE]``; blank lines, comments (``:``) and
-    chunks without text (the role, the finish, the usage) add nothing."""
+    """Check ``fn(lines) -> list[str]``: the non-empty ``delta.content`` texts up to ``data: [DONE]``."""
     role, done, blank = _event("", role="assistant"), "data: [DONE]", ""
     streams = [
         (
-            "a plain stream: role chunk, 'Hel', 'lo', finish chunk, [DONE]",
-            [
-                role,
-                blank,
-                _event("Hel"),
-                blank,
-                _event("lo"),
-                blank,
-                _event(finish="stop"),
-                blank,
-                done,
-                blank,
-            ],
+            "a plain stream: role, 'Hel', 'lo', finish, [DONE]",
+            [role, blank, _event("Hel"), blank, _event("lo")]
+            + [blank, _event(finish="stop"), blank, done, blank],
             ["Hel", "lo"],
         ),
-        (
-            "the role chunk carries content '' and must not become a delta",
-            [role, _event(" world"), done],
-            [" world"],
-        ),
+        ("the role chunk's content '' is not a delta", [role, _event(" world"), done], [" world"]),
         (
             "a keep-alive comment line ': ping' between chunks",
             [role, _event("a"), ": ping", _event("b"), done],
             ["a", "b"],
         ),
         (
-            "a usage chunk (empty choices) after the finish chunk",
-            [
-                role,
-                _event("Paris"),
-                _event(".", finish="stop"),
-                _event(usage={"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}),
-                done,
-            ],
+            "a usage chunk (empty choices) after the finish",
+            [role, _event("Paris"), _event(".", finish="stop"), _event(usage=USAGE), done],
             ["Paris", "."],
         ),
         (
-            "text with emoji and a quote: ' 🙂' and ' \"ok\"' (json.loads undoes the escapes)",
+            "text with emoji and a quote: ' 🙂' and ' \"ok\"'",
             [role, _event(" 🙂"), _event(' "ok"'), done],
             [" 🙂", ' "ok"'],
         ),
@@ -183,66 +145,23 @@ def parse_sse(fn: Callable) -> Verdict:
             return "you kept reading after 'data: [DONE]'"
         return ""
 
-    return table(
-        "parse_sse",
-        fn,
-        streams,
-        None,
-        lambda lines: compare,
-        "for each line starting with 'data: ': stop at '[DONE]', else json.loads the "
-        "rest and take choices[0]['delta'].get('content') when there are choices",
-    )
+    hint = "json.loads each 'data: ' line up to '[DONE]'; take choices[0]['delta'].get('content')"
+    return table("parse_sse", fn, streams, None, lambda lines: compare, hint)
 
 
 def goodput(fn: Callable) -> Verdict:
-    """Check ``fn(requests, duration_s, slo_ttft_s, slo_tpot_s) -> float``: the requests
-    that completed (``ok``) with ``ttft_s <= slo_ttft_s`` and ``tpot_s <= slo_tpot_s``
-    (a ``tpot_s`` of None, one token, cannot miss), per second of ``duration_s``."""
+    """Check ``fn(requests, duration_s, slo_ttft_s, slo_tpot_s) -> float``: good requests per second."""
 
     def r(ok=True, ttft=0.5, tpot=0.1):
         return {"ok": ok, "ttft_s": ttft, "tpot_s": tpot}
 
+    slo = (1.0, 0.2)  # TTFT <= 1 s, TPOT <= 0.2 s
     sets = [
-        (
-            "4 requests, all within TTFT <= 1 s and TPOT <= 0.2 s, in 2 s",
-            [r(), r(), r(ttft=0.9), r(tpot=0.2)],
-            2.0,
-            1.0,
-            0.2,
-            2.0,
-        ),
-        (
-            "one misses TTFT (1.5 s > 1 s), one misses TPOT (0.3 s > 0.2 s); 10 s",
-            [r(), r(ttft=1.5), r(tpot=0.3), r()],
-            10.0,
-            1.0,
-            0.2,
-            0.2,
-        ),
-        (
-            "a request cut off mid-stream (ok False, fast until then) is not good; 4 s",
-            [r(), r(ok=False, ttft=0.3), r()],
-            4.0,
-            1.0,
-            0.2,
-            0.5,
-        ),
-        (
-            "exactly on the limits (TTFT 1.0 s, TPOT 0.2 s) counts as good; 1 s",
-            [r(ttft=1.0, tpot=0.2)],
-            1.0,
-            1.0,
-            0.2,
-            1.0,
-        ),
-        (
-            "a one-token answer has TPOT None and cannot miss the TPOT objective; 5 s",
-            [r(tpot=None), r(ttft=2.0, tpot=None)],
-            5.0,
-            1.0,
-            0.2,
-            0.2,
-        ),
+        ("4 requests, all within the objectives; 2 s", [r(), r(), r(ttft=0.9), r(tpot=0.2)], 2.0, *slo, 2.0),
+        ("one misses TTFT, one TPOT; 10 s", [r(), r(ttft=1.5), r(tpot=0.3), r()], 10.0, *slo, 0.2),
+        ("a request cut off mid-stream (ok False); 4 s", [r(), r(ok=False, ttft=0.3), r()], 4.0, *slo, 0.5),
+        ("exactly on the limits counts as good; 1 s", [r(ttft=1.0, tpot=0.2)], 1.0, *slo, 1.0),
+        ("a one-token answer (TPOT None); 5 s", [r(tpot=None), r(ttft=2.0, tpot=None)], 5.0, *slo, 0.2),
     ]
 
     def count(reqs, strict=False, any_ok=False, none_misses=False, either=False):
@@ -260,11 +179,7 @@ def goodput(fn: Callable) -> Verdict:
         good = count(reqs)
         return number_compare(
             mistakes(
-                (
-                    good / len(reqs),
-                    "that is the share of good requests; goodput divides their number by "
-                    "the duration in seconds",
-                ),
+                (good / len(reqs), "that is the share of good requests; divide their number by duration_s"),
                 (
                     good if d != 1 else None,
                     f"that is the number of good requests ({good}); divide by duration_s",
@@ -285,11 +200,5 @@ def goodput(fn: Callable) -> Verdict:
         )
 
     return table(
-        "goodput",
-        fn,
-        sets,
-        None,
-        judge,
-        "good = ok and ttft_s <= slo_ttft_s and (tpot_s is None or tpot_s <= "
-        "slo_tpot_s); goodput = number good / duration_s",
+        "goodput", fn, sets, None, judge, "good = ok and both objectives met; goodput = good / duration_s"
     )

@@ -1,8 +1,5 @@
-"""Checkers for lesson 8 (memory as the limit): ``kv_slots`` (a block table turned into flat
-KV-pool addresses), ``cached_prefix`` (the prefix-cache lookup) and ``memory_scheduler`` (the
-learner's ``fits`` and ``victim``). Every answer comes from the library's own code
-(``Chunk.kv_addresses``, ``BlockManager.lookup``, ``Scheduler.fits``, ``PriorityPolicy.victim``);
-the memory pieces also run in fake-model engines on whole workloads under small pools."""
+"""Checkers for lesson 8 (memory as the limit): ``kv_slots``, ``cached_prefix`` and ``memory_scheduler``
+(``fits`` and ``victim``), each against the library's own code, the last also on whole fake-model runs."""
 
 from __future__ import annotations
 
@@ -23,8 +20,6 @@ __all__ = ["kv_slots", "cached_prefix", "memory_scheduler"]
 
 
 def _ints(why_not: str):
-    """A reader for ``answer_compare``: a list of ints from anything that converts, else ``why_not``."""
-
     def read(got):
         try:
             return [int(x) for x in got], None
@@ -32,6 +27,10 @@ def _ints(why_not: str):
             return None, why_not
 
     return read
+
+
+def _slots(table, start, stop, size):
+    return Chunk("r", [], 0, list(table)).kv_addresses(start, stop, size).tolist()
 
 
 def kv_slots(fn: Callable) -> Verdict:
@@ -43,10 +42,7 @@ def kv_slots(fn: Callable) -> Verdict:
             if len(got) != len(expected):
                 return f"{len(got)} slots for {stop - start} tokens: one slot per token start..stop-1"
             if got == list(positions):
-                return (
-                    "those are the token positions themselves; a token lives in block "
-                    "table[position // block_size], at offset position % block_size"
-                )
+                return "those are the token positions: a token lives in block table[position // block_size]"
             if got == [(p // size) * size + p % size for p in positions]:
                 return "look the block number up in the table: table[position // block_size]"
             if got == [table[p // size] + p % size for p in positions]:
@@ -57,41 +53,16 @@ def kv_slots(fn: Callable) -> Verdict:
 
     rows = [
         ("one block, table [0], tokens 0..3, block size 4", [0], 0, 4, 4),
-        (
-            (
-                "table [5], tokens 0..2: block 5 starts at slot 20",
-                "block b holds slots b * block_size .. b * block_size + block_size - 1",
-            ),
-            [5],
-            0,
-            3,
-            4,
-        ),
-        (
-            (
-                "table [3, 0, 7], tokens 0..9, block size 4: the tokens cross from block 3 to 0 to 7",
-                "token i sits in block table[i // block_size]",
-            ),
-            [3, 0, 7],
-            0,
-            10,
-            4,
-        ),
+        ("table [5], tokens 0..2: block 5 starts at slot 20", [5], 0, 3, 4),
+        ("table [3, 0, 7], tokens 0..9, block size 4: from block 3 to 0 to 7", [3, 0, 7], 0, 10, 4),
         ("the same table, tokens 5..8 only (a later chunk starts mid-block)", [3, 0, 7], 5, 9, 4),
         ("a decode row: one token, position 33, table [2, 9, 4], block size 16", [2, 9, 4], 33, 34, 16),
         ("no tokens (start == stop): an empty list", [1], 2, 2, 4),
     ]
-    return table(
-        "kv_slots",
-        fn,
-        rows,
-        lambda t, a, b, s: Chunk("r", [], 0, list(t)).kv_addresses(a, b, s).tolist(),
-        judge,
-    )
+    return table("kv_slots", fn, rows, _slots, judge, "token i sits in block table[i // block_size]")
 
 
 def _cache_of(sequence, block_size, blocks):
-    """A cache holding ``sequence``'s full blocks as the given block numbers."""
     cached, key = {}, b""
     for i, block in enumerate(blocks):
         key = BlockManager.block_key(key, sequence[i * block_size : (i + 1) * block_size])
@@ -106,11 +77,11 @@ def _lookup_reference(token_ids, cached, block_size):
 
 
 def cached_prefix(fn: Callable) -> Verdict:
-    """Check ``fn(token_ids, cached, block_size) -> list of blocks``: the longest run of full blocks at
-    the start of ``token_ids`` in ``cached`` (keys chained with ``BlockManager.block_key`` from ``b""``),
-    never the block that holds the last token."""
+    """Check ``fn(token_ids, cached, block_size) -> blocks``: the cached prefix, never the last block."""
     system = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # 3 blocks of 4
     cache = _cache_of(system, 4, [7, 2, 5])
+    differs = system[:5] + [99] + system[6:] + [1]
+    small = _cache_of([5, 6, 7, 8, 9, 10], 2, [0, 3, 1])
 
     def judge(token_ids, cached, block_size):
         full = (len(token_ids) - 1) // block_size
@@ -122,10 +93,7 @@ def cached_prefix(fn: Callable) -> Verdict:
                     f"token is always computed, so the request still gets a next-token distribution"
                 )
             if len(got) > len(expected):
-                return (
-                    "a block's key chains its parent's key (b\"\" for the first block); the "
-                    "same tokens after a different prefix are a different block"
-                )
+                return "a block's key chains its parent's: after another prefix it is another block"
             if len(got) < len(expected) and got == expected[: len(got)]:
                 return "you stopped early: keep going while the next block's key is in the cache"
             return ""
@@ -134,49 +102,12 @@ def cached_prefix(fn: Callable) -> Verdict:
 
     rows = [
         ("nothing cached: no hit", system + [1, 2], {}, 4),
-        (
-            (
-                "a prompt that starts with the 3 cached blocks, then 2 more tokens: all 3 are shared",
-                "hash block by block, each key from the previous key and the block's tokens",
-            ),
-            system + [1, 2],
-            cache,
-            4,
-        ),
-        (
-            (
-                "the same 12 tokens and nothing after: only 2 blocks, the third holds the last token",
-                "stop before the block that holds the last token",
-            ),
-            list(system),
-            cache,
-            4,
-        ),
-        (
-            (
-                "the prompt differs in its 6th token: only the first block matches",
-                "stop at the first key not in the cache",
-            ),
-            system[:5] + [99] + system[6:] + [1],
-            cache,
-            4,
-        ),
-        (
-            (
-                "the second block's tokens, but after a different first block: no hit",
-                "a key includes everything before the block (through the parent's key)",
-            ),
-            [1, 1, 1, 1] + system[4:8] + [3],
-            cache,
-            4,
-        ),
+        ("a prompt of the 3 cached blocks, then 2 more tokens: all 3 are shared", system + [1, 2], cache, 4),
+        ("the same 12 tokens alone: only 2 blocks, the third holds the last token", list(system), cache, 4),
+        ("the prompt differs in its 6th token: only the first block matches", differs, cache, 4),
+        ("block 2's tokens after a different first block: no hit", [1] * 4 + system[4:8] + [3], cache, 4),
         ("a prompt shorter than one block: no full block, no hit", system[:3], cache, 4),
-        (
-            "block size 2: a 9-token prompt over a cache of its first 3 blocks",
-            [5, 6, 7, 8, 9, 10, 11, 12, 13],
-            _cache_of([5, 6, 7, 8, 9, 10], 2, [0, 3, 1]),
-            2,
-        ),
+        ("block size 2: a 9-token prompt over a cache of its first 3 blocks", list(range(5, 14)), small, 2),
     ]
     return table("cached_prefix", fn, rows, _lookup_reference, judge)
 
@@ -228,30 +159,19 @@ def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
     decoding = len(sched.in_state(State.DECODING))
     situation = (
         f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, {len(hits)} cached block(s), "
-        f"{decoding} request(s) decoding, {sched.blocks.num_free} free block(s)) your fits said "
-        f"{got}, the reference {not got}"
+        f"{decoding} decoding, {sched.blocks.num_free} free block(s)) your fits said {got}"
     )
     if not got and hits:
-        return (
-            f"{situation}: cached prefix blocks (self.blocks.lookup, or self.first_chunk) "
-            f"are shared, not taken: they cost no free block (unless evictable, ref count 0)"
-        )
+        return f"{situation}: cached prefix blocks are shared, not taken: they cost no free block"
     if not got and req.prefill_len > max_tokens:
-        return (
-            f"{situation}: count only the first chunk (at most max_tokens tokens after "
-            f"the cached prefix), not the whole prompt: later chunks take blocks as they come"
-        )
+        return f"{situation}: count only the first chunk after the cached prefix, not the whole prompt"
     if got and decoding:
-        return (
-            f"{situation}: you left no headroom; keep one free block for every DECODING "
-            f"request, so admitting does not force a preemption at once"
-        )
+        return f"{situation}: you left no headroom; keep one free block for every DECODING request"
     return situation
 
 
 def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
-    """Scenario ``name`` with the learner's classes (their decisions run); the first disagreement of
-    fits or victim with the reference, or the first thing wrong with the run."""
+    """Scenario ``name`` run by the learner's classes: the first fits or victim unlike the reference's."""
     _, reqs, options, priorities, must_preempt = SCENARIOS[name]
     notes: dict[str, str] = {}
 
@@ -267,10 +187,9 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
             got = super().victim(running)
             want = PriorityPolicy.victim(self, running)
             if got is not want and "victim" not in notes:
+                among, yours = [(r.id, r.priority) for r in running], getattr(got, "id", got)
                 notes["victim"] = (
-                    f"victim: among {[(r.id, r.priority) for r in running]} (id, priority), "
-                    f"your victim was {getattr(got, 'id', got)!r}, the reference's "
-                    f"{want.id!r}"
+                    f"victim: among {among} (id, priority), yours was {yours!r}, not {want.id!r}"
                 )
             if got not in running:
                 raise RuntimeError(f"victim returned {show(got)}, not one of the running requests")
@@ -287,12 +206,8 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
     )
     if run.problem or notes:
         return run.problem or notes.get("fits") or notes["victim"]
-    wrong = [
-        r.id
-        for r in reqs
-        if run.trace.requests[r.id].output_ids
-        != reference_output(r.prompt_ids, r.max_new_tokens, VOCAB, frozenset())
-    ]
+    right = {r.id: reference_output(r.prompt_ids, r.max_new_tokens, VOCAB, frozenset()) for r in reqs}
+    wrong = [rid for rid in right if run.trace.requests[rid].output_ids != right[rid]]
     over = [s.index for s in run.trace.steps if s.num_tokens > options["token_budget"]]
     if wrong:
         return f"the outputs of {wrong} differ from the fake model's"
@@ -301,21 +216,20 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
     if over:
         return f"steps {over[:5]} ran more tokens than the budget"
     if must_preempt and not run.preemptions:
-        return (
-            "this scenario must preempt (the pool is too small for everyone's "
-            "growth) but no preemption happened: the run did not test the victim"
-        )
+        return "this scenario must preempt, but no preemption happened: the run did not test the victim"
     return None
 
 
+VICTIM = "the least important (highest number) gives way; among equals the newest; on a full tie the last"
+
+
 def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
-    """Check the learner's ``MyMemoryScheduler.fits(req, max_tokens)`` (the first chunk after any cached
-    prefix, plus one block of headroom per decoding request) and ``MyVictimPolicy.victim(running)``
-    (the least important, the newest among equals, the latest admitted on a full tie): the victim on
-    small cases, then both in fake-model engines on whole workloads, each decision against the reference's."""
+    """Check ``MyMemoryScheduler.fits(req, max_tokens)`` and ``MyVictimPolicy.victim(running)``."""
     missing = next((p for p in (scheduler_cls, policy_cls) if getattr(p, "missing_reason", None)), None)
 
-    def victim_case(label, running, hint):
+    def victim_case(label, *running):
+        running = [_req(*r) for r in running]
+
         def call(pieces):
             got = pieces()[1]().victim(list(running))
             return getattr(got, "id", got)
@@ -327,53 +241,24 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
                 return "return one of the running requests (the object itself)"
             picked, want = (next(r for r in running if r.id == i) for i in (got, expected))
             if picked.priority < want.priority:
-                return (
-                    f"{got} has priority {picked.priority}, more important than "
-                    f"{expected}'s {want.priority}: lower numbers are MORE important"
-                )
+                return f"{got} has priority {picked.priority}: lower numbers are MORE important"
             if picked.priority == want.priority and picked.arrival_s < want.arrival_s:
-                return (
-                    f"{got} and {expected} have the same priority; the NEWER one "
-                    f"(later arrival) gives way: it has the least work to lose"
-                )
+                return f"{got} and {expected} have the same priority; the NEWER one (later arrival) gives way"
             if picked.priority == want.priority:
                 return "on a full tie, the one admitted last (the end of the list) gives way"
             return ""
 
-        return Case(label, call, PriorityPolicy().victim(running).id, compare, hint)
+        return Case(label, call, PriorityPolicy().victim(running).id, compare, VICTIM)
 
     cases = [
+        victim_case("victim: all priority 0, arrivals 1, 2, 3", ("a", 0, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)),
+        victim_case(
+            "victim: an old priority 5 among newer 0s", ("old", 5, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)
+        ),
+        victim_case("victim: two of priority 2, one of 1", ("x", 2, 1.0), ("y", 1, 9.0), ("z", 2, 4.0)),
+        victim_case("victim: equal priority and arrival", ("p", 1, 2.0), ("q", 1, 2.0), ("r", 0, 2.0)),
         *[
-            victim_case(label, [_req(*r) for r in running], hint)
-            for label, running, hint in [
-                (
-                    "victim: all priority 0, arrivals 1, 2, 3: the newest gives way",
-                    [("a", 0, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)],
-                    "with equal priorities, the newest arrival is the victim",
-                ),
-                (
-                    "victim: an old request of priority 5 among newer ones of priority 0",
-                    [("old", 5, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)],
-                    "the least important (highest number) goes first, however old",
-                ),
-                (
-                    "victim: two of priority 2 (arrivals 1 and 4) and one of priority 1 (arrival 9)",
-                    [("x", 2, 1.0), ("y", 1, 9.0), ("z", 2, 4.0)],
-                    "among the least important, the newest",
-                ),
-                (
-                    "victim: equal priority and arrival: the one admitted last (end of the list)",
-                    [("p", 1, 2.0), ("q", 1, 2.0), ("r", 0, 2.0)],
-                    "break a full tie by admission order: the last in the list",
-                ),
-            ]
-        ],
-        *[
-            piece_case(
-                f"a whole run: {words}; every fits and victim decision matches the reference, "
-                f"outputs are the fake model's, every block comes back",
-                lambda pieces, name=name: _whole_run(*pieces(), name),
-            )
+            piece_case(f"a whole run: {words}", lambda pieces, name=name: _whole_run(*pieces(), name))
             for name, (words, *_) in SCENARIOS.items()
         ],
     ]

@@ -1,7 +1,5 @@
-"""Checkers for lesson 9 (policies and overload): ``mean_in_system(fn)`` (L over [0, last
-departure], Little's law L = λ W), ``to_shed(fn)`` (the queued requests that can no longer meet
-their TTFT objective) and ``admission_policy(cls)`` (the learner's ``Admission.to_shed``, on small
-cases and whole simulated overloads next to the library's)."""
+"""Checkers for lesson 9 (policies and overload): ``mean_in_system`` (Little's law), ``to_shed`` and
+``admission_policy`` (the learner's ``Admission.to_shed``, also on whole simulated overloads)."""
 
 from __future__ import annotations
 
@@ -24,7 +22,7 @@ def mean_in_system(fn: Any) -> Verdict:
         ("two requests overlapping: 0-3 s and 1-3 s", [0.0, 1.0], [3.0, 3.0]),
         ("an idle gap: 0-1 s, then nobody until 3 s, then 3-4 s", [0.0, 3.0], [1.0, 4.0]),
         (
-            "five requests queueing behind each other (arrive together at 0, leave 1 s apart)",
+            "five requests queueing (arrive together at 0, leave 1 s apart)",
             [0.0] * 5,
             [1.0, 2.0, 3.0, 4.0, 5.0],
         ),
@@ -42,21 +40,17 @@ def mean_in_system(fn: Any) -> Verdict:
             mistakes(
                 (
                     sum(stays(a, d)) / len(a),
-                    "that is W, the mean time one request spends in the system; L "
-                    "is "
-                    "how many are in it on average, L = λ W with λ = n / (last departure)",
+                    "that is W, the mean time one request spends in the system; L = λ W",
                 ),
                 (len(a) / max(d), "that is λ, the arrival rate; L = λ W"),
             )
         ),
-        "add up, over all requests, the time each spends in the system "
-        "(departure - arrival), and divide by the length of the window",
+        "add up the time each request spends in the system and divide by the length of the window",
     )
 
 
 def to_shed(fn: Any) -> Verdict:
-    """Check ``fn(queue, now, ttft_slo_s, prefill_tokens_per_s)``: the ids (in queue order) of the
-    ``(id, arrival_s, prompt_len)`` entries whose first token cannot come within the SLO of arrival."""
+    """Check ``fn(queue, now, ttft_slo_s, prefill_tokens_per_s)``: the ids whose TTFT will miss the SLO."""
 
     def compare(got, expected):
         if not isinstance(got, (list, tuple)):
@@ -68,21 +62,15 @@ def to_shed(fn: Any) -> Verdict:
             return "the right ids, but keep them in queue order"
         missing = [r for r in expected if r not in got]
         if missing:
-            return (
-                f"{missing} cannot make it but you keep them: count the time its prefill "
-                "will take (prompt_len / prefill_tokens_per_s) on top of the wait so far"
-            )
-        return (
-            f"{[r for r in got if r not in expected]} can still make it; shed only those that would be "
-            f"late (> the SLO)"
-        )
+            return f"{missing} cannot make it but you keep them: count the time its prefill will take too"
+        return f"{[r for r in got if r not in expected]} can still make it; shed only the late ones"
 
     rows = [
         ("an empty queue", []),
         ("nobody late: waits of 1 and 2 s, prefills of 0.5 s, SLO 5 s", [("a", 9.0, 50), ("b", 8.0, 50)]),
         ("one has waited 6 s already (SLO 5 s)", [("a", 4.0, 50), ("b", 9.5, 50)]),
         (
-            "a long prompt that just arrived: 800 tokens take 8 s to prefill (SLO 5 s)",
+            "a long prompt that just arrived: 800 tokens take 8 s to prefill",
             [("short", 9.0, 40), ("long", 10.0, 800)],
         ),
         ("exactly on time: waited 4 s + 1 s of prefill = the 5 s SLO (keep it)", [("edge", 6.0, 100)]),
@@ -102,14 +90,12 @@ def to_shed(fn: Any) -> Verdict:
 
 
 def _queued(rid, arrival_s, preempted=False, state=State.QUEUED):  # a preempted one has begun its answer
-    return SimpleNamespace(
-        id=rid, arrival_s=arrival_s, state=state, prompt_len=64, output_ids=[5, 6] if preempted else []
-    )
+    output_ids = [5, 6] if preempted else []
+    return SimpleNamespace(id=rid, arrival_s=arrival_s, state=state, prompt_len=64, output_ids=output_ids)
 
 
 def _shed_run(admission, name):
-    """A simulated overload (stall-free, 8 slots; "tight": a KV pool too small for everyone):
-    every request's finish reason, the number of preemptions, the preempted."""
+    """A simulated overload ("tight": a small KV pool): the finish reasons, preemptions, preempted."""
     from ..simulator import make_sim_engine, simulate
     from ..workloads import synthetic_workload
 
@@ -129,11 +115,13 @@ def _shed_run(admission, name):
     )
 
 
-def admission_policy(cls: Any) -> Verdict:
-    """Check ``MyAdmission(Admission).to_shed(queue, now)``: the queued requests that never started
-    and waited more than ``max_wait_s``, against the library's ``Admission``."""
+LATE = [("x", 0.5), ("y", 9.0), ("z", 1.0), ("w", 1.5)]
 
-    def unit(label, queue, now, max_wait_s, hint=""):
+
+def admission_policy(cls: Any) -> Verdict:
+    """Check ``MyAdmission(Admission).to_shed(queue, now)`` against the library's ``Admission``."""
+
+    def unit(label, queue, now, max_wait_s):
         def call(f):
             got = f(max_wait_s=max_wait_s).to_shed(list(queue), now)
             return [getattr(r, "id", r) for r in got]
@@ -149,10 +137,7 @@ def admission_policy(cls: Any) -> Verdict:
             missing = [r for r in want if r not in got]
             by_id = {r.id: r for r in queue}
             if any(by_id.get(r) is not None and by_id[r].output_ids for r in extra):
-                return (
-                    f"{extra} was preempted (it has output_ids: it has begun its answer); a "
-                    f"preempted request waits in the queue to come back and is never shed"
-                )
+                return f"{extra} was preempted (it has output_ids): a preempted request waits in the queue"
             if max_wait_s is None and got:
                 return "max_wait_s None means: shed nothing"
             if any(by_id.get(r) is not None and now - by_id[r].arrival_s == max_wait_s for r in extra):
@@ -161,7 +146,9 @@ def admission_policy(cls: Any) -> Verdict:
                 return f"{extra} waited no longer than max_wait_s ({max_wait_s} s): keep them"
             return f"{missing} waited longer than max_wait_s ({max_wait_s} s): shed them"
 
-        return Case(label, call, expected, compare, hint)
+        return Case(
+            label, call, expected, compare, "shed if it never started and now - arrival_s > max_wait_s"
+        )
 
     def whole(name, label):
         want, preemptions, _ = _shed_run(Admission(max_wait_s=8.0), name)
@@ -171,26 +158,20 @@ def admission_policy(cls: Any) -> Verdict:
         def judge(f):
             reasons, _, preempted = _shed_run(f(max_wait_s=8.0), name)
             wrong = sorted(r for r in want if reasons.get(r) != want[r])
-            return (
-                wrong
-                and (
-                    f"{len(wrong)} request(s) ended differently, e.g. {wrong[0]}"
-                    f"{' (it had been preempted)' if wrong[0] in preempted else ''}: yours "
-                    f"{reasons.get(wrong[0])!r}, the reference {want[wrong[0]]!r}"
-                )
-                or None
-            )
+            if not wrong:
+                return None
+            first, was = wrong[0], " (preempted)" if wrong[0] in preempted else ""
+            return f"{len(wrong)} differ, e.g. {first}{was}: {reasons.get(first)!r}, not {want[first]!r}"
 
         return piece_case(label, judge)
 
     cases = [
         unit("no limit (max_wait_s None): nobody is shed", [_queued("a", 0.0)], 100.0, None),
         unit(
-            "waits of 9 s and 2 s at now = 10 s, limit 8 s: the first goes",
+            "waits of 9 s and 2 s, limit 8 s: the first goes",
             [_queued("a", 1.0), _queued("b", 8.0)],
             10.0,
             8.0,
-            "shed if now - arrival_s > max_wait_s",
         ),
         unit("exactly 8 s waited, limit 8 s: it stays", [_queued("edge", 2.0)], 10.0, 8.0),
         unit(
@@ -198,23 +179,9 @@ def admission_policy(cls: Any) -> Verdict:
             [_queued("back", 0.0, preempted=True), _queued("new", 9.5)],
             10.0,
             8.0,
-            "only requests that never started (no output_ids) are shed",
         ),
-        unit(
-            "several late ones among others: all of them, in queue order",
-            [_queued("x", 0.5), _queued("y", 9.0), _queued("z", 1.0), _queued("w", 1.5)],
-            10.0,
-            8.0,
-        ),
-        whole(
-            "overload",
-            "a whole simulated overload (160 requests at 1.2/s, 8 slots): every "
-            "request ends as with the library's Admission(max_wait_s=8)",
-        ),
-        whole(
-            "tight",
-            "the same on a KV pool of 48 blocks, where preempted requests wait in the "
-            "queue: none of them may be shed",
-        ),
+        unit("several late ones among others, in queue order", [_queued(r, t) for r, t in LATE], 10.0, 8.0),
+        whole("overload", "a whole simulated overload: every request ends as with Admission(max_wait_s=8)"),
+        whole("tight", "the same on a KV pool of 48 blocks, where preempted requests wait in the queue"),
     ]
     return run_cases("admission_policy", cls, cases)

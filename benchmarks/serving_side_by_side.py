@@ -1,7 +1,8 @@
-"""The same load against ``batchlab serve`` and ``mlx_lm.server``, one after the other.
+"""The same load against ``batchlab serve`` and ``mlx_lm.server``, interleaved repetitions.
 
-    .venv/bin/python benchmarks/serving_side_by_side.py [--workload mixed] [--size quick]
-        [--requests N] [--concurrency C] [--rate R] [--batch-size 8] [--model-dir DIR] [--json OUT]
+    .venv/bin/python benchmarks/serving_side_by_side.py [--workload mixed|chat|...] [--size quick]
+        [--requests N] [--concurrency C] [--rate R] [--batch-size 8] [--repetitions 3]
+        [--model-dir DIR] [--json OUT]
 
 Both servers serve the same weights (``batchlab export-mlx`` writes them as an mlx-lm
 folder, float32) on free 127.0.0.1 ports, started as subprocesses by
@@ -9,12 +10,19 @@ folder, float32) on free 127.0.0.1 ports, started as subprocesses by
 batching flags it gets), warmed up with one short request, measured by
 ``batchlab.loadgen`` with the same workload and settings, and always stopped. They run in
 turn, so each has both cores.
+
+Each of the ``--repetitions`` rounds (3 by default) starts and measures each server in turn
+(batchlab, mlx-lm, batchlab, mlx-lm, ...), so a slow minute of a shared machine lands on
+both instead of one. The table reports each figure's median over the rounds and its range
+(min-max); the JSON has the medians, the ranges and every round's full result.
+``--workload chat --size quick`` sends the 32 chat requests of ``batchlab bench``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -24,6 +32,9 @@ from batchlab.cli import loadgen_workload
 from batchlab.export import export_mlx
 from batchlab.loadgen import LoadgenResult, run_loadgen
 from batchlab.serverprocs import batchlab_spec, mlx_lm_spec, running
+from batchlab.workloads import WORKLOADS
+
+CHOICES = [w for w in ("mixed", "chat", "high_variance", "sharegpt", "interference") if w in WORKLOADS]
 
 ROWS = [
     ("completed", "completed requests", "d"),
@@ -45,21 +56,49 @@ ROWS = [
 ]
 
 
-def side_by_side(results: dict[str, LoadgenResult]) -> str:
-    names = list(results)
-    summaries = {n: r.summary() for n, r in results.items()}
-    lines = [f"{'':<20}" + "".join(f"{n:>17}" for n in names)]
+def medians_and_ranges(results: dict[str, list[LoadgenResult]]) -> tuple[dict, dict]:
+    """Each server's median of every table figure over its rounds, and its [min, max]
+    (None where no round has the figure)."""
+    medians, ranges = {}, {}
+    for name, runs in results.items():
+        summaries = [r.summary() for r in runs]
+        medians[name], ranges[name] = {}, {}
+        for key, _, _ in ROWS:
+            values = [s[key] for s in summaries if s[key] is not None]
+            medians[name][key] = statistics.median(values) if values else None
+            ranges[name][key] = [min(values), max(values)] if values else None
+    return medians, ranges
+
+
+def side_by_side(medians: dict[str, dict], ranges: dict[str, dict], repetitions: int) -> str:
+    """The table: a row per figure, a column per server; the median, and with more than
+    one round its range in brackets."""
+    names = list(medians)
+    width = 26 if repetitions > 1 else 17
+
+    def number(value, fmt):  # a count's median may fall between two counts
+        if fmt == "d":
+            return str(int(value)) if value == int(value) else f"{value:.1f}"
+        return format(value, fmt)
+
+    def cell(name, key, fmt):
+        value, span = medians[name][key], ranges[name][key]
+        if value is None:
+            return "-"
+        if repetitions == 1:
+            return number(value, fmt)
+        return f"{number(value, fmt)} ({number(span[0], fmt)}-{number(span[1], fmt)})"
+
+    head = f"median of {repetitions} interleaved rounds (min-max)" if repetitions > 1 else "one round"
+    lines = [head, f"{'':<20}" + "".join(f"{n:>{width}}" for n in names)]
     for key, label, fmt in ROWS:
-        cells = ["-" if summaries[n][key] is None else format(summaries[n][key], fmt) for n in names]
-        lines.append(f"{label:<20}" + "".join(f"{c:>17}" for c in cells))
+        lines.append(f"{label:<20}" + "".join(f"{cell(n, key, fmt):>{width}}" for n in names))
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--workload", default="mixed", choices=["mixed", "high_variance", "sharegpt", "interference"]
-    )
+    parser.add_argument("--workload", default="mixed", choices=CHOICES)
     parser.add_argument("--size", default="quick", choices=["quick", "full"])
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=None)
@@ -68,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--slo-ttft", type=float, default=5.0)
     parser.add_argument("--slo-tpot", type=float, default=0.5)
+    parser.add_argument("--repetitions", type=int, default=3, help="interleaved rounds (default 3)")
     parser.add_argument("--model-dir", help="an existing `batchlab export-mlx` folder to reuse")
     parser.add_argument("--json", metavar="OUT")
     args = parser.parse_args(argv)
+    if args.repetitions < 1:
+        parser.error("--repetitions must be at least 1")
 
     lm = batchlab.load_model()
     workload = loadgen_workload(args.workload, lm.tokenizer, args.size, args.requests, args.seed)
@@ -80,28 +122,42 @@ def main(argv: list[str] | None = None) -> int:
         f"rate {args.rate or 'all at once'}",
         flush=True,
     )
-    results, infos = {}, {}
+    results: dict[str, list[LoadgenResult]] = {}
+    infos: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(args.model_dir) if args.model_dir else Path(tmp) / "smollm2-mlx"
         if not (model_dir / "config.json").exists():
             export_mlx(lm, model_dir)
         del lm  # the servers load their own copies
-        for spec in (batchlab_spec(args.batch_size), mlx_lm_spec(model_dir, args.batch_size)):
-            with running(spec) as server:
-                infos[spec.name] = {"command": " ".join(spec.command), "env": spec.env, "blas": server.blas}
-                print(f"{spec.name}: ready; OpenBLAS in the server: {server.blas}", flush=True)
-                run_loadgen(server.base_url, warmup, model=spec.model, progress=False)
-                results[spec.name] = run_loadgen(
-                    server.base_url,
-                    workload,
-                    model=spec.model,
-                    concurrency=args.concurrency,
-                    rate=args.rate,
-                    seed=args.seed,
-                    slo_ttft_s=args.slo_ttft,
-                    slo_tpot_s=args.slo_tpot,
-                )
-    table = side_by_side(results)
+        specs = (batchlab_spec(args.batch_size), mlx_lm_spec(model_dir, args.batch_size))
+        for rep in range(args.repetitions):
+            for spec in specs:  # a fresh server every round
+                with running(spec) as server:
+                    infos[spec.name] = {
+                        "command": " ".join(spec.command),
+                        "env": spec.env,
+                        "blas": server.blas,
+                    }
+                    print(
+                        f"round {rep + 1}/{args.repetitions}, {spec.name}: ready; "
+                        f"OpenBLAS in the server: {server.blas}",
+                        flush=True,
+                    )
+                    run_loadgen(server.base_url, warmup, model=spec.model, progress=False)
+                    results.setdefault(spec.name, []).append(
+                        run_loadgen(
+                            server.base_url,
+                            workload,
+                            model=spec.model,
+                            concurrency=args.concurrency,
+                            rate=args.rate,
+                            seed=args.seed,
+                            slo_ttft_s=args.slo_ttft,
+                            slo_tpot_s=args.slo_tpot,
+                        )
+                    )
+    medians, ranges = medians_and_ranges(results)
+    table = side_by_side(medians, ranges, args.repetitions)
     print(f"\n{table}\n(goodput: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot} s)")
     if args.json:
         with open(args.json, "w") as f:
@@ -110,8 +166,19 @@ def main(argv: list[str] | None = None) -> int:
                     "command": " ".join(["benchmarks/serving_side_by_side.py"] + sys.argv[1:]),
                     "workload": workload.description,
                     "batch_size": args.batch_size,
+                    "repetitions": args.repetitions,
                     "table": table,
-                    "servers": {n: {**infos[n], **results[n].to_json()} for n in results},
+                    "labels": {key: label for key, label, _ in ROWS},
+                    "medians": medians,
+                    "ranges": ranges,
+                    "servers": {
+                        n: {
+                            **infos[n],
+                            "rounds": [r.summary() for r in results[n]],
+                            "runs": [r.to_json() for r in results[n]],
+                        }
+                        for n in results
+                    },
                 },
                 f,
                 indent=1,

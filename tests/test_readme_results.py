@@ -44,7 +44,9 @@ def test_both_standard_workloads_are_reported():
     prefill-heavy one, each of >= 32 requests, and the goals table quotes, for both, the
     batching ratio, the ceiling, ours / mlx-lm and every engine's fraction of the ceiling."""
     assert not RESULT["quick"] and RESULT["repetitions"] >= 3
-    stated = re.search(r"The whole run took ([\d.]+) minutes(, \*\*over the 25-minute goal\*\*)?", results_section())
+    stated = re.search(
+        r"The whole run took ([\d.]+) minutes(, \*\*over the 25-minute goal\*\*)?", results_section()
+    )
     assert stated, "the Results say how long the standard run took"
     assert float(stated.group(1)) == round(RESULT["seconds"] / 60, 1)
     assert bool(stated.group(2)) == (RESULT["seconds"] > 25 * 60), "say whether the 25-minute goal is met"

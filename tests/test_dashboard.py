@@ -20,7 +20,9 @@ from batchlab.server import serve_in_thread
 from batchlab.trace import Trace
 from batchlab.workloads import Workload, WorkloadRequest
 
-from test_browser import CHROMIUM, CHROMIUM_ARGS, MISSING
+from jupyterlab_driver import CHROMIUM, CHROMIUM_ARGS, missing
+
+MISSING = missing()
 
 REPO = Path(__file__).resolve().parents[1]
 # The README's screenshot is refreshed only when asked, by an explicit command:

@@ -107,11 +107,13 @@ def schedule(experiments, repetitions: int, extra: list[str] = ()) -> list[tuple
     """Every run as (repetition, workload, batch size, engine), engines interleaved: each
     repetition runs every engine once (A B C A B C ...), so a slow minute of a shared machine
     spreads over all engines instead of landing on one. ``extra``: more engines' names (a
-    learner's), run after ours."""
+    learner's), run after ours. The sequential baseline runs in the first repetition only:
+    no figure is a ratio to it, it is a table row (the no-batching reference), and it is the
+    slowest run of the prefill-heavy workload."""
     order = []
     for name, _, batch_sizes in experiments:
         for rep in range(repetitions):
-            if name == PREFILL_HEAVY:  # the baseline: it has no batch size
+            if name == PREFILL_HEAVY and rep == 0:  # the baseline: it has no batch size
                 order.append((rep, name, 1, "sequential"))
             for b in batch_sizes:
                 order += [(rep, name, b, e) for e in list(engines(b)) + list(extra) + ["mlx-lm"]]
@@ -513,7 +515,8 @@ def format_table(result: dict) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     header = (
-        f"median of {result['repetitions']} interleaved repetition(s), (min-max); "
+        f"median of {result['repetitions']} interleaved repetition(s), (min-max), the "
+        f"sequential baseline one run; "
         f"load: load average (1 min) at the start and end of the runs; others: the most "
         f"of the CPUs other processes took during one of them"
     )

@@ -141,26 +141,16 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         return Case(label, call, _reference_tokens(lm, ids, n), compare, hint, show_ids)
 
     answer = _reference_tokens(lm, france, 12)
+    first, feed = (
+        "the first new token is the prefill's last row's",
+        "feed the token just picked, with the same cache",
+    )
+    stop = "after appending a token, stop if it is in lm.tokenizer.eos_token_ids"
+    twelve = f"the France question, n=12: the answer ends with an EOS token after {len(answer)} tokens"
     cases = [
-        case(
-            "the France question (chat template), n=1",
-            france,
-            1,
-            "the first new token is the prefill's last row's",
-        ),
-        case(
-            "the France question, n=5",
-            france,
-            5,
-            "feed the token just picked, with the same cache",
-            "france5",
-        ),
-        case(
-            f"the France question, n=12: the answer ends with an EOS token after {len(answer)} tokens",
-            france,
-            12,
-            "after appending a token, stop if it is in lm.tokenizer.eos_token_ids",
-        ),
+        case("the France question (chat template), n=1", france, 1, first),
+        case("the France question, n=5", france, 5, feed, "france5"),
+        case(twelve, france, 12, stop),
         case(
             "a plain text prompt (no chat template) 'Once upon a time', n=6",
             tok.encode("Once upon a time"),
@@ -201,23 +191,17 @@ def tokens_per_second(fn: Callable) -> Verdict:
         ("1 step of 62 ms at batch 1", [0.062], 1),
         ("3 steps of 238 ms at batch 64", [0.238] * 3, 64),
     ]
-    return table(
-        "tokens_per_second",
-        fn,
-        rows,
-        lambda s, b: b * len(s) / sum(s),
-        lambda s, b: number_compare(
-            mistakes(
-                (
-                    float(np.mean([b / t for t in s])),
-                    "that is the average of the per-step rates: divide the totals",
-                ),
-                (
-                    len(s) / sum(s) if b != 1 else None,
-                    f"that leaves out the batch: every step makes {b} tokens",
-                ),
-                (sum(s) / (b * len(s)), "that is seconds per token; tokens per second is the other way up"),
-            )
-        ),
-        hint="tokens made = batch x number of steps; time taken = the sum of the step times",
-    )
+
+    def judge(s, b):
+        known = [
+            (
+                float(np.mean([b / t for t in s])),
+                "that is the average of the per-step rates: divide the totals",
+            ),
+            (len(s) / sum(s) if b != 1 else None, f"that leaves out the batch: every step makes {b} tokens"),
+            (sum(s) / (b * len(s)), "that is seconds per token; tokens per second is the other way up"),
+        ]
+        return number_compare(mistakes(*known))
+
+    hint = "tokens made = batch x number of steps; time taken = the sum of the step times"
+    return table("tokens_per_second", fn, rows, lambda s, b: b * len(s) / sum(s), judge, hint=hint)

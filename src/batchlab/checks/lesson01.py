@@ -114,12 +114,9 @@ def static_scheduler(cls) -> Verdict:
     mixed = list(zip(rng.integers(40, 301, 16).tolist(), rng.integers(4, 65, 16).tolist()))
     thirty = list(zip(rng.integers(3, 30, 30).tolist(), rng.integers(1, 41, 30).tolist()))
     hint = "start up to B requests only when no batch runs; when all of the batch are done, free them all"
+    five = [(4, 3), (5, 7), (6, 2), (7, 5), (8, 4)]
     cases = [
-        (
-            "two batches: 5 requests, B=3; the 4th and 5th wait for the first three",
-            [(4, 3), (5, 7), (6, 2), (7, 5), (8, 4)],
-            3,
-        ),
+        ("two batches: 5 requests, B=3; the 4th and 5th wait for the first three", five, 3),
         ("one batch of 3 requests with B=4 (fewer requests than slots)", [(5, 4), (9, 2), (3, 6)], 4),
         ("every request wants a single token (3 requests, B=2): no decode rows", [(6, 1)] * 3, 2),
         ("a request stops early and stays in its batch as a padding row", [(7, 9), (6, 4), (5, 8)], 3),
@@ -131,14 +128,9 @@ def static_scheduler(cls) -> Verdict:
         piece_case(label, _static_judge(rows, B, seed=10 * i), hint)
         for i, (label, rows, B) in enumerate(cases)
     ]
-    tight = [(20 + 7 * i % 25, 8 + 5 * i % 30) for i in range(12)]
+    tight = _static_judge([(20 + 7 * i % 25, 8 + 5 * i % 30) for i in range(12)], 8, seed=7, num_kv_blocks=16)
     cases.append(
-        memory_case(
-            "memory: 12 requests on a KV pool of 16 blocks of 16 tokens, B=8",
-            _static_judge(tight, 8, seed=7, num_kv_blocks=16),
-            False,
-            hint,
-        )
+        memory_case("memory: 12 requests on a KV pool of 16 blocks of 16 tokens, B=8", tight, False, hint)
     )
     return run_cases("static_scheduler", cls, cases)
 

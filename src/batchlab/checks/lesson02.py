@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -106,62 +107,44 @@ def continuous_judge(reference, rules, hints, placed, rows, B, seed=0, max_seq_l
 def continuous_scheduler(cls) -> Verdict:
     """Check ``MyContinuousScheduler``: the rules, the tokens, the library's schedule, every block back."""
     rng = np.random.default_rng(2)
-    rows = [
-        ("5 requests, B=2, outputs [4, 6, 2, 5, 3]", 2, [4, 6, 2, 5, 3], [5, 6, 7, 8, 9]),
-        ("outputs [5, 2, 3], B=1: the second waits for the only slot", 1, [5, 2, 3], [5, 5, 5]),
-        ("single-token requests [1, 1, 1], B=2: no slot needed", 2, [1, 1, 1], [6, 6, 6]),
-        (
-            "12 requests, B=4: slots freed mid-way must be refilled",
-            4,
-            [7, 1, 3, 9, 2, 2, 8, 5, 1, 6, 4, 3],
-            list(range(3, 15)),
-        ),
-        (
-            "whole workload: 24 requests, outputs 1 to 100 tokens (most short), B=8",
-            8,
-            [int(o) for o in np.clip(np.ceil(rng.exponential(24, 24)), 1, 100)],
-            [int(p) for p in rng.integers(20, 60, 24)],
-        ),
-        (
-            "whole workload: 16 requests with the mixed workload's output lengths, B=8",
-            8,
-            MIXED_OUTPUTS,
-            [int(p) for p in rng.integers(40, 120, 16)],
-        ),
+    short = [int(o) for o in np.clip(np.ceil(rng.exponential(24, 24)), 1, 100)]
+    drawn = [int(p) for p in rng.integers(20, 60, 24)], [int(p) for p in rng.integers(40, 120, 16)]
+    labels = [
+        "5 requests, B=2, outputs [4, 6, 2, 5, 3]",
+        "outputs [5, 2, 3], B=1: the second waits for the only slot",
+        "single-token requests [1, 1, 1], B=2: no slot needed",
+        "12 requests, B=4: slots freed mid-way must be refilled",
+        "whole workload: 24 requests, outputs 1 to 100 tokens (most short), B=8",
+        "whole workload: 16 requests with the mixed workload's output lengths, B=8",
+    ]
+    data = [  # (B, output lengths, prompt lengths)
+        (2, [4, 6, 2, 5, 3], [5, 6, 7, 8, 9]),
+        (1, [5, 2, 3], [5, 5, 5]),
+        (2, [1, 1, 1], [6, 6, 6]),
+        (4, [7, 1, 3, 9, 2, 2, 8, 5, 1, 6, 4, 3], list(range(3, 15))),
+        (8, short, drawn[0]),
+        (8, MIXED_OUTPUTS, drawn[1]),
     ]
     hint = (
         "admit(): start the next queued request if it fits and nobody prefills or awaits a slot; "
         "place(): move the first awaiting request into a free slot and set it DECODING"
     )
-
-    def judge(B, rows, seed, **options):
-        return continuous_judge(
-            ContinuousScheduler, continuous_invariants, HINTS, PLACED, rows, B, seed, **options
-        )
-
+    judge = partial(continuous_judge, ContinuousScheduler, continuous_invariants, HINTS, PLACED)
     cases = [
-        piece_case(label, judge(B, list(zip(prompts, outputs)), 100 * i), hint)
-        for i, (label, B, outputs, prompts) in enumerate(rows)
+        piece_case(label, judge(list(zip(prompts, outputs)), B, 100 * i), hint)
+        for i, (label, (B, outputs, prompts)) in enumerate(zip(labels, data))
     ]
-    for label, rows, B, blocks in PRESSURE:
-        cases.append(memory_case(label, judge(B, rows, 9, num_kv_blocks=blocks), True, hint))
-    return run_cases("continuous_scheduler", cls, cases)
-
-
-PRESSURE = [  # (label, rows, B, KV blocks of 16 tokens): the reference preempts in each
-    (
-        "memory: 10 requests on a KV pool of 16 blocks, B=4",
+    tight = (
         [(20 + 9 * i % 40, 40 + 7 * i % 30) for i in range(10)],
-        4,
-        16,
-    ),
-    (
-        "memory: 12 requests on 24 blocks, B=6",
         [(30 + 23 * i % 90, 30 + 11 * i % 40) for i in range(12)],
-        6,
-        24,
-    ),
-]
+    )
+    pressure = [  # (label, rows, B, KV blocks of 16 tokens): the reference preempts in each
+        ("memory: 10 requests on a KV pool of 16 blocks, B=4", tight[0], 4, 16),
+        ("memory: 12 requests on 24 blocks, B=6", tight[1], 6, 24),
+    ]
+    for label, rows, B, blocks in pressure:
+        cases.append(memory_case(label, judge(rows, B, 9, num_kv_blocks=blocks), True, hint))
+    return run_cases("continuous_scheduler", cls, cases)
 
 
 def continuous_steps(fn: Callable) -> Verdict:

@@ -53,15 +53,8 @@ def time_between_tokens(fn: Callable) -> Verdict:
         (f"the {len(times)} token times of a request from an engine run (fake model)", times),
     ]
     judge = answer_compare(as_numbers, diagnose, _same_list)
-    return table(
-        "time_between_tokens",
-        fn,
-        rows,
-        _gaps,
-        lambda t: judge,
-        "gap i = times[i + 1] - times[i]",
-        show=_show_gaps,
-    )
+    hint = "gap i = times[i + 1] - times[i]"
+    return table("time_between_tokens", fn, rows, _gaps, lambda t: judge, hint, show=_show_gaps)
 
 
 def _interpolate(values: list[float], q: float, n_ranks: int) -> float | None:
@@ -111,24 +104,19 @@ def predict_stall(fn: Callable) -> Verdict:
         ("no prompt this step (0 tokens): just the decode pass, 0.12 s", 0, 250.0, 0.12),
         ("a slow machine: 600 tokens at 40 tokens/s, decode pass 0.45 s", 600, 40.0, 0.45),
     ]
-    add = "the two passes run one after the other: add their times"
-    return table(
-        "predict_stall",
-        fn,
-        rows,
-        lambda n, r, s: n / r + s,
-        lambda n, r, s: number_compare(
+    add, flip = "the two passes run one after the other: add their times", "you divided the other way round"
+
+    def judge(n, r, s):
+        return number_compare(
             mistakes(
                 (n / r if s else None, "that is the prefill pass alone; the decode pass runs after it"),
-                (
-                    r / n + s if n else None,
-                    "tokens ÷ (tokens per second) gives seconds: you divided the other way round",
-                ),
+                (r / n + s if n else None, f"tokens ÷ (tokens per second) gives seconds: {flip}"),
                 (1000 * (n / r + s), "that looks like milliseconds: return seconds"),
                 (n / r - s, add),
                 (s - n / r, add),
                 (s if n else None, "that is the decode pass alone; the prefill runs first in this step"),
             )
-        ),
-        "prefill time = prompt_len / prefill_tokens_per_s; then the decode pass",
-    )
+        )
+
+    hint = "prefill time = prompt_len / prefill_tokens_per_s; then the decode pass"
+    return table("predict_stall", fn, rows, lambda n, r, s: n / r + s, judge, hint)

@@ -74,63 +74,42 @@ def chunked_scheduler(cls) -> Verdict:
         return piece_case(label, _judge(two + [(prompt_len, 3)], step, chunks_of=("r2", chunks)), hint)
 
     tight = random_rows(5, 10, (20, 120), (20, 50))
+    halves, infinite = [(0, 128), (128, 128)], "self.prefill_step is infinity then"
     cases = [
         chunk_case(
-            "a 300-token prompt in chunks of 128, two requests decoding",
-            300,
-            128,
-            [(0, 128), (128, 128), (256, 44)],
+            "a 300-token prompt in chunks of 128, two requests decoding", 300, 128, halves + [(256, 44)]
         ),
-        chunk_case(
-            "a 256-token prompt in chunks of 128: exactly two chunks", 256, 128, [(0, 128), (128, 128)]
-        ),
+        chunk_case("a 256-token prompt in chunks of 128: exactly two chunks", 256, 128, halves),
         chunk_case("a 100-token prompt, shorter than one chunk of 128", 100, 128, [(0, 100)]),
-        chunk_case(
-            "prefill_step=None: a 520-token prompt in one chunk",
-            520,
-            None,
-            [(0, 520)],
-            "self.prefill_step is infinity then",
-        ),
+        chunk_case("prefill_step=None: a 520-token prompt in one chunk", 520, None, [(0, 520)], infinite),
         chunk_case("chunks of 1 token: a 5-token prompt in 5 steps", 5, 1, [(i, 1) for i in range(5)]),
-        piece_case(
-            "a request whose first token is also its last: it never takes a slot",
-            _judge([(5, 12), (40, 1), (30, 4)], 16),
-        ),
-        piece_case(
-            "a 60-token prompt in chunks of 16 with max_seq_len=64: 4 tokens",
-            _judge([(5, 12), (60, 10)], 16, max_seq_len=64),
-        ),
-        piece_case(
-            "a whole workload: 12 requests, 4 slots, chunks of 16",
-            _judge(random_rows(1, 12, (1, 90), (1, 12)), 16, batch=4, seed=1),
-        ),
-        piece_case(
-            "a whole workload: 10 requests, 3 slots, chunks of 7 tokens",
-            _judge(random_rows(2, 10, (1, 60), (1, 9)), 7, batch=3, seed=2),
-        ),
-        memory_case(
-            "memory: 10 requests in chunks of 16 on a KV pool of 16 blocks (preemptions must happen)",
-            _judge(tight, 16, batch=4, seed=5, num_kv_blocks=16),
-            True,
-            hint,
-        ),
     ]
+    one_token, capped = [(5, 12), (40, 1), (30, 4)], [(5, 12), (60, 10)]
+    twelve, ten = random_rows(1, 12, (1, 90), (1, 12)), random_rows(2, 10, (1, 60), (1, 9))
+    rows = [  # (label, workload, prefill_step, options)
+        ("a request whose first token is also its last: it never takes a slot", one_token, 16, {}),
+        ("a 60-token prompt in chunks of 16 with max_seq_len=64: 4 tokens", capped, 16, {"max_seq_len": 64}),
+        ("a whole workload: 12 requests, 4 slots, chunks of 16", twelve, 16, {"batch": 4, "seed": 1}),
+        ("a whole workload: 10 requests, 3 slots, chunks of 7 tokens", ten, 7, {"batch": 3, "seed": 2}),
+    ]
+    cases += [piece_case(label, _judge(w, step, **options)) for label, w, step, options in rows]
+    label = "memory: 10 requests in chunks of 16 on a KV pool of 16 blocks (preemptions must happen)"
+    cases.append(memory_case(label, _judge(tight, 16, batch=4, seed=5, num_kv_blocks=16), True, hint))
     return run_cases("chunked_scheduler", cls, cases)
+
+
+UP = "a last, shorter chunk is a step too (round up)"
 
 
 def predict_long_ttft(fn: Callable) -> Verdict:
     """Check ``fn(prompt_len, prefill_step, prefill_tokens_per_s, decode_step_s) -> seconds``."""
 
     def judge(p, step, rate, dec):
-        n = _n_chunks(p, step)
+        n, short = _n_chunks(p, step), step is not None and p % step
         return number_compare(
             mistakes(
                 (p / rate + n * dec, f"that counts a decode pass per chunk: only {n - 1} come first"),
-                (
-                    p / rate + (p // step - 1) * dec if step is not None and p % step else None,
-                    "the number of chunks is off: a last, shorter chunk is a step too (round up)",
-                ),
+                (p / rate + (p // step - 1) * dec if short else None, "the number of chunks is off: " + UP),
                 (p / rate, "that leaves out the decode passes that run between the chunks"),
             )
         )
@@ -142,14 +121,10 @@ def predict_long_ttft(fn: Callable) -> Verdict:
         ("100 tokens in chunks of 128 (1 chunk), 250 tokens/s, decode pass 0.1 s", 100, 128, 250.0, 0.1),
         ("512 tokens in chunks of 32 (16 chunks), 256 tokens/s, decode pass 0.05 s", 512, 32, 256.0, 0.05),
     ]
+    hint = "all the prompt's tokens are prefilled once whatever the chunk size; "
+    hint += "between two chunks comes one decode pass"
     return table(
-        "predict_long_ttft",
-        fn,
-        rows,
-        lambda p, s, r, d: p / r + (_n_chunks(p, s) - 1) * d,
-        judge,
-        "all the prompt's tokens are prefilled once whatever the chunk size; "
-        "between two chunks comes one decode pass",
+        "predict_long_ttft", fn, rows, lambda p, s, r, d: p / r + (_n_chunks(p, s) - 1) * d, judge, hint
     )
 
 

@@ -71,24 +71,12 @@ def _planner_schedule(trace, ref):
 def _planner_judge(rows, batch, budget, seed=0, **pool):
     w = fake_workload("stall-free", rows, seed)
     early = [lambda t: early_decode_problem(t, w)]
-    return piece_judge(
-        ContinuousScheduler,
-        StallFreeScheduler,
-        w,
-        [
-            lambda t: _planner_rules(t, budget),
-            *early,
-            lambda t: gap_problem(t, w),
-            lambda t: slot_problem(t, batch),
-            lambda t: output_problem(t, w),
-        ],
-        broken=early,
-        schedule=_planner_schedule,
-        hints=HINTS,
-        max_batch_size=batch,
-        token_budget=budget,
-        **pool,
+    checks = [lambda t: _planner_rules(t, budget), *early, lambda t: gap_problem(t, w)]
+    checks += [lambda t: slot_problem(t, batch), lambda t: output_problem(t, w)]
+    pool.update(
+        broken=early, schedule=_planner_schedule, hints=HINTS, max_batch_size=batch, token_budget=budget
     )
+    return piece_judge(ContinuousScheduler, StallFreeScheduler, w, checks, **pool)
 
 
 TIGHT = random_rows(5, 10, (20, 120), (20, 50))
@@ -163,16 +151,11 @@ def pack_chunks(fn: Callable) -> Verdict:
         Chunk("c", [3], 100),
         Chunk("p", [20, 21, 22, 23, 24], 16),
     ]
+    start, more = [Chunk("p", [5, 6, 7], 0)], [Chunk("p", [11, 12, 13, 14], 16)]
     rows = [
         ("one decode row: token 42 at position 9", [Chunk("a", [42], 9)]),
-        (
-            "one prefill chunk starting a prompt: tokens 5, 6, 7 at positions 0, 1, 2",
-            [Chunk("p", [5, 6, 7], 0)],
-        ),
-        (
-            "a prefill chunk that continues a prompt: 4 tokens from position 16",
-            [Chunk("p", [11, 12, 13, 14], 16)],
-        ),
+        ("one prefill chunk starting a prompt: tokens 5, 6, 7 at positions 0, 1, 2", start),
+        ("a prefill chunk that continues a prompt: 4 tokens from position 16", more),
         ("a hybrid batch: 3 decode rows (positions 40, 7, 100), then a 5-token chunk from 16", hybrid),
         ("two prefill chunks of different requests", [Chunk("p", [9, 8, 7], 0), Chunk("q", [6, 5], 30)]),
         ("8 decode rows + a 64-token chunk (T = 72)", one_step + [Chunk("p", list(range(500, 564)), 128)]),
@@ -229,16 +212,12 @@ def skipped_decodes(fn: Callable) -> Verdict:
     wrong = _fake_trace(_PrefillFirst, 4, 12, 3)
     hand = [([], {"a": [5]}), (["a"], {"a": [6], "b": [9]}), (["a"], {"a": [7]})]
     hand += [(["a", "b"], {"a": [8], "b": [3]}), (["b"], {"b": [4]})]
+    once = _hand_trace(([], {"a": [1], "b": [2]}), (["a"], {"a": [3]}), (["a"], {"a": [4]}))
+    right = _fake_trace(StallFreeScheduler, 4, 12, 3)
     rows = [
-        (
-            "a stall-free run on the fake model (B=4, budget 12): nobody is skipped",
-            _fake_trace(StallFreeScheduler, 4, 12, 3),
-        ),
+        ("a stall-free run on the fake model (B=4, budget 12): nobody is skipped", right),
         ("a hand-made trace: b gets its first token in step 1, no decode row in step 2", _hand_trace(*hand)),
-        (
-            "a request that got only one token is never skipped",
-            _hand_trace(([], {"a": [1], "b": [2]}), (["a"], {"a": [3]}), (["a"], {"a": [4]})),
-        ),
+        ("a request that got only one token is never skipped", once),
         (f"a wrong policy, prefill first (B=4, budget 12): {len(_skipped(wrong))} skipped decodes", wrong),
     ]
     hint = "a request is decoding from the step after its first token to the step of its last"
@@ -253,20 +232,14 @@ def fused_saving(fn: Callable) -> Verdict:
         ("fusing slower than the two passes: 0.2 s + 0.1 s against 0.33 s", 0.2, 0.1, 0.33),
         ("the decode rows free: chunk 0.3 s, decodes 0.1 s, fused 0.3 s", 0.3, 0.1, 0.3),
     ]
-    return table(
-        "fused_saving",
-        fn,
-        rows,
-        lambda c, d, f: 1 - f / (c + d),
-        lambda c, d, f: number_compare(
-            mistakes(
-                (
-                    1 - f / c,
-                    "that compares with the chunk pass alone; the saving is against BOTH separate passes",
-                ),
-                (f / (c + d), "that is the fused time as a share of the separate time: 1 minus that"),
-                (100 * (1 - f / (c + d)), "that looks like a percentage: return a fraction (0.25, not 25)"),
-            )
-        ),
-        "separate = chunk_alone_s + decode_alone_s; saving = 1 - fused_s / separate",
-    )
+
+    def judge(c, d, f):
+        alone = "that compares with the chunk pass alone; the saving is against BOTH separate passes"
+        share = "that is the fused time as a share of the separate time: 1 minus that"
+        percent = "that looks like a percentage: return a fraction (0.25, not 25)"
+        return number_compare(
+            mistakes((1 - f / c, alone), (f / (c + d), share), (100 * (1 - f / (c + d)), percent))
+        )
+
+    hint = "separate = chunk_alone_s + decode_alone_s; saving = 1 - fused_s / separate"
+    return table("fused_saving", fn, rows, lambda c, d, f: 1 - f / (c + d), judge, hint)

@@ -49,43 +49,23 @@ class _SpyLock:
         self.release()
 
 
-_PROMPTS = {"a": [3, 1, 4, 1, 5], "b": [2, 7, 1, 8], "c": [1, 4, 1, 4, 2, 1], "d": [5, 9, 2]}
+_PROMPTS = {"a": [3, 1, 4, 1, 5], "b": [2, 7, 1, 8]}
 _BLOCKS = 16
-
-
-def _front(cls, slots=1, runner=FakeRunner, lock=None):
-    return make_engine(
-        "stallfree",
-        FakeModel(),
-        runner=runner,
-        engine_class=cls,
-        max_batch_size=slots,
-        token_budget=8,
-        num_kv_blocks=_BLOCKS,
-        kv_block_size=4,
-        lock=lock or _SpyLock(),
-    )
+_POOL = dict(token_budget=8, num_kv_blocks=_BLOCKS, kv_block_size=4)
 
 
 def _right(rid, new):
     return reference_output(_PROMPTS[rid], new, FakeModel().vocab_size, frozenset())
 
 
-def _submit(engine, rid, new=6):
-    return engine.submit(_PROMPTS[rid], max_new_tokens=new, ignore_eos=True, request_id=rid)
-
-
-def _steps(engine, n):
-    for _ in range(n):
-        engine.step()
-
-
-def _started(f, *requests, steps=0, **options):
-    """``f``'s engine with ``requests`` (id, new tokens) submitted and ``steps`` steps run."""
-    engine = _front(f, **options)
+def _started(f, *requests, steps=0, slots=1, **options):
+    """``f``'s engine (``options``: lock, runner), ``requests`` (id, new tokens) submitted, ``steps`` run."""
+    options = {"lock": _SpyLock(), "runner": FakeRunner, **_POOL, **options}
+    engine = make_engine("stallfree", FakeModel(), engine_class=f, max_batch_size=slots, **options)
     for rid, new in requests:
-        _submit(engine, rid, new)
-    _steps(engine, steps)
+        engine.submit(_PROMPTS[rid], max_new_tokens=new, ignore_eos=True, request_id=rid)
+    for _ in range(steps):
+        engine.step()
     return engine
 
 
@@ -104,11 +84,16 @@ def _diagnose_poll(got, expected):
     return f"the tokens are right but the status is {status!r}" if tokens == expected[0] else ""
 
 
-def poll_case(label, actions, hint="", slots=1):
-    """``actions(engine)`` (ending with a poll) on the learner's class; the library's Engine answers."""
+def poll_case(label, requests, steps=0, hint="", rid="a", again=False, until_idle=False, slots=1):
+    """``requests``, ``steps`` (or until idle), a poll of ``rid`` (``again``: two); Engine answers."""
 
     def call(f):
-        return actions(_front(f, slots))
+        engine = _started(f, *[(r, 4 if until_idle else 6) for r in requests], steps=steps, slots=slots)
+        if until_idle:
+            engine.run_until_idle()
+        if again:
+            engine.poll(rid)
+        return engine.poll(rid)
 
     return Case(label, call, call(Engine), answer_compare(_poll_triple, _diagnose_poll), hint)
 
@@ -150,7 +135,7 @@ def threaded(f):
     from ..loop import EngineLoop
 
     errors, wrong = [], []
-    with EngineLoop(_front(f, 4)) as loop:
+    with EngineLoop(_started(f, slots=4)) as loop:
 
         def client(c):
             for j in range(5):
@@ -263,6 +248,8 @@ def cancel_mid_pass(f):
 
 
 PENDING = "hand out all of req.pending, as a list"
+EMPTY = "after taking the tokens, leave req.pending empty"
+FORGET = "delete the request from self._requests when you report 'done'"
 ONE = "drain the tokens and read the status under one hold of the lock"
 CANCEL = "self._finish(req, 'cancelled') and self._cancelled.append(req), under the lock"
 
@@ -270,35 +257,20 @@ CANCEL = "self._finish(req, 'cancelled') and self._cancelled.append(req), under 
 def engine_front(cls: Any) -> Verdict:
     """Check ``MyEngine``'s ``poll(rid) -> (new_tokens, status, finish_reason)`` and ``cancel(rid)``."""
 
-    def then_poll(*script, rid="a"):  # (request, new tokens) submits, n runs n steps, None: until idle
-        def actions(e):
-            for item in script:
-                if isinstance(item, tuple):
-                    _submit(e, *item)
-                else:
-                    _steps(e, item) if item else e.run_until_idle()
-            return e.poll(rid)
-
-        return actions
-
     cases = [
-        poll_case("a request just submitted, no step yet: ([], 'running', None)", then_poll(("a",))),
-        poll_case("after 3 steps, one poll hands out every token made so far", then_poll(("a",), 3), PENDING),
-        poll_case(
-            "a second poll with no step in between: ([], 'running', None)",
-            lambda e: (then_poll(("a",), 3)(e), e.poll("a"))[1],
-            "after taking the tokens, leave req.pending empty",
-        ),
-        poll_case(
-            "a finished request: its last tokens AND 'done' with the reason", then_poll(("a", 4), None)
-        ),
+        poll_case("a request just submitted, no step yet: ([], 'running', None)", "a"),
+        poll_case("after 3 steps, one poll hands out every token made so far", "a", 3, PENDING),
+        poll_case("a second poll with no step in between: ([], 'running', None)", "a", 3, EMPTY, again=True),
+        poll_case("a finished request: its last tokens AND 'done' with the reason", "a", until_idle=True),
         poll_case(
             "after 'done' was reported, the engine forgets the request: 'unknown'",
-            lambda e: (then_poll(("a", 4), None)(e), e.poll("a"))[1],
-            "delete the request from self._requests when you report 'done'",
+            "a",
+            hint=FORGET,
+            again=True,
+            until_idle=True,
         ),
-        poll_case("an id the engine never had: ([], 'unknown', None)", then_poll(("a",), rid="zzz")),
-        poll_case("b's poll sees only b's tokens", then_poll(("a",), ("b",), 2, rid="b"), slots=2),
+        poll_case("an id the engine never had: ([], 'unknown', None)", "a", rid="zzz"),
+        poll_case("b's poll sees only b's tokens", "ab", 2, rid="b", slots=2),
         piece_case("one poll takes self._lock exactly once", once_locked),
         piece_case("a forced interleaving: a step each time your poll lets go of the lock", interleaved, ONE),
         piece_case("cancel a decoding request: True, then False; b gets its slot", cancel_running, CANCEL),
@@ -310,23 +282,25 @@ def engine_front(cls: Any) -> Verdict:
     return run_cases("engine_front", cls, cases)
 
 
-def _scripted(fn, tokenizer, script, rid="req-0"):
-    calls: list[str] = []
+def _scripted(tokenizer, script, rid="req-0"):
+    """A call running the learner's generator on a poll that answers ``script``, one item a poll."""
 
-    def poll(r):
-        calls.append(r)
-        i = len(calls) - 1
-        if r == rid and i < len(script):
-            return script[i]
-        return [], "unknown", None
+    def call(fn):
+        calls: list[str] = []
 
-    pieces, at = [], []
-    for piece in fn(poll, rid, tokenizer.detokenizer()):
-        pieces.append(piece)
-        at.append(len(calls))
-        if len(calls) > len(script) + 50:
-            break
-    return {"pieces": pieces, "at": at, "polls": len(calls)}
+        def poll(r):
+            calls.append(r)
+            return script[len(calls) - 1] if r == rid and len(calls) <= len(script) else ([], "unknown", None)
+
+        pieces, at = [], []
+        for piece in fn(poll, rid, tokenizer.detokenizer()):
+            pieces.append(piece)
+            at.append(len(calls))
+            if len(calls) > len(script) + 50:
+                break
+        return {"pieces": pieces, "at": at, "polls": len(calls)}
+
+    return call
 
 
 HELD = "a token can end in the middle of a character; the detokenizer holds it back"
@@ -373,9 +347,7 @@ def stream_text(fn: Callable, lm) -> Verdict:
         return f"text {value['text']!r} after {value['polls']} polls"
 
     def case(label, script, hint="", streaming=False):
-        def call(f):
-            return _scripted(f, tok, script)
-
+        call = _scripted(tok, script)
         return Case(label, call, expect(script), compare_for(script, streaming), hint, show_stream)
 
     def one_per_poll(ids, done="done", reason="stop"):

@@ -45,59 +45,29 @@ def stream_metrics(fn: Callable) -> Verdict:
 
         return compare
 
-    rows = [  # (label, sent, chunks, done, tokens, the answer written out)
-        (
-            "sent at 10.0 s; 4 chunks at 10.5, 10.6, 10.7, 10.8 s; done at 10.8 s; 4 tokens",
-            10.0,
-            [10.5, 10.6, 10.7, 10.8],
-            10.8,
-            4,
-            (0.5, [0.1, 0.1, 0.1], 0.1),
-        ),
-        (
-            "uneven gaps: sent at 0; chunks at 1.0, 1.2, 2.0 s; done at 2.0 s; 3 tokens",
-            0.0,
-            [1.0, 1.2, 2.0],
-            2.0,
-            3,
-            (1.0, [0.2, 0.8], 0.5),
-        ),
-        (
-            "one chunk, one token: sent at 5.0, chunk at 5.25, done at 5.25 (no TPOT)",
-            5.0,
-            [5.25],
-            5.25,
-            1,
-            (0.25, [], None),
-        ),
-        (
-            "the server packed 6 tokens into 3 chunks: sent at 0; chunks at 0.4, 0.6, 0.8; done at "
-            "0.9 s; usage says 6 tokens",
-            0.0,
-            [0.4, 0.6, 0.8],
-            0.9,
-            6,
-            (0.4, [0.2, 0.2], 0.1),
-        ),
+    labels = [
+        "sent at 10.0 s; 4 chunks at 10.5, 10.6, 10.7, 10.8 s; done at 10.8 s; 4 tokens",
+        "uneven gaps: sent at 0; chunks at 1.0, 1.2, 2.0 s; done at 2.0 s; 3 tokens",
+        "one chunk, one token: sent at 5.0, chunk at 5.25, done at 5.25 (no TPOT)",
+        "the server packed 6 tokens into 3 chunks: sent at 0; chunks at 0.4, 0.6, 0.8; done at "
+        "0.9 s; usage says 6 tokens",
     ]
-    return table(
-        "stream_metrics", fn, rows, None, compare_for, "TPOT = (done_s - sent_s - TTFT) / (output_tokens - 1)"
-    )
+    data = [  # (sent, chunks, done, tokens, the answer written out)
+        (10.0, [10.5, 10.6, 10.7, 10.8], 10.8, 4, (0.5, [0.1, 0.1, 0.1], 0.1)),
+        (0.0, [1.0, 1.2, 2.0], 2.0, 3, (1.0, [0.2, 0.8], 0.5)),
+        (5.0, [5.25], 5.25, 1, (0.25, [], None)),
+        (0.0, [0.4, 0.6, 0.8], 0.9, 6, (0.4, [0.2, 0.2], 0.1)),
+    ]
+    rows = [(label, *args) for label, args in zip(labels, data)]
+    hint = "TPOT = (done_s - sent_s - TTFT) / (output_tokens - 1)"
+    return table("stream_metrics", fn, rows, None, compare_for, hint)
 
 
-def _event(
-    content: str | None = None, role: str | None = None, finish: str | None = None, usage: dict | None = None
-) -> str:
-    delta = {}
-    if role:
-        delta["role"] = role
-    if content is not None:
-        delta["content"] = content
+def _event(content=None, role=None, finish=None, usage=None) -> str:
+    delta = {key: v for key, v in (("role", role), ("content", content)) if v is not None}
     choices = [] if usage else [{"index": 0, "delta": delta, "finish_reason": finish}]
     body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": choices}
-    if usage:
-        body["usage"] = usage
-    return "data: " + json.dumps(body)
+    return "data: " + json.dumps({**body, "usage": usage} if usage else body)
 
 
 USAGE = {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
@@ -106,31 +76,24 @@ USAGE = {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
 def parse_sse(fn: Callable) -> Verdict:
     """Check ``fn(lines) -> list[str]``: the non-empty ``delta.content`` texts up to ``data: [DONE]``."""
     role, done, blank = _event("", role="assistant"), "data: [DONE]", ""
-    streams = [
-        (
-            "a plain stream: role, 'Hel', 'lo', finish, [DONE]",
-            [role, blank, _event("Hel"), blank, _event("lo")]
-            + [blank, _event(finish="stop"), blank, done, blank],
-            ["Hel", "lo"],
-        ),
-        ("the role chunk's content '' is not a delta", [role, _event(" world"), done], [" world"]),
-        (
-            "a keep-alive comment line ': ping' between chunks",
-            [role, _event("a"), ": ping", _event("b"), done],
-            ["a", "b"],
-        ),
-        (
-            "a usage chunk (empty choices) after the finish",
-            [role, _event("Paris"), _event(".", finish="stop"), _event(usage=USAGE), done],
-            ["Paris", "."],
-        ),
-        (
-            "text with emoji and a quote: ' 🙂' and ' \"ok\"'",
-            [role, _event(" 🙂"), _event(' "ok"'), done],
-            [" 🙂", ' "ok"'],
-        ),
-        ("lines after data: [DONE] are ignored", [_event("x"), done, _event("late")], ["x"]),
+    e = _event
+    labels = [
+        "a plain stream: role, 'Hel', 'lo', finish, [DONE]",
+        "the role chunk's content '' is not a delta",
+        "a keep-alive comment line ': ping' between chunks",
+        "a usage chunk (empty choices) after the finish",
+        "text with emoji and a quote: ' 🙂' and ' \"ok\"'",
+        "lines after data: [DONE] are ignored",
     ]
+    data = [  # (lines, the texts)
+        ([role, blank, e("Hel"), blank, e("lo"), blank, e(finish="stop"), blank, done, blank], ["Hel", "lo"]),
+        ([role, e(" world"), done], [" world"]),
+        ([role, e("a"), ": ping", e("b"), done], ["a", "b"]),
+        ([role, e("Paris"), e(".", finish="stop"), e(usage=USAGE), done], ["Paris", "."]),
+        ([role, e(" 🙂"), e(' "ok"'), done], [" 🙂", ' "ok"']),
+        ([e("x"), done, e("late")], ["x"]),
+    ]
+    streams = [(label, *row) for label, row in zip(labels, data)]
 
     def compare(got, expected):
         if not isinstance(got, list):
@@ -177,28 +140,15 @@ def goodput(fn: Callable) -> Verdict:
 
     def judge(reqs, d, *slo):
         good = count(reqs)
-        return number_compare(
-            mistakes(
-                (good / len(reqs), "that is the share of good requests; divide their number by duration_s"),
-                (
-                    good if d != 1 else None,
-                    f"that is the number of good requests ({good}); divide by duration_s",
-                ),
-                (
-                    count(reqs, strict=True) / d,
-                    "a request exactly at a limit meets it: compare with <=, not <",
-                ),
-                (
-                    count(reqs, none_misses=True) / d,
-                    "a tpot_s of None (one token) should not count as a miss",
-                ),
-                (count(reqs, either=True) / d, "a request must meet BOTH objectives to be good"),
-                (count(reqs, any_ok=True) / d, "count only requests with ok True"),
-                rel=1e-9,
-            ),
-            rel=1e-9,
-        )
+        known = [
+            (good / len(reqs), "that is the share of good requests; divide their number by duration_s"),
+            (good if d != 1 else None, f"that is the number of good requests ({good}); divide by duration_s"),
+            (count(reqs, strict=True) / d, "a request exactly at a limit meets it: compare with <=, not <"),
+            (count(reqs, none_misses=True) / d, "a tpot_s of None (one token) should not count as a miss"),
+            (count(reqs, either=True) / d, "a request must meet BOTH objectives to be good"),
+            (count(reqs, any_ok=True) / d, "count only requests with ok True"),
+        ]
+        return number_compare(mistakes(*known, rel=1e-9), rel=1e-9)
 
-    return table(
-        "goodput", fn, sets, None, judge, "good = ok and both objectives met; goodput = good / duration_s"
-    )
+    hint = "good = ok and both objectives met; goodput = good / duration_s"
+    return table("goodput", fn, sets, None, judge, hint)

@@ -121,34 +121,30 @@ def _prompt(i, n, offset=0):  # token ids < 60
 
 
 _POOL = dict(max_batch_size=4, token_budget=24, num_kv_blocks=14)
-SCENARIOS = {  # name: (in words, requests arriving at once, engine options, priorities, must preempt)
+_LONG = dict(max_batch_size=4, token_budget=12, num_kv_blocks=24)
+_SHARED = dict(max_batch_size=4, token_budget=24, num_kv_blocks=11, enable_prefix_cache=True)
+_PRIORITIES = {f"p{i}": prio for i, prio in enumerate([1, 0, 2, 1, 0, 2])}
+_W = WorkloadRequest
+SCENARIOS = {  # name: (in words, requests arriving at once, (engine options, priorities, must preempt))
     "tight": (
         "6 requests growing on a pool of 14 blocks of 4 tokens (preemptions must happen)",
-        [WorkloadRequest(f"r{i}", _prompt(i, 6 + 3 * i), 14 + 2 * i) for i in range(6)],
-        _POOL,
-        None,
-        True,
+        [_W(f"r{i}", _prompt(i, 6 + 3 * i), 14 + 2 * i) for i in range(6)],
+        (_POOL, None, True),
     ),
     "priorities": (
         "6 requests of priorities [1, 0, 2, 1, 0, 2] on 14 blocks (preemptions must happen)",
-        [WorkloadRequest(f"p{i}", _prompt(i, 6 + i, 5), 20) for i in range(6)],
-        _POOL,
-        {f"p{i}": prio for i, prio in enumerate([1, 0, 2, 1, 0, 2])},
-        True,
+        [_W(f"p{i}", _prompt(i, 6 + i, 5), 20) for i in range(6)],
+        (_POOL, _PRIORITIES, True),
     ),
     "long prompts": (
         "5 prompts of 30-50 tokens, a budget of 12 tokens a step (chunked admission)",
-        [WorkloadRequest(f"l{i}", _prompt(i, 30 + 5 * i), 6) for i in range(5)],
-        dict(max_batch_size=4, token_budget=12, num_kv_blocks=24),
-        None,
-        False,
+        [_W(f"l{i}", _prompt(i, 30 + 5 * i), 6) for i in range(5)],
+        (_LONG, None, False),
     ),
     "shared prefix": (
         "6 requests sharing a 16-token prefix, prefix cache on",
-        [WorkloadRequest(f"s{i}", _prompt(99, 16) + _prompt(i, 3 + i), 8) for i in range(6)],
-        dict(max_batch_size=4, token_budget=24, num_kv_blocks=11, enable_prefix_cache=True),
-        None,
-        False,
+        [_W(f"s{i}", _prompt(99, 16) + _prompt(i, 3 + i), 8) for i in range(6)],
+        (_SHARED, None, False),
     ),
 }
 
@@ -172,7 +168,7 @@ def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
 
 def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
     """Scenario ``name`` run by the learner's classes: the first fits or victim unlike the reference's."""
-    _, reqs, options, priorities, must_preempt = SCENARIOS[name]
+    _, reqs, (options, priorities, must_preempt) = SCENARIOS[name]
     notes: dict[str, str] = {}
 
     class Probe(scheduler_cls):
@@ -195,15 +191,9 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
                 raise RuntimeError(f"victim returned {show(got)}, not one of the running requests")
             return got
 
-    run = run_piece(
-        Probe,
-        Workload(name, name, reqs),
-        kv_block_size=4,
-        policy=PolicyProbe(),
-        priorities=priorities,
-        hints={"stuck": "does your fits ever say True?"},
-        **options,
-    )
+    hints = {"stuck": "does your fits ever say True?"}
+    options = dict(options, kv_block_size=4, policy=PolicyProbe(), priorities=priorities, hints=hints)
+    run = run_piece(Probe, Workload(name, name, reqs), **options)
     if run.problem or notes:
         return run.problem or notes.get("fits") or notes["victim"]
     right = {r.id: reference_output(r.prompt_ids, r.max_new_tokens, VOCAB, frozenset()) for r in reqs}

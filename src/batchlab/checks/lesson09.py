@@ -24,29 +24,24 @@ def mean_in_system(fn: Any) -> Verdict:
         (
             "five requests queueing (arrive together at 0, leave 1 s apart)",
             [0.0] * 5,
-            [1.0, 2.0, 3.0, 4.0, 5.0],
+            [1.0 + i for i in range(5)],
         ),
     ]
 
     def stays(a, d):
-        return [y - x for x, y in zip(a, d)]
+        return sum(y - x for x, y in zip(a, d))
 
-    return table(
-        "mean_in_system",
-        fn,
-        rows,
-        lambda a, d: sum(stays(a, d)) / max(d),
-        lambda a, d: number_compare(
-            mistakes(
-                (
-                    sum(stays(a, d)) / len(a),
-                    "that is W, the mean time one request spends in the system; L = λ W",
-                ),
-                (len(a) / max(d), "that is λ, the arrival rate; L = λ W"),
-            )
-        ),
-        "add up the time each request spends in the system and divide by the length of the window",
-    )
+    def judge(a, d):
+        w = "that is W, the mean time one request spends in the system; L = λ W"
+        return number_compare(
+            mistakes((stays(a, d) / len(a), w), (len(a) / max(d), "that is λ, the arrival rate; L = λ W"))
+        )
+
+    hint = "add up the time each request spends in the system and divide by the length of the window"
+    return table("mean_in_system", fn, rows, lambda a, d: stays(a, d) / max(d), judge, hint)
+
+
+LONG = ("long", 10.0, 800)
 
 
 def to_shed(fn: Any) -> Verdict:
@@ -69,23 +64,20 @@ def to_shed(fn: Any) -> Verdict:
         ("an empty queue", []),
         ("nobody late: waits of 1 and 2 s, prefills of 0.5 s, SLO 5 s", [("a", 9.0, 50), ("b", 8.0, 50)]),
         ("one has waited 6 s already (SLO 5 s)", [("a", 4.0, 50), ("b", 9.5, 50)]),
-        (
-            "a long prompt that just arrived: 800 tokens take 8 s to prefill",
-            [("short", 9.0, 40), ("long", 10.0, 800)],
-        ),
+        ("a long prompt that just arrived: 800 tokens take 8 s to prefill", [("short", 9.0, 40), LONG]),
         ("exactly on time: waited 4 s + 1 s of prefill = the 5 s SLO (keep it)", [("edge", 6.0, 100)]),
         (
             "several late ones, in queue order",
             [("x", 1.0, 10), ("y", 9.9, 10), ("z", 2.0, 10), ("w", 3.0, 900)],
         ),
     ]
+
+    def late(q, now, slo, speed):
+        return [rid for rid, t, n in q if (now - t) + n / speed > slo]
+
+    hint = "late if (now - arrival) + prompt_len / prefill_tokens_per_s > ttft_slo_s"
     return table(
-        "to_shed",
-        fn,
-        [(label, q, 10.0, 5.0, 100.0) for label, q in rows],
-        lambda q, now, slo, speed: [rid for rid, t, n in q if (now - t) + n / speed > slo],
-        lambda *a: compare,
-        "late if (now - arrival) + prompt_len / prefill_tokens_per_s > ttft_slo_s",
+        "to_shed", fn, [(label, q, 10.0, 5.0, 100.0) for label, q in rows], late, lambda *a: compare, hint
     )
 
 
@@ -115,6 +107,7 @@ def _shed_run(admission, name):
     )
 
 
+SHED = "shed if it never started and now - arrival_s > max_wait_s"
 LATE = [("x", 0.5), ("y", 9.0), ("z", 1.0), ("w", 1.5)]
 
 
@@ -146,9 +139,7 @@ def admission_policy(cls: Any) -> Verdict:
                 return f"{extra} waited no longer than max_wait_s ({max_wait_s} s): keep them"
             return f"{missing} waited longer than max_wait_s ({max_wait_s} s): shed them"
 
-        return Case(
-            label, call, expected, compare, "shed if it never started and now - arrival_s > max_wait_s"
-        )
+        return Case(label, call, expected, compare, SHED)
 
     def whole(name, label):
         want, preemptions, _ = _shed_run(Admission(max_wait_s=8.0), name)
@@ -165,6 +156,7 @@ def admission_policy(cls: Any) -> Verdict:
 
         return piece_case(label, judge)
 
+    back = [_queued("back", 0.0, preempted=True), _queued("new", 9.5)]
     cases = [
         unit("no limit (max_wait_s None): nobody is shed", [_queued("a", 0.0)], 100.0, None),
         unit(
@@ -174,12 +166,7 @@ def admission_policy(cls: Any) -> Verdict:
             8.0,
         ),
         unit("exactly 8 s waited, limit 8 s: it stays", [_queued("edge", 2.0)], 10.0, 8.0),
-        unit(
-            "a preempted request (it has output_ids) that arrived long ago: it stays",
-            [_queued("back", 0.0, preempted=True), _queued("new", 9.5)],
-            10.0,
-            8.0,
-        ),
+        unit("a preempted request (it has output_ids) that arrived long ago: it stays", back, 10.0, 8.0),
         unit("several late ones among others, in queue order", [_queued(r, t) for r, t in LATE], 10.0, 8.0),
         whole("overload", "a whole simulated overload: every request ends as with Admission(max_wait_s=8)"),
         whole("tight", "the same on a KV pool of 48 blocks, where preempted requests wait in the queue"),

@@ -1,7 +1,7 @@
 """The same load against ``batchlab serve`` and ``mlx_lm.server``, interleaved repetitions.
 
-    .venv/bin/python benchmarks/serving_side_by_side.py [--workload mixed|chat|...] [--size quick]
-        [--requests N] [--concurrency C] [--rate R] [--batch-size 8] [--repetitions 3]
+    .venv/bin/python benchmarks/serving_side_by_side.py [--workload chat|mixed|...] [--size quick]
+        [--requests N] [--concurrency C] [--rate R] [--batch-size 16] [--repetitions 3]
         [--model-dir DIR] [--json OUT]
 
 Both servers serve the same weights (``batchlab export-mlx`` writes them as an mlx-lm
@@ -15,7 +15,9 @@ Each of the ``--repetitions`` rounds (3 by default) starts and measures each ser
 (batchlab, mlx-lm, batchlab, mlx-lm, ...), so a slow minute of a shared machine lands on
 both instead of one. The table reports each figure's median over the rounds and its range
 (min-max); the JSON has the medians, the ranges and every round's full result.
-``--workload chat --size quick`` sends the 32 chat requests of ``batchlab bench``.
+The defaults are the standard bench's chat experiment: its 32 chat requests (``--workload
+chat --size quick``), all sent at once, and 16 decode slots (``--batch-size 16``), so this
+table and the README's bench can be read side by side.
 """
 
 from __future__ import annotations
@@ -98,13 +100,13 @@ def side_by_side(medians: dict[str, dict], ranges: dict[str, dict], repetitions:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workload", default="mixed", choices=CHOICES)
+    parser.add_argument("--workload", default="chat", choices=CHOICES)
     parser.add_argument("--size", default="quick", choices=["quick", "full"])
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--concurrency", type=int, default=None)
     parser.add_argument("--rate", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--slo-ttft", type=float, default=5.0)
     parser.add_argument("--slo-tpot", type=float, default=0.5)
     parser.add_argument("--repetitions", type=int, default=3, help="interleaved rounds (default 3)")

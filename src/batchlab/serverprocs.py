@@ -64,19 +64,32 @@ def batchlab_spec(
     )
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's default listen backlog
+MLX_LM_SERVER = (
+    "import sys, http.server; "
+    f"http.server.ThreadingHTTPServer.request_queue_size = {LISTEN_BACKLOG}; "
+    "sys.argv[0] = 'mlx_lm.server'; "
+    "from mlx_lm.server import main; main()"
+)
+
+
 def mlx_lm_spec(model_dir: str | Path, batch_size: int) -> ServerSpec:
     """``mlx_lm.server`` on an exported folder: its BatchGenerator decodes up to
     ``batch_size`` requests (``--decode-concurrency``) and prefills up to ``batch_size``
     prompts together (``--prompt-concurrency``; it would raise the decode batch to match
-    a larger value anyway). Greedy by default (``--temp 0``)."""
+    a larger value anyway). Greedy by default (``--temp 0``).
+
+    Its ``ThreadingHTTPServer`` keeps the standard library's listen backlog of 5: when more
+    clients than that connect at once, the rest are dropped ("disconnected"), which measures
+    the socket, not the scheduler. It is started through ``MLX_LM_SERVER`` with the
+    backlog at ``LISTEN_BACKLOG``, uvicorn's default, the one ``batchlab serve`` has."""
     env = {"LD_PRELOAD": _blas.STATUS.path} if _blas.STATUS.path and sys.platform == "linux" else {}
     return ServerSpec(
         "mlx_lm.server",
         [
             sys.executable,
-            "-m",
-            "mlx_lm",
-            "server",
+            "-c",
+            MLX_LM_SERVER,
             "--model",
             str(model_dir),
             "--decode-concurrency",

@@ -1,13 +1,5 @@
-"""Checkers for the lessons' exercises. In a lesson, import this package as ``check`` and call
-the checker named after the exercise with the learner's function: ``check.greedy_pick(greedy_pick)``.
-
-A checker runs the function on a few small cases, **prints** a verdict and **returns** it as a
-:class:`Verdict`: ``✓ greedy_pick: 5/5 cases match``, or the first wrong case (what was expected,
-what came back, a hint) and the other failing ones by name, or ``✗ ...: not written yet``. It never
-raises because the learner's code is wrong; ``verdict.raise_if_failed()`` does. A new exercise: rows
-for ``_core.table`` or a list of :class:`Case` for ``run_cases``; a scheduler piece: ``_pieces``.
-The names below are this package's exports (each lesson module lists its own in ``__all__``).
-"""
+"""Checkers for the lessons' exercises: ``check.greedy_pick(greedy_pick)`` prints a :class:`Verdict` and
+returns it (``verdict.raise_if_failed()`` raises). New ones: ``_core.table``, ``run_cases``, ``_pieces``."""
 
 from ._core import FAIL, OK, Case, CheckFailed, Verdict, run_cases, whole_number_compare  # noqa: F401
 from .lesson00 import greedy_generate, greedy_pick, tokens_per_second  # noqa: F401

@@ -1,5 +1,4 @@
-"""What every checker is made of: :class:`Case`, :class:`Verdict`, ``run_cases`` (and ``table``, rows
-of cases) and the comparisons that many exercises share."""
+"""What every checker is made of: :class:`Case`, :class:`Verdict`, ``run_cases``, ``table``, comparisons."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def show(value: Any) -> str:
 
 @dataclass
 class Case:
-    """One input, the answer it should give, and ``compare(got, expected)``: None when right, else
-    what is wrong ("" when "expected X, got Y" says it all)."""
+    """An input, its answer and ``compare(got, expected)``: None if right, else what is wrong (or "")."""
 
     label: str  # the case in plain words, e.g. "the largest logit is the last one"
     call: Callable[[Callable], Any]  # runs the learner's function on this case's input
@@ -227,8 +225,7 @@ def optional_compare(compare: Compare, when_none_expected: str, when_none_got: s
 
 
 def mistakes(*known, rel: float = 1e-6) -> Callable[[Any, Any], str]:
-    """A diagnose for numeric answers: the first of ``known`` (the value a mistake gives, or None where
-    it cannot occur; what to say) the answer is close to."""
+    """A numeric diagnose: the ``why`` of the first ``known`` (value or None, why) close to the answer."""
     return lambda got, _: next(
         (why for value, why in known if value is not None and close(got, value, rel)), ""
     )
@@ -237,8 +234,7 @@ def mistakes(*known, rel: float = 1e-6) -> Callable[[Any, Any], str]:
 def table(
     name: str, fn: Any, rows, right: Callable | None, judge: Callable, hint: str = "", **case
 ) -> Verdict:
-    """One case per row ``(label, *args)``: ``fn`` gets copies of ``args``; the answer is ``right(*args)``
-    (the library's own code; None: each row ends with its answer), ``judge(*args)`` the compare."""
+    """A case per row ``(label, *args)``: answer ``right(*args)`` (None: the last arg), ``judge(*args)``."""
     cases = []
     for label, *args in rows:
         args, expected = (args[:-1], args[-1]) if right is None else (args, right(*args))

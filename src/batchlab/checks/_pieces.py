@@ -1,5 +1,4 @@
-"""The harness of the scheduler checkers: the learner's class in a fake-model engine (``make_engine``),
-driven by ``driver.run_workload`` and judged from public behaviour only (outputs, trace, ``stats()``)."""
+"""The harness of the scheduler checkers: the learner's class in a fake-model engine, judged by its trace."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class _BoundedRunner(FakeRunner):
 
 
 def fake_workload(name: str, rows: list[tuple[int, int]], seed: int = 0) -> Workload:
-    """Requests ``r0, r1, ...`` arriving at once, with (prompt length, new tokens) ``rows``
-    and random prompt tokens (never 0, the fake model's EOS)."""
+    """Requests ``r0, r1, ...`` arriving at once, (prompt length, new tokens) ``rows``, no token 0 (EOS)."""
     rng = random.Random(seed)
     reqs = [
         WorkloadRequest(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(p)], n)
@@ -63,8 +61,7 @@ class Run:
 
 
 def run_piece(cls, workload: Workload, *, max_seq_len=None, hints=None, priorities=None, **options) -> Run:
-    """``workload`` on a fake-model engine built around ``cls`` with ``make_engine`` ``options``;
-    ``hints`` say what to tell the learner on a ``"memory"`` error, a ``"slot"`` error or ``"stuck"``."""
+    """``workload`` on a fake-model engine around ``cls``; ``hints`` for a "memory", "slot", "stuck" error."""
     hints = hints or {}
     try:
         model, clock = FakeModel(vocab_size=VOCAB, max_seq_len=4096), TickClock()
@@ -225,32 +222,26 @@ def piece_case(label: str, judge: Callable[[type], str | None], hint: str = "") 
 
 
 def piece_judge(base, reference, workload, checks, *, broken=(), schedule=None, hints=None, **options):
-    """A judge for ``piece_case``: ``workload`` on the learner's class (refused unless a subclass of
-    ``base``) with ``options``; the first problem of ``checks`` (each ``check(trace)``), then of
-    ``schedule(trace, reference's trace)``, then a block still held. A run that broke off says why,
-    after any of ``broken``'s checks that name the cause better."""
+    """A judge: ``workload`` on the learner's ``base`` subclass; the first problem of ``checks`` (``broken``
+    if the run broke off), ``schedule(trace, reference trace)``, a block still held."""
     ref = run_piece(reference, workload, **options).trace if schedule else None
 
     def judge(cls):
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise TypeError(f"pass your scheduler class (a subclass of {base.__name__}), not {cls!r}")
         run = run_piece(cls, workload, hints=hints, **options)
+        found = (check(run.trace) for check in (broken if run.problem else checks) if run.trace)
         first = next(
-            filter(None, (check(run.trace) for check in (broken if run.problem else checks) if run.trace)),
-            None,
-        )
-        if run.problem:
-            return first or run.problem
-        return first or (schedule and schedule(run.trace, ref)) or blocks_problem(run)
+            filter(None, found), None
+        )  # a run that broke off: its problem, unless one names it better
+        return first or run.problem or (schedule and schedule(run.trace, ref)) or blocks_problem(run)
 
     judge.scenario = (reference, workload, options)  # for memory_case
     return judge
 
 
 def pressure_case(label, judge, reference, workload, must_preempt: bool, hint="", **options) -> Case:
-    """A case run in a KV pool small enough to matter (``options`` give ``num_kv_blocks``).
-    The scenario is checked on the reference first: if it does not preempt where it
-    must, the case itself is wrong (so a pass never counts a scenario it did not see)."""
+    """A case on a small KV pool; the reference must show the scenario (preempt if ``must_preempt``)."""
     ref = run_piece(reference, workload, **options)
     if ref.problem or (must_preempt and not ref.preemptions):
         why = ref.problem or "no preemption"
@@ -265,8 +256,7 @@ def memory_case(label: str, judge: Callable, must_preempt: bool, hint: str = "")
 
 
 def schedule_problem(got: Trace, expected: Trace, key: Callable, words: Callable, hint=None) -> str | None:
-    """The first step whose ``key(step)`` differs from the reference's, told as ``words(step, other)``;
-    ``hint(got_step, expected_step)`` may explain it."""
+    """The first step whose ``key`` differs from the reference's, told by ``words``, explained by ``hint``."""
     for g, e in zip(got.steps, expected.steps):
         if key(g) != key(e):
             why = hint(g, e) if hint else None
@@ -283,8 +273,7 @@ MIXED_OUTPUTS = [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14]  
 
 
 def count_exercise(name: str, fn, rows, truth: Callable, diagnose: Callable, hint: str):
-    """A count ``fn(output_lens, B) -> int`` (lessons 1 and 2) on rows of (label, output_lens, B):
-    the right count is ``truth(lens, B)``, read off a library run; ``diagnose(lens, B, got, expected)``."""
+    """A count ``fn(output_lens, B) -> int`` on rows (label, lens, B); the answer ``truth(lens, B)``."""
 
     def judge(lens, B):
         return whole_number_compare(lambda got, want: diagnose(lens, B, got, want))

@@ -1,5 +1,4 @@
-"""Checkers for lesson 0 (the model and one request): ``greedy_pick``, ``greedy_generate`` (against
-``batchlab.generate`` on the real model) and ``tokens_per_second``."""
+"""Checkers for lesson 0 (the model and one request)."""
 
 from __future__ import annotations
 
@@ -125,9 +124,8 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         if len(got) > len(expected) and got[len(got) - len(expected) :] == expected:
             extra = f"the new tokens are right, but {len(got) - len(expected)} tokens come before them"
             return f"{extra} (the prompt?): return only the new tokens"
-        first = next(
-            (i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))
-        )
+        n = min(len(got), len(expected))
+        first = next((i for i in range(n) if got[i] != expected[i]), n)
         return f"they first differ at position {first} (counting from 0)"
 
     recorded: dict[str, list] = {}
@@ -141,21 +139,16 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         return Case(label, call, _reference_tokens(lm, ids, n), compare, hint, show_ids)
 
     answer = _reference_tokens(lm, france, 12)
-    first, feed = (
-        "the first new token is the prefill's last row's",
-        "feed the token just picked, with the same cache",
-    )
+    first = "the first new token is the prefill's last row's"
+    feed = "feed the token just picked, with the same cache"
+    once = tok.encode("Once upon a time")
     stop = "after appending a token, stop if it is in lm.tokenizer.eos_token_ids"
     twelve = f"the France question, n=12: the answer ends with an EOS token after {len(answer)} tokens"
     cases = [
         case("the France question (chat template), n=1", france, 1, first),
         case("the France question, n=5", france, 5, feed, "france5"),
         case(twelve, france, 12, stop),
-        case(
-            "a plain text prompt (no chat template) 'Once upon a time', n=6",
-            tok.encode("Once upon a time"),
-            6,
-        ),
+        case("a plain text prompt (no chat template) 'Once upon a time', n=6", once, 6),
         case("a one-token prompt [504] ('The'), n=4", [504], 4),
     ]
 
@@ -193,11 +186,9 @@ def tokens_per_second(fn: Callable) -> Verdict:
     ]
 
     def judge(s, b):
+        per_step = float(np.mean([b / t for t in s]))
         known = [
-            (
-                float(np.mean([b / t for t in s])),
-                "that is the average of the per-step rates: divide the totals",
-            ),
+            (per_step, "that is the average of the per-step rates: divide the totals"),
             (len(s) / sum(s) if b != 1 else None, f"that leaves out the batch: every step makes {b} tokens"),
             (sum(s) / (b * len(s)), "that is seconds per token; tokens per second is the other way up"),
         ]

@@ -1,5 +1,4 @@
-"""Checkers for lesson 1 (static batching): ``static_scheduler`` (the learner's ``batches()`` against
-the library's ``StaticScheduler``), ``wasted_slot_steps`` and ``static_steps``."""
+"""Checkers for lesson 1 (static batching)."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ def _static_hint(g, e) -> str | None:
 
 
 def static_invariants(trace: Trace, B: int) -> str | None:
-    """The rules of static batching: nobody joins a running batch; each of its requests has a row in
-    every decode step until it ends (a padding row once done)."""
+    """Static batching's rules: nobody joins a running batch; a finished request keeps a padding row."""
     batch: set[str] = set()
     previous_slots: list = []
     finished: set[str] = set()

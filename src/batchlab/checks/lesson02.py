@@ -1,5 +1,4 @@
-"""Checkers for lesson 2 (continuous batching): ``continuous_scheduler`` (the learner's ``admit()``,
-``prefill_chunk()`` and ``place()`` on the fake model) and ``continuous_steps``."""
+"""Checkers for lesson 2 (continuous batching)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ PLACED = "place() must set each request it places DECODING (req.set_state(State.
 
 
 def continuous_invariants(trace, B: int, workload=None) -> str | None:
-    """The rules of continuous batching on a trace: one request prefills at a time, nobody is admitted
-    while one awaits a slot, free slots are filled first prefilled first, a request keeps its slot."""
+    """Continuous batching's rules: one prefill at a time, free slots filled oldest first, slots kept."""
     prompt_len = {rid: r.prompt_len for rid, r in trace.requests.items()}
     awaiting: list[str] = []  # prefilled, not yet in a slot, oldest first
     prefilling: str | None = None

@@ -1,5 +1,4 @@
-"""Checkers for lesson 3 (the prefill stall): ``time_between_tokens``, ``percentile_linear`` (as
-``metrics.percentile``) and ``predict_stall``."""
+"""Checkers for lesson 3 (the prefill stall)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Checkers for lesson 4 (chunked prefill): ``chunked_scheduler``, ``predict_long_ttft`` and
-``largest_chunk``."""
+"""Checkers for lesson 4 (chunked prefill)."""
 
 from __future__ import annotations
 

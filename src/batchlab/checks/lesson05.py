@@ -1,5 +1,4 @@
-"""Checkers for lesson 5 (token budget and hybrid batches): ``stallfree_planner``, ``pack_chunks``,
-``skipped_decodes`` and ``fused_saving``."""
+"""Checkers for lesson 5 (token budget and hybrid batches)."""
 
 from __future__ import annotations
 
@@ -60,22 +59,20 @@ def _planner_rules(trace, budget):
 RULE = "the stall-free rule gives: decodes, partial prefills, then admissions while budget and slots remain"
 
 
+def _plan_words(step, _):
+    return "decode {} and prefill chunks {}".format(*_plan(step))
+
+
 def _planner_schedule(trace, ref):
-    def words(step, _):
-        decode, prefill = _plan(step)
-        return f"decode {decode} and prefill chunks {prefill}"
-
-    return schedule_problem(trace, ref, _plan, words, lambda got, expected: RULE)
+    return schedule_problem(trace, ref, _plan, _plan_words, lambda got, expected: RULE)
 
 
-def _planner_judge(rows, batch, budget, seed=0, **pool):
+def _planner_judge(rows, B, budget, seed=0, **pool):
     w = fake_workload("stall-free", rows, seed)
     early = [lambda t: early_decode_problem(t, w)]
     checks = [lambda t: _planner_rules(t, budget), *early, lambda t: gap_problem(t, w)]
-    checks += [lambda t: slot_problem(t, batch), lambda t: output_problem(t, w)]
-    pool.update(
-        broken=early, schedule=_planner_schedule, hints=HINTS, max_batch_size=batch, token_budget=budget
-    )
+    checks += [lambda t: slot_problem(t, B), lambda t: output_problem(t, w)]
+    pool.update(broken=early, schedule=_planner_schedule, hints=HINTS, max_batch_size=B, token_budget=budget)
     return piece_judge(ContinuousScheduler, StallFreeScheduler, w, checks, **pool)
 
 
@@ -101,23 +98,19 @@ def stallfree_planner(cls) -> Verdict:
             "a whole workload, 4 slots, budget 24", random_rows(3, 12, (1, 90), (1, 12)), 4, 24, "", seed=3
         ),
         _case("a whole workload, 3 slots, budget 5", random_rows(4, 10, (1, 40), (1, 9)), 3, 5, "", seed=4),
-        memory_case(
-            "memory: 10 requests on a KV pool of 16 blocks, budget 24 (preemptions must happen)",
-            _planner_judge(TIGHT, 4, 24, seed=5, num_kv_blocks=16),
-            True,
-            HINT,
-        ),
     ]
+    label = "memory: 10 requests on a KV pool of 16 blocks, budget 24 (preemptions must happen)"
+    cases.append(memory_case(label, _planner_judge(TIGHT, 4, 24, seed=5, num_kv_blocks=16), True, HINT))
     return run_cases("stallfree_planner", cls, cases)
 
 
 def _pack_reference(chunks):
     ends = np.cumsum([len(c.tokens) for c in chunks]) - 1
-    return (
+    tokens, positions = (
         [t for c in chunks for t in c.tokens],
         [p for c in chunks for p in range(c.start, c.end)],
-        [int(e) for e in ends],
     )
+    return tokens, positions, [int(e) for e in ends]
 
 
 def pack_chunks(fn: Callable) -> Verdict:

@@ -1,5 +1,4 @@
-"""Checkers for lesson 6 (the poll interface): ``engine_front`` (the learner's ``MyEngine``'s poll and
-cancel, with a spy lock that runs a step whenever the client lets go of it) and ``stream_text``."""
+"""Checkers for lesson 6 (the poll interface): poll and cancel under a spy lock, and streamed text."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ __all__ = ["engine_front", "stream_text"]
 
 
 class _SpyLock:
-    """A lock that counts acquisitions and runs ``after_release`` after each release; taking it twice
-    in one thread raises instead of hanging."""
+    """A lock counting acquisitions, running ``after_release`` after each release; re-entry raises."""
 
     def __init__(self):
         self._lock, self._owner, self._in_hook = threading.Lock(), None, False
@@ -228,11 +226,8 @@ def cancel_mid_pass(f):
     class CancellingRunner(FakeRunner):
         def run(self, chunks):
             if seen.get("armed") and any(c.req_id == "a" for c in chunks):
-                seen.update(
-                    armed=False,
-                    said=engine.cancel("a"),
-                    held=bool(engine.scheduler.kv_usage()["block_tables"].get("a")),
-                )
+                seen.update(armed=False, said=engine.cancel("a"))
+                seen["held"] = bool(engine.scheduler.kv_usage()["block_tables"].get("a"))
             return super().run(chunks)
 
     engine = _started(f, ("a", 20), ("b", 6), steps=3, slots=2, runner=CancellingRunner)

@@ -1,5 +1,4 @@
-"""Checkers for lesson 8 (memory as the limit): ``kv_slots``, ``cached_prefix`` and ``memory_scheduler``
-(``fits`` and ``victim``), each against the library's own code, the last also on whole fake-model runs."""
+"""Checkers for lesson 8 (memory as the limit), against the library's own code and fake-model runs."""
 
 from __future__ import annotations
 
@@ -240,17 +239,15 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
 
         return Case(label, call, PriorityPolicy().victim(running).id, compare, VICTIM)
 
-    cases = [
-        victim_case("victim: all priority 0, arrivals 1, 2, 3", ("a", 0, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)),
-        victim_case(
-            "victim: an old priority 5 among newer 0s", ("old", 5, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)
-        ),
-        victim_case("victim: two of priority 2, one of 1", ("x", 2, 1.0), ("y", 1, 9.0), ("z", 2, 4.0)),
-        victim_case("victim: equal priority and arrival", ("p", 1, 2.0), ("q", 1, 2.0), ("r", 0, 2.0)),
-        *[
-            piece_case(f"a whole run: {words}", lambda pieces, name=name: _whole_run(*pieces(), name))
-            for name, (words, *_) in SCENARIOS.items()
-        ],
+    rows = [  # (label, running requests as (id, priority, arrival_s))
+        ("victim: all priority 0, arrivals 1, 2, 3", ("a", 0, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)),
+        ("victim: an old priority 5 among newer 0s", ("old", 5, 1.0), ("b", 0, 2.0), ("c", 0, 3.0)),
+        ("victim: two of priority 2, one of 1", ("x", 2, 1.0), ("y", 1, 9.0), ("z", 2, 4.0)),
+        ("victim: equal priority and arrival", ("p", 1, 2.0), ("q", 1, 2.0), ("r", 0, 2.0)),
+    ]
+    cases = [victim_case(*row) for row in rows] + [
+        piece_case(f"a whole run: {words}", lambda pieces, name=name: _whole_run(*pieces(), name))
+        for name, (words, *_) in SCENARIOS.items()
     ]
     pieces = (lambda: (scheduler_cls, policy_cls)) if missing is None else missing
     return run_cases("memory_scheduler", pieces, cases)

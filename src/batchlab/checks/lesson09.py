@@ -1,5 +1,4 @@
-"""Checkers for lesson 9 (policies and overload): ``mean_in_system`` (Little's law), ``to_shed`` and
-``admission_policy`` (the learner's ``Admission.to_shed``, also on whole simulated overloads)."""
+"""Checkers for lesson 9 (policies and overload)."""
 
 from __future__ import annotations
 

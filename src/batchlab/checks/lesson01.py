@@ -28,13 +28,8 @@ def _names(ids) -> str:
 
 
 def _key(s):
-    return (
-        [(rid, n) for rid, _, n in s.prefill],
-        list(s.decoded),
-        list(s.padding),
-        s.padding_tokens,
-        list(s.slots),
-    )
+    prefill = [(rid, n) for rid, _, n in s.prefill]
+    return prefill, list(s.decoded), list(s.padding), s.padding_tokens, list(s.slots)
 
 
 def _words(s, other) -> str:

@@ -40,8 +40,7 @@ class _SpyLock:
             finally:
                 self._in_hook = False
 
-    def __enter__(self):
-        return self.acquire()
+    __enter__ = acquire
 
     def __exit__(self, *exc) -> None:
         self.release()

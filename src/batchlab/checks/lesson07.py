@@ -75,25 +75,23 @@ USAGE = {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
 
 def parse_sse(fn: Callable) -> Verdict:
     """Check ``fn(lines) -> list[str]``: the non-empty ``delta.content`` texts up to ``data: [DONE]``."""
-    role, done, blank = _event("", role="assistant"), "data: [DONE]", ""
-    e = _event
-    labels = [
-        "a plain stream: role, 'Hel', 'lo', finish, [DONE]",
-        "the role chunk's content '' is not a delta",
-        "a keep-alive comment line ': ping' between chunks",
-        "a usage chunk (empty choices) after the finish",
-        "text with emoji and a quote: ' 🙂' and ' \"ok\"'",
-        "lines after data: [DONE] are ignored",
+    e, done, blank = _event, "data: [DONE]", ""
+    role = e("", role="assistant")
+    plain = [role, blank, e("Hel"), blank, e("lo"), blank, e(finish="stop"), blank, done, blank]
+    paris = [role, e("Paris"), e(".", finish="stop"), e(usage=USAGE), done]
+    emoji = [role, e(" 🙂"), e(' "ok"'), done]
+    streams = [
+        ("a plain stream: role, 'Hel', 'lo', finish, [DONE]", plain, ["Hel", "lo"]),
+        ("the role chunk's content '' is not a delta", [role, e(" world"), done], [" world"]),
+        (
+            "a keep-alive comment line ': ping' between chunks",
+            [role, e("a"), ": ping", e("b"), done],
+            ["a", "b"],
+        ),
+        ("a usage chunk (empty choices) after the finish", paris, ["Paris", "."]),
+        ("text with emoji and a quote: ' 🙂' and ' \"ok\"'", emoji, [" 🙂", ' "ok"']),
+        ("lines after data: [DONE] are ignored", [e("x"), done, e("late")], ["x"]),
     ]
-    data = [  # (lines, the texts)
-        ([role, blank, e("Hel"), blank, e("lo"), blank, e(finish="stop"), blank, done, blank], ["Hel", "lo"]),
-        ([role, e(" world"), done], [" world"]),
-        ([role, e("a"), ": ping", e("b"), done], ["a", "b"]),
-        ([role, e("Paris"), e(".", finish="stop"), e(usage=USAGE), done], ["Paris", "."]),
-        ([role, e(" 🙂"), e(' "ok"'), done], [" 🙂", ' "ok"']),
-        ([e("x"), done, e("late")], ["x"]),
-    ]
-    streams = [(label, *row) for label, row in zip(labels, data)]
 
     def compare(got, expected):
         if not isinstance(got, list):

@@ -97,13 +97,10 @@ def _shed_run(admission, name):
     workload = synthetic_workload(
         160, rate=1.2, seed=11 if tight else 7, prompt_range=(16, 256), output_range=(4, 256)
     )
-    engine = make_sim_engine("stallfree", admission=admission, **options)
-    trace = simulate(engine, workload)
-    return (
-        {rid: r.finish_reason for rid, r in trace.requests.items()},
-        sum(len(s.preempted) for s in trace.steps),
-        {rid for rid, r in trace.requests.items() if r.preemptions},
-    )
+    trace = simulate(make_sim_engine("stallfree", admission=admission, **options), workload)
+    reasons = {rid: r.finish_reason for rid, r in trace.requests.items()}
+    preempted = {rid for rid, r in trace.requests.items() if r.preemptions}
+    return reasons, sum(len(s.preempted) for s in trace.steps), preempted
 
 
 SHED = "shed if it never started and now - arrival_s > max_wait_s"
@@ -155,15 +152,11 @@ def admission_policy(cls: Any) -> Verdict:
 
         return piece_case(label, judge)
 
+    two = [_queued("a", 1.0), _queued("b", 8.0)]
     back = [_queued("back", 0.0, preempted=True), _queued("new", 9.5)]
     cases = [
         unit("no limit (max_wait_s None): nobody is shed", [_queued("a", 0.0)], 100.0, None),
-        unit(
-            "waits of 9 s and 2 s, limit 8 s: the first goes",
-            [_queued("a", 1.0), _queued("b", 8.0)],
-            10.0,
-            8.0,
-        ),
+        unit("waits of 9 s and 2 s, limit 8 s: the first goes", two, 10.0, 8.0),
         unit("exactly 8 s waited, limit 8 s: it stays", [_queued("edge", 2.0)], 10.0, 8.0),
         unit("a preempted request (it has output_ids) that arrived long ago: it stays", back, 10.0, 8.0),
         unit("several late ones among others, in queue order", [_queued(r, t) for r, t in LATE], 10.0, 8.0),

@@ -95,11 +95,10 @@ def _where(exc: BaseException) -> str:
     return f" at `{frames[-1].line.strip()}`" if frames and frames[-1].line else ""
 
 
-def run_cases(name: str, fn: Any, cases: list[Case], quiet: bool = False) -> Verdict:
-    """Run ``fn`` on every case, print the verdict (unless ``quiet``) and return it."""
+def run_cases(name: str, fn: Any, cases: list[Case]) -> Verdict:
+    """Run ``fn`` on every case, print the verdict and return it."""
     verdict = _run(name, fn, cases)
-    if not quiet:
-        print(verdict.message)
+    print(verdict.message)
     return verdict
 
 
@@ -137,15 +136,10 @@ def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
     if not failures:
         return Verdict(name, passed, total, f"{OK} {name}: {passed}/{total} cases match")
     number, case, detail = failures[0]
-    lines = [
-        f"{FAIL} {name}: {passed}/{total} cases match. The first that does not:",
-        f"  case {number} of {total}: {case.label}",
-        detail,
-    ]
-    if case.hint:
-        lines.append(f"    hint: {case.hint}")
-    for number, case, _ in failures[1:]:
-        lines.append(f"  case {number} fails too: {case.label}")
+    head = f"{FAIL} {name}: {passed}/{total} cases match. The first that does not:"
+    lines = [head, f"  case {number} of {total}: {case.label}", detail]
+    lines += [f"    hint: {case.hint}"] if case.hint else []
+    lines += [f"  case {number} fails too: {case.label}" for number, case, _ in failures[1:]]
     return Verdict(name, passed, total, "\n".join(lines), [c.label for _, c, _ in failures])
 
 
@@ -231,14 +225,11 @@ def mistakes(*known, rel: float = 1e-6) -> Callable[[Any, Any], str]:
     )
 
 
-def table(
-    name: str, fn: Any, rows, right: Callable | None, judge: Callable, hint: str = "", **case
-) -> Verdict:
+def table(name: str, fn: Any, rows, right: Callable | None, judge: Callable, hint="", **case) -> Verdict:
     """A case per row ``(label, *args)``: answer ``right(*args)`` (None: the last arg), ``judge(*args)``."""
     cases = []
     for label, *args in rows:
         args, expected = (args[:-1], args[-1]) if right is None else (args, right(*args))
-        cases.append(
-            Case(label, lambda f, a=args: f(*copy.deepcopy(a)), expected, judge(*args), hint, **case)
-        )
+        compare = judge(*args)
+        cases.append(Case(label, lambda f, a=args: f(*copy.deepcopy(a)), expected, compare, hint, **case))
     return run_cases(name, fn, cases)

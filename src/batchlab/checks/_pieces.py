@@ -231,9 +231,7 @@ def piece_judge(base, reference, workload, checks, *, broken=(), schedule=None, 
             raise TypeError(f"pass your scheduler class (a subclass of {base.__name__}), not {cls!r}")
         run = run_piece(cls, workload, hints=hints, **options)
         found = (check(run.trace) for check in (broken if run.problem else checks) if run.trace)
-        first = next(
-            filter(None, found), None
-        )  # a run that broke off: its problem, unless one names it better
+        first = next(filter(None, found), None)  # else a broken-off run's problem
         return first or run.problem or (schedule and schedule(run.trace, ref)) or blocks_problem(run)
 
     judge.scenario = (reference, workload, options)  # for memory_case

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -97,8 +98,7 @@ def _static_judge(rows, B, seed=0, **pool):
     return piece_judge(StaticScheduler, StaticScheduler, w, checks, **pool)
 
 
-def _schedule(trace, ref):
-    return schedule_problem(trace, ref, _key, _words, _static_hint)
+_schedule = partial(schedule_problem, key=_key, words=_words, hint=_static_hint)
 
 
 def static_scheduler(cls) -> Verdict:

@@ -23,7 +23,7 @@ HINTS = {
 PLACED = "place() must set each request it places DECODING (req.set_state(State.DECODING, self.clock()))"
 
 
-def continuous_invariants(trace, B: int, workload=None) -> str | None:
+def continuous_invariants(trace, B: int) -> str | None:
     """Continuous batching's rules: one prefill at a time, free slots filled oldest first, slots kept."""
     prompt_len = {rid: r.prompt_len for rid, r in trace.requests.items()}
     awaiting: list[str] = []  # prefilled, not yet in a slot, oldest first
@@ -88,18 +88,17 @@ def _hint(g, e) -> str | None:
     return None
 
 
-def _schedule(trace, ref):
-    return schedule_problem(trace, ref, _key, _words, _hint)
+_schedule = partial(schedule_problem, key=_key, words=_words, hint=_hint)
 
 
-def continuous_judge(reference, rules, hints, placed, rows, B, seed=0, max_seq_len=None, **options):
-    """A judge for ``piece_case`` shared by lessons 2 and 4; ``rules(trace, B, workload)`` are the kind's."""
+def continuous_judge(rules, hints, placed, rows, B, seed=0, max_seq_len=None, **options):
+    """A judge for ``piece_case`` shared by lessons 2 and 4; ``rules(trace, B)`` are the kind's."""
     w = fake_workload("req", rows, seed)
     early = [lambda t: state_problem(t, placed), lambda t: early_decode_problem(t, w)]
-    checks = early + [lambda t: gap_problem(t, w), lambda t: rules(t, B, w), lambda t: slot_problem(t, B)]
+    checks = early + [lambda t: gap_problem(t, w), lambda t: rules(t, B), lambda t: slot_problem(t, B)]
     checks.append(lambda t: output_problem(t, w, max_seq_len or 4096))
     options.update(broken=early, schedule=_schedule, hints=hints, max_seq_len=max_seq_len, max_batch_size=B)
-    return piece_judge(ContinuousScheduler, reference, w, checks, **options)
+    return piece_judge(ContinuousScheduler, ContinuousScheduler, w, checks, **options)
 
 
 def continuous_scheduler(cls) -> Verdict:
@@ -127,18 +126,16 @@ def continuous_scheduler(cls) -> Verdict:
         "admit(): start the next queued request if it fits and nobody prefills or awaits a slot; "
         "place(): move the first awaiting request into a free slot and set it DECODING"
     )
-    judge = partial(continuous_judge, ContinuousScheduler, continuous_invariants, HINTS, PLACED)
+    judge = partial(continuous_judge, continuous_invariants, HINTS, PLACED)
     cases = [
         piece_case(label, judge(list(zip(prompts, outputs)), B, 100 * i), hint)
         for i, (label, (B, outputs, prompts)) in enumerate(zip(labels, data))
     ]
-    tight = (
-        [(20 + 9 * i % 40, 40 + 7 * i % 30) for i in range(10)],
-        [(30 + 23 * i % 90, 30 + 11 * i % 40) for i in range(12)],
-    )
+    ten = [(20 + 9 * i % 40, 40 + 7 * i % 30) for i in range(10)]
+    twelve = [(30 + 23 * i % 90, 30 + 11 * i % 40) for i in range(12)]
     pressure = [  # (label, rows, B, KV blocks of 16 tokens): the reference preempts in each
-        ("memory: 10 requests on a KV pool of 16 blocks, B=4", tight[0], 4, 16),
-        ("memory: 12 requests on 24 blocks, B=6", tight[1], 6, 24),
+        ("memory: 10 requests on a KV pool of 16 blocks, B=4", ten, 4, 16),
+        ("memory: 12 requests on 24 blocks, B=6", twelve, 6, 24),
     ]
     for label, rows, B, blocks in pressure:
         cases.append(memory_case(label, judge(rows, B, 9, num_kv_blocks=blocks), True, hint))

@@ -106,16 +106,15 @@ def predict_stall(fn: Callable) -> Verdict:
     add, flip = "the two passes run one after the other: add their times", "you divided the other way round"
 
     def judge(n, r, s):
-        return number_compare(
-            mistakes(
-                (n / r if s else None, "that is the prefill pass alone; the decode pass runs after it"),
-                (r / n + s if n else None, f"tokens ÷ (tokens per second) gives seconds: {flip}"),
-                (1000 * (n / r + s), "that looks like milliseconds: return seconds"),
-                (n / r - s, add),
-                (s - n / r, add),
-                (s if n else None, "that is the decode pass alone; the prefill runs first in this step"),
-            )
-        )
+        known = [
+            (n / r if s else None, "that is the prefill pass alone; the decode pass runs after it"),
+            (r / n + s if n else None, f"tokens ÷ (tokens per second) gives seconds: {flip}"),
+            (1000 * (n / r + s), "that looks like milliseconds: return seconds"),
+            (n / r - s, add),
+            (s - n / r, add),
+            (s if n else None, "that is the decode pass alone; the prefill runs first in this step"),
+        ]
+        return number_compare(mistakes(*known))
 
     hint = "prefill time = prompt_len / prefill_tokens_per_s; then the decode pass"
     return table("predict_stall", fn, rows, lambda n, r, s: n / r + s, judge, hint)

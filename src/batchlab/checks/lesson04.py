@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ..scheduler import ContinuousScheduler
 from ._core import Verdict, mistakes, number_compare, optional_compare, run_cases, table, whole_number_compare
 from ._pieces import memory_case, piece_case, prefill_chunks, random_rows
 from .lesson02 import continuous_judge
@@ -24,7 +23,7 @@ PLACED = "a request whose prompt is done awaits a slot, then place() sets it DEC
 def _chunk_rules(prefill_step, chunks_of=None):
     limit = prefill_step or math.inf
 
-    def rules(trace, B, workload):
+    def rules(trace, B):
         chunks = prefill_chunks(trace)
         for rid, mine in chunks.items():
             for index, start, n in mine:
@@ -58,7 +57,7 @@ def _judge(rows, prefill_step, batch=3, max_seq_len=None, chunks_of=None, seed=0
     """A judge for ``piece_case``; ``chunks_of=(request id, [(start, length), ...])`` checks its chunks."""
     rules = _chunk_rules(prefill_step, chunks_of)
     pool.update(max_seq_len=max_seq_len, prefill_step=prefill_step)
-    return continuous_judge(ContinuousScheduler, rules, HINTS, PLACED, rows, batch, seed, **pool)
+    return continuous_judge(rules, HINTS, PLACED, rows, batch, seed, **pool)
 
 
 def chunked_scheduler(cls) -> Verdict:
@@ -74,10 +73,9 @@ def chunked_scheduler(cls) -> Verdict:
 
     tight = random_rows(5, 10, (20, 120), (20, 50))
     halves, infinite = [(0, 128), (128, 128)], "self.prefill_step is infinity then"
+    three = halves + [(256, 44)]
     cases = [
-        chunk_case(
-            "a 300-token prompt in chunks of 128, two requests decoding", 300, 128, halves + [(256, 44)]
-        ),
+        chunk_case("a 300-token prompt in chunks of 128, two requests decoding", 300, 128, three),
         chunk_case("a 256-token prompt in chunks of 128: exactly two chunks", 256, 128, halves),
         chunk_case("a 100-token prompt, shorter than one chunk of 128", 100, 128, [(0, 100)]),
         chunk_case("prefill_step=None: a 520-token prompt in one chunk", 520, None, [(0, 520)], infinite),
@@ -105,13 +103,12 @@ def predict_long_ttft(fn: Callable) -> Verdict:
 
     def judge(p, step, rate, dec):
         n, short = _n_chunks(p, step), step is not None and p % step
-        return number_compare(
-            mistakes(
-                (p / rate + n * dec, f"that counts a decode pass per chunk: only {n - 1} come first"),
-                (p / rate + (p // step - 1) * dec if short else None, "the number of chunks is off: " + UP),
-                (p / rate, "that leaves out the decode passes that run between the chunks"),
-            )
-        )
+        known = [
+            (p / rate + n * dec, f"that counts a decode pass per chunk: only {n - 1} come first"),
+            (p / rate + (p // step - 1) * dec if short else None, "the number of chunks is off: " + UP),
+            (p / rate, "that leaves out the decode passes that run between the chunks"),
+        ]
+        return number_compare(mistakes(*known))
 
     rows = [
         ("512 tokens, prefill_step=None (one chunk), 256 tokens/s, decode pass 0.1 s", 512, None, 256.0, 0.1),

@@ -24,12 +24,8 @@ def _skipped(trace: Trace) -> list[tuple[int, str]]:
     for k, s in enumerate(steps):
         for rid in s.emitted:
             emitted_at.setdefault(rid, []).append(k)
-    return sorted(
-        (steps[k].index, rid)
-        for rid, ks in emitted_at.items()
-        for k in range(ks[0] + 1, ks[-1] + 1)
-        if rid not in steps[k].decoded
-    )
+    decoding = ((rid, k) for rid, ks in emitted_at.items() for k in range(ks[0] + 1, ks[-1] + 1))
+    return sorted((steps[k].index, rid) for rid, k in decoding if rid not in steps[k].decoded)
 
 
 def _plan(step) -> tuple[list[str], list[tuple[str, int]]]:
@@ -106,11 +102,8 @@ def stallfree_planner(cls) -> Verdict:
 
 def _pack_reference(chunks):
     ends = np.cumsum([len(c.tokens) for c in chunks]) - 1
-    tokens, positions = (
-        [t for c in chunks for t in c.tokens],
-        [p for c in chunks for p in range(c.start, c.end)],
-    )
-    return tokens, positions, [int(e) for e in ends]
+    positions = [p for c in chunks for p in range(c.start, c.end)]
+    return [t for c in chunks for t in c.tokens], positions, [int(e) for e in ends]
 
 
 def pack_chunks(fn: Callable) -> Verdict:
@@ -138,12 +131,8 @@ def pack_chunks(fn: Callable) -> Verdict:
         return "the last indices are wrong: where each chunk's last token sits in the flat list"
 
     one_step = [Chunk(f"d{i}", [100 + i], s) for i, s in enumerate([52, 7, 130, 88, 41, 64, 19, 23])]
-    hybrid = [
-        Chunk("a", [1], 40),
-        Chunk("b", [2], 7),
-        Chunk("c", [3], 100),
-        Chunk("p", [20, 21, 22, 23, 24], 16),
-    ]
+    hybrid = [Chunk("a", [1], 40), Chunk("b", [2], 7), Chunk("c", [3], 100)]
+    hybrid.append(Chunk("p", [20, 21, 22, 23, 24], 16))
     start, more = [Chunk("p", [5, 6, 7], 0)], [Chunk("p", [11, 12, 13, 14], 16)]
     rows = [
         ("one decode row: token 42 at position 9", [Chunk("a", [42], 9)]),

@@ -81,12 +81,13 @@ def _diagnose_poll(got, expected):
     return f"the tokens are right but the status is {status!r}" if tokens == expected[0] else ""
 
 
-def poll_case(label, requests, steps=0, hint="", rid="a", again=False, until_idle=False, slots=1):
-    """``requests``, ``steps`` (or until idle), a poll of ``rid`` (``again``: two); Engine answers."""
+def poll_case(label, requests, steps=0, hint="", rid="a", again=False, slots=1):
+    """``requests``, ``steps`` (None: until idle), a poll of ``rid`` (``again``: two); Engine answers."""
 
     def call(f):
-        engine = _started(f, *[(r, 4 if until_idle else 6) for r in requests], steps=steps, slots=slots)
-        if until_idle:
+        new = 6 if steps is not None else 4  # None: until idle
+        engine = _started(f, *[(r, new) for r in requests], steps=steps or 0, slots=slots)
+        if steps is None:
             engine.run_until_idle()
         if again:
             engine.poll(rid)
@@ -251,18 +252,13 @@ CANCEL = "self._finish(req, 'cancelled') and self._cancelled.append(req), under 
 def engine_front(cls: Any) -> Verdict:
     """Check ``MyEngine``'s ``poll(rid) -> (new_tokens, status, finish_reason)`` and ``cancel(rid)``."""
 
+    forgot = "after 'done' was reported, the engine forgets the request: 'unknown'"
     cases = [
         poll_case("a request just submitted, no step yet: ([], 'running', None)", "a"),
         poll_case("after 3 steps, one poll hands out every token made so far", "a", 3, PENDING),
         poll_case("a second poll with no step in between: ([], 'running', None)", "a", 3, EMPTY, again=True),
-        poll_case("a finished request: its last tokens AND 'done' with the reason", "a", until_idle=True),
-        poll_case(
-            "after 'done' was reported, the engine forgets the request: 'unknown'",
-            "a",
-            hint=FORGET,
-            again=True,
-            until_idle=True,
-        ),
+        poll_case("a finished request: its last tokens AND 'done' with the reason", "a", None),
+        poll_case(forgot, "a", None, FORGET, again=True),
         poll_case("an id the engine never had: ([], 'unknown', None)", "a", rid="zzz"),
         poll_case("b's poll sees only b's tokens", "ab", 2, rid="b", slots=2),
         piece_case("one poll takes self._lock exactly once", once_locked),
@@ -298,6 +294,7 @@ def _scripted(tokenizer, script, rid="req-0"):
 
 
 HELD = "a token can end in the middle of a character; the detokenizer holds it back"
+BEFORE = "handle the tokens of a poll before you look at its status"
 FLUSH = "after the loop, yield detokenizer.flush() if it is not empty"
 
 
@@ -344,22 +341,19 @@ def stream_text(fn: Callable, lm) -> Verdict:
         call = _scripted(tok, script)
         return Case(label, call, expect(script), compare_for(script, streaming), hint, show_stream)
 
-    def one_per_poll(ids, done="done", reason="stop"):
-        return [([t], "running", None) for t in ids[:-1]] + [([ids[-1]], done, reason)]
+    def one_per_poll(ids):
+        return [([t], "running", None) for t in ids[:-1]] + [([ids[-1]], "done", "stop")]
 
     answer = tok.encode(" The capital of France is Paris.")
     emoji = tok.encode("I love 🍕 and ☕.")
     cut = tok.encode("I love 🍕")[:-1]  # the stream ends inside the emoji
+    with_done = [(answer[:3], "running", None), (answer[3:], "done", "stop")]
     late = [(answer[:2], "running", None), ([], "running", None), (answer[2:], "done", "length")]
     cases = [
         case("' The capital of France is Paris.' one token per poll", one_per_poll(answer)),
         case("the same: the first piece comes before the last poll", one_per_poll(answer), streaming=True),
         case("'I love 🍕 and ☕.': each emoji is 3 tokens, in 3 separate polls", one_per_poll(emoji), HELD),
-        case(
-            "the last 4 tokens come in the same poll as 'done': show them too",
-            [(answer[:3], "running", None), (answer[3:], "done", "stop")],
-            "handle the tokens of a poll before you look at its status",
-        ),
+        case("the last 4 tokens come in the same poll as 'done': show them too", with_done, BEFORE),
         case("polls that return nothing for a while: keep polling", [([], "running", None)] * 3 + late),
         case("the stream is cut inside an emoji: flush() gives the rest", [(cut, "done", "length")], FLUSH),
         case("an unknown request id: stop after one poll, no text", [([], "unknown", None)]),
@@ -392,6 +386,6 @@ def stream_text(fn: Callable, lm) -> Verdict:
         return repr(value[0]) if isinstance(value, tuple) else value
 
     cases.append(
-        Case("the real model on an EngineLoop", real, "the engine's text", real_compare, show=show_real)
+        Case("the real model on an EngineLoop", real, "the engine's text", real_compare, "", show_real)
     )
     return run_cases("stream_text", fn, cases)

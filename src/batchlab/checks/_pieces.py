@@ -64,10 +64,8 @@ def run_piece(cls, workload: Workload, *, max_seq_len=None, hints=None, prioriti
     """``workload`` on a fake-model engine around ``cls``; ``hints`` for a "memory", "slot", "stuck" error."""
     hints = hints or {}
     try:
-        model, clock = FakeModel(vocab_size=VOCAB, max_seq_len=4096), TickClock()
-        engine = make_engine(
-            cls, model, runner=_BoundedRunner, clock=clock, max_seq_len=max_seq_len, **options
-        )
+        options.update(runner=_BoundedRunner, clock=TickClock(), max_seq_len=max_seq_len)
+        engine = make_engine(cls, FakeModel(vocab_size=VOCAB, max_seq_len=4096), **options)
     except Exception as e:
         return Run(None, f"make_engine could not build an engine from your class: {type(e).__name__}: {e}")
     problem = None
@@ -111,10 +109,8 @@ def output_problem(trace: Trace, workload: Workload, max_seq_len: int = 4096) ->
         if got != want and got == want[: len(got)]:
             return f"{r.id} got only {len(got)} of its {len(want)} tokens: it must decode until it finishes"
         if got != want:
-            return (
-                f"{r.id} produced {got[:6]}..., the model's answer is {want[:6]}...: "
-                "a prompt token was skipped, repeated or never sampled"
-            )
+            why = "a prompt token was skipped, repeated or never sampled"
+            return f"{r.id} produced {got[:6]}..., the model's answer is {want[:6]}...: {why}"
     return None
 
 
@@ -195,11 +191,8 @@ def state_problem(trace: Trace, set_decoding: str) -> str | None:
         for rid in step.decoded:
             entered = [s for t, s in trace.requests[rid].state_times if t <= step.end_s]
             if "decoding" not in entered:
-                still = entered[-1] if entered else "queued"
-                return (
-                    f"step {step.index}: {rid} ran a decode row but its state was never set to DECODING "
-                    f"(it is still {still}): {set_decoding}"
-                )
+                still = f"DECODING (it is still {entered[-1] if entered else 'queued'}): {set_decoding}"
+                return f"step {step.index}: {rid} ran a decode row but its state was never set to {still}"
     return None
 
 

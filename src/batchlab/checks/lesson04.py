@@ -143,11 +143,8 @@ def largest_chunk(fn: Callable) -> Verdict:
                 return f"a chunk of {got} gives {got / rate + dec:.3f} s between tokens, over the target"
             return ""
 
-        return optional_compare(
-            whole_number_compare(diagnose),
-            "no chunk size meets this target, so the answer is None",
-            "a chunk size does fit this target",
-        )
+        none = "no chunk size meets this target, so the answer is None"
+        return optional_compare(whole_number_compare(diagnose), none, "a chunk size does fit this target")
 
     sizes = [32, 64, 128, 256]
     rows = [

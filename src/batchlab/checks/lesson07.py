@@ -17,18 +17,15 @@ def stream_metrics(fn: Callable) -> Verdict:
         def compare(got, expected):
             if not isinstance(got, (tuple, list)) or len(got) != 3:
                 return "return three things: (ttft_s, itl_s, tpot_s)"
-            ttft, itl, tpot = got
-            e_ttft, e_itl, e_tpot = expected
+            (ttft, itl, tpot), (e_ttft, e_itl, e_tpot) = got, expected
             if not isinstance(ttft, (int, float)) or not close(ttft, e_ttft, 1e-9):
                 if isinstance(ttft, (int, float)) and close(ttft, chunks[0], 1e-9) and sent:
                     return "TTFT is a duration: subtract the time the request was sent"
                 return f"the TTFT is wrong (it should be {e_ttft:g} s)"
             if not isinstance(itl, (list, tuple)) or len(itl) != len(e_itl):
                 n = len(itl) if isinstance(itl, (list, tuple)) else "not a list"
-                return (
-                    f"ITL should be a list of {len(e_itl)} gaps (one between each two of the "
-                    f"{len(chunks)} chunks), got {n}"
-                )
+                why = f"one between each two of the {len(chunks)} chunks"
+                return f"ITL should be a list of {len(e_itl)} gaps ({why}), got {n}"
             if not all(close(a, b, 1e-9) for a, b in zip(itl, e_itl)):
                 return "the gaps are wrong: each is a chunk's time minus the previous chunk's"
             if e_tpot is None:

@@ -15,25 +15,22 @@ __all__ = ["mean_in_system", "to_shed", "admission_policy"]
 
 def mean_in_system(fn: Any) -> Verdict:
     """Check ``fn(arrivals, departures)``: the time-average number of requests in the system."""
+    leave = [1.0, 2.0, 3.0, 4.0, 5.0]
     rows = [
         ("one request, in the system from 0 s to 2 s (so L = 1)", [0.0], [2.0]),
         ("two requests, one after the other: 0-1 s and 1-2 s", [0.0, 1.0], [1.0, 2.0]),
         ("two requests overlapping: 0-3 s and 1-3 s", [0.0, 1.0], [3.0, 3.0]),
         ("an idle gap: 0-1 s, then nobody until 3 s, then 3-4 s", [0.0, 3.0], [1.0, 4.0]),
-        (
-            "five requests queueing (arrive together at 0, leave 1 s apart)",
-            [0.0] * 5,
-            [1.0 + i for i in range(5)],
-        ),
+        ("five requests queueing (arrive together at 0, leave 1 s apart)", [0.0] * 5, leave),
     ]
 
     def stays(a, d):
         return sum(y - x for x, y in zip(a, d))
 
     def judge(a, d):
-        w = "that is W, the mean time one request spends in the system; L = λ W"
+        w, rate = "that is W, the mean time one request spends in the system", "that is λ, the arrival rate"
         return number_compare(
-            mistakes((stays(a, d) / len(a), w), (len(a) / max(d), "that is λ, the arrival rate; L = λ W"))
+            mistakes((stays(a, d) / len(a), f"{w}; L = λ W"), (len(a) / max(d), f"{rate}; L = λ W"))
         )
 
     hint = "add up the time each request spends in the system and divide by the length of the window"
@@ -75,9 +72,8 @@ def to_shed(fn: Any) -> Verdict:
         return [rid for rid, t, n in q if (now - t) + n / speed > slo]
 
     hint = "late if (now - arrival) + prompt_len / prefill_tokens_per_s > ttft_slo_s"
-    return table(
-        "to_shed", fn, [(label, q, 10.0, 5.0, 100.0) for label, q in rows], late, lambda *a: compare, hint
-    )
+    rows = [(label, q, 10.0, 5.0, 100.0) for label, q in rows]
+    return table("to_shed", fn, rows, late, lambda *a: compare, hint)
 
 
 def _queued(rid, arrival_s, preempted=False, state=State.QUEUED):  # a preempted one has begun its answer

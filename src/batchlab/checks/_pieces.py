@@ -146,8 +146,7 @@ def prefill_chunks(trace: Trace) -> dict[str, list[tuple[int, int, int]]]:
 def early_decode_problem(trace: Trace, workload: Workload) -> str | None:
     """Nobody decodes before its whole prompt is prefilled (a preempted request starts over)."""
     prompt_len = {r.id: r.prompt_len for r in workload}
-    done: dict[str, int] = {}
-    reached: dict[str, int] = {}  # the furthest any prefill got (a preempted request starts over)
+    done, reached = {}, {}  # reached: the furthest any prefill got (a preempted request starts over)
     for step in trace.steps:
         for rid, start, n in step.prefill:  # a step's chunks run before (or with) its decode rows
             done[rid] = start + n

@@ -65,9 +65,7 @@ def _static_hint(g, e) -> str | None:
 
 def static_invariants(trace: Trace, B: int) -> str | None:
     """Static batching's rules: nobody joins a running batch; a finished request keeps a padding row."""
-    batch: set[str] = set()
-    previous_slots: list = []
-    finished: set[str] = set()
+    batch, previous_slots, finished = set(), [], set()
     for step in trace.steps:
         started = {rid for rid, _, _ in step.prefill}
         if started:
@@ -122,9 +120,8 @@ def static_scheduler(cls) -> Verdict:
         for i, (label, rows, B) in enumerate(cases)
     ]
     tight = _static_judge([(20 + 7 * i % 25, 8 + 5 * i % 30) for i in range(12)], 8, seed=7, num_kv_blocks=16)
-    cases.append(
-        memory_case("memory: 12 requests on a KV pool of 16 blocks of 16 tokens, B=8", tight, False, hint)
-    )
+    label = "memory: 12 requests on a KV pool of 16 blocks of 16 tokens, B=8"
+    cases.append(memory_case(label, tight, False, hint))
     return run_cases("static_scheduler", cls, cases)
 
 

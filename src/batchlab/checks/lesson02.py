@@ -26,9 +26,7 @@ PLACED = "place() must set each request it places DECODING (req.set_state(State.
 def continuous_invariants(trace, B: int) -> str | None:
     """Continuous batching's rules: one prefill at a time, free slots filled oldest first, slots kept."""
     prompt_len = {rid: r.prompt_len for rid, r in trace.requests.items()}
-    awaiting: list[str] = []  # prefilled, not yet in a slot, oldest first
-    prefilling: str | None = None
-    slot_of: dict[str, int] = {}
+    awaiting, prefilling, slot_of = [], None, {}  # awaiting: prefilled, not yet in a slot, oldest first
     for step in trace.steps:
         k = step.index
         for rid, start, n in step.prefill:
@@ -122,10 +120,8 @@ def continuous_scheduler(cls) -> Verdict:
         (8, short, drawn[0]),
         (8, MIXED_OUTPUTS, drawn[1]),
     ]
-    hint = (
-        "admit(): start the next queued request if it fits and nobody prefills or awaits a slot; "
-        "place(): move the first awaiting request into a free slot and set it DECODING"
-    )
+    admit = "admit(): start the next queued request if it fits and nobody prefills or awaits a slot; "
+    hint = admit + "place(): move the first awaiting request into a free slot and set it DECODING"
     judge = partial(continuous_judge, continuous_invariants, HINTS, PLACED)
     cases = [
         piece_case(label, judge(list(zip(prompts, outputs)), B, 100 * i), hint)
@@ -165,7 +161,6 @@ def continuous_steps(fn: Callable) -> Verdict:
         ("the mixed workload's outputs, B=8", MIXED_OUTPUTS, 8),
         ("the mixed workload's outputs, B=16", MIXED_OUTPUTS, 16),
     ]
-    hint = (
-        "simulate: admit one request if none waits (its prefill makes a token), place, then each slot decodes"
-    )
+    hint = "simulate: admit one request if none waits (its prefill makes a token), "
+    hint += "place, then each slot decodes"
     return count_exercise("continuous_steps", fn, rows, truth, diagnose, hint)

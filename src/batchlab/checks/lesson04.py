@@ -63,10 +63,8 @@ def _judge(rows, prefill_step, batch=3, max_seq_len=None, chunks_of=None, seed=0
 def chunked_scheduler(cls) -> Verdict:
     """Check a ``ContinuousScheduler`` subclass whose ``prefill_chunk()`` yields one chunk a step."""
     two = [(5, 12), (5, 12)]  # two short requests that decode while the long prompt prefills
-    hint = (
-        "n = min(self.prefill_step, req.prefill_left); if self.make_room(req, n): "
-        "yield Batch(prefill=[(req, n)])"
-    )
+    hint = "n = min(self.prefill_step, req.prefill_left); "
+    hint += "if self.make_room(req, n): yield Batch(prefill=[(req, n)])"
 
     def chunk_case(label, prompt_len, step, chunks, hint=hint):
         return piece_case(label, _judge(two + [(prompt_len, 3)], step, chunks_of=("r2", chunks)), hint)
@@ -98,6 +96,10 @@ def chunked_scheduler(cls) -> Verdict:
 UP = "a last, shorter chunk is a step too (round up)"
 
 
+def _long_ttft(p, step, rate, dec):
+    return p / rate + (_n_chunks(p, step) - 1) * dec
+
+
 def predict_long_ttft(fn: Callable) -> Verdict:
     """Check ``fn(prompt_len, prefill_step, prefill_tokens_per_s, decode_step_s) -> seconds``."""
 
@@ -119,9 +121,7 @@ def predict_long_ttft(fn: Callable) -> Verdict:
     ]
     hint = "all the prompt's tokens are prefilled once whatever the chunk size; "
     hint += "between two chunks comes one decode pass"
-    return table(
-        "predict_long_ttft", fn, rows, lambda p, s, r, d: p / r + (_n_chunks(p, s) - 1) * d, judge, hint
-    )
+    return table("predict_long_ttft", fn, rows, _long_ttft, judge, hint)
 
 
 def _largest(target, rate, dec, choices):

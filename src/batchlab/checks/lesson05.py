@@ -83,6 +83,7 @@ def _case(label, rows, batch, budget, hint=HINT, **options):
 
 def stallfree_planner(cls) -> Verdict:
     """Check a ``StallFreeScheduler`` subclass whose ``plan()`` returns the step's one ``Batch``."""
+    twelve, ten = random_rows(3, 12, (1, 90), (1, 12)), random_rows(4, 10, (1, 40), (1, 9))
     cases = [
         _case("the lesson's example: 3 slots, budget 16", [(20, 4), (6, 3), (30, 2), (5, 3)], 3, 16),
         _case("3 requests of 4 tokens, budget 16: all admitted at once", [(4, 5)] * 3, 3, 16, ADMIT),
@@ -90,10 +91,8 @@ def stallfree_planner(cls) -> Verdict:
         _case("two partial prefills continue in admission order, budget 8", [(10, 3), (10, 3), (3, 3)], 3, 8),
         _case("5 requests, 2 slots: the queue waits", [(6, 4), (6, 2), (6, 3), (6, 1), (6, 2)], 2, 16, ADMIT),
         _case("a request that finishes with its first token", [(5, 6), (12, 1), (7, 3)], 2, 8, ""),
-        _case(
-            "a whole workload, 4 slots, budget 24", random_rows(3, 12, (1, 90), (1, 12)), 4, 24, "", seed=3
-        ),
-        _case("a whole workload, 3 slots, budget 5", random_rows(4, 10, (1, 40), (1, 9)), 3, 5, "", seed=4),
+        _case("a whole workload, 4 slots, budget 24", twelve, 4, 24, "", seed=3),
+        _case("a whole workload, 3 slots, budget 5", ten, 3, 5, "", seed=4),
     ]
     label = "memory: 10 requests on a KV pool of 16 blocks, budget 24 (preemptions must happen)"
     cases.append(memory_case(label, _planner_judge(TIGHT, 4, 24, seed=5, num_kv_blocks=16), True, HINT))

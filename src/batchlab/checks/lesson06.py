@@ -385,7 +385,8 @@ def stream_text(fn: Callable, lm) -> Verdict:
     def show_real(value):
         return repr(value[0]) if isinstance(value, tuple) else value
 
-    cases.append(
-        Case("the real model on an EngineLoop", real, "the engine's text", real_compare, "", show_real)
+    real_case = Case(
+        "the real model on an EngineLoop", real, "the engine's text", real_compare, "", show_real
     )
+    cases.append(real_case)
     return run_cases("stream_text", fn, cases)

@@ -76,15 +76,11 @@ def parse_sse(fn: Callable) -> Verdict:
     role = e("", role="assistant")
     plain = [role, blank, e("Hel"), blank, e("lo"), blank, e(finish="stop"), blank, done, blank]
     paris = [role, e("Paris"), e(".", finish="stop"), e(usage=USAGE), done]
-    emoji = [role, e(" 🙂"), e(' "ok"'), done]
+    emoji, ping = [role, e(" 🙂"), e(' "ok"'), done], [role, e("a"), ": ping", e("b"), done]
     streams = [
         ("a plain stream: role, 'Hel', 'lo', finish, [DONE]", plain, ["Hel", "lo"]),
         ("the role chunk's content '' is not a delta", [role, e(" world"), done], [" world"]),
-        (
-            "a keep-alive comment line ': ping' between chunks",
-            [role, e("a"), ": ping", e("b"), done],
-            ["a", "b"],
-        ),
+        ("a keep-alive comment line ': ping' between chunks", ping, ["a", "b"]),
         ("a usage chunk (empty choices) after the finish", paris, ["Paris", "."]),
         ("text with emoji and a quote: ' 🙂' and ' \"ok\"'", emoji, [" 🙂", ' "ok"']),
         ("lines after data: [DONE] are ignored", [e("x"), done, e("late")], ["x"]),

@@ -111,10 +111,6 @@ def cached_prefix(fn: Callable) -> Verdict:
     return table("cached_prefix", fn, rows, _lookup_reference, judge)
 
 
-def _req(rid, priority, arrival_s):
-    return SimpleNamespace(id=rid, priority=priority, arrival_s=arrival_s)
-
-
 def _prompt(i, n, offset=0):  # token ids < 60
     return [(7 * i + 3 * j + offset) % 59 + 1 for j in range(n)]
 
@@ -217,7 +213,7 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
     missing = next((p for p in (scheduler_cls, policy_cls) if getattr(p, "missing_reason", None)), None)
 
     def victim_case(label, *running):
-        running = [_req(*r) for r in running]
+        running = [SimpleNamespace(id=rid, priority=p, arrival_s=t) for rid, p, t in running]
 
         def call(pieces):
             got = pieces()[1]().victim(list(running))

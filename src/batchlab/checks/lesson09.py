@@ -37,7 +37,7 @@ def mean_in_system(fn: Any) -> Verdict:
     return table("mean_in_system", fn, rows, lambda a, d: stays(a, d) / max(d), judge, hint)
 
 
-LONG = ("long", 10.0, 800)
+LONG, HUGE = ("long", 10.0, 800), ("w", 3.0, 900)  # 8 s and 9 s of prefill
 
 
 def to_shed(fn: Any) -> Verdict:
@@ -62,10 +62,7 @@ def to_shed(fn: Any) -> Verdict:
         ("one has waited 6 s already (SLO 5 s)", [("a", 4.0, 50), ("b", 9.5, 50)]),
         ("a long prompt that just arrived: 800 tokens take 8 s to prefill", [("short", 9.0, 40), LONG]),
         ("exactly on time: waited 4 s + 1 s of prefill = the 5 s SLO (keep it)", [("edge", 6.0, 100)]),
-        (
-            "several late ones, in queue order",
-            [("x", 1.0, 10), ("y", 9.9, 10), ("z", 2.0, 10), ("w", 3.0, 900)],
-        ),
+        ("several late ones, in queue order", [("x", 1.0, 10), ("y", 9.9, 10), ("z", 2.0, 10), HUGE]),
     ]
 
     def late(q, now, slo, speed):
@@ -90,9 +87,8 @@ def _shed_run(admission, name):
     options = dict(max_batch_size=8, token_budget=64)
     if tight:
         options.update(num_kv_blocks=48, kv_block_size=16)
-    workload = synthetic_workload(
-        160, rate=1.2, seed=11 if tight else 7, prompt_range=(16, 256), output_range=(4, 256)
-    )
+    ranges = dict(prompt_range=(16, 256), output_range=(4, 256))
+    workload = synthetic_workload(160, rate=1.2, seed=11 if tight else 7, **ranges)
     trace = simulate(make_sim_engine("stallfree", admission=admission, **options), workload)
     reasons = {rid: r.finish_reason for rid, r in trace.requests.items()}
     preempted = {rid for rid, r in trace.requests.items() if r.preemptions}

@@ -183,11 +183,7 @@ def as_whole_number(got: Any) -> tuple[int | None, str | None]:
     return None, f"expected a whole number (a Python int), but you returned a {type(got).__name__}"
 
 
-def answer_compare(
-    read: Callable,
-    diagnose: Callable = lambda got, expected: "",
-    same: Callable[[Any, Any], bool] = operator.eq,
-) -> Compare:
+def answer_compare(read: Callable, diagnose=lambda got, expected: "", same=operator.eq) -> Compare:
     """``read(got)`` gives (value, None) or (None, why it is the wrong kind of answer)."""
 
     def compare(got, expected):

@@ -148,10 +148,8 @@ def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
     """The likely mistake when the learner's fits disagrees with ``Scheduler.fits``, from the situation."""
     hits, _, _ = sched.first_chunk(req, max_tokens)
     decoding = len(sched.in_state(State.DECODING))
-    situation = (
-        f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, {len(hits)} cached block(s), "
-        f"{decoding} decoding, {sched.blocks.num_free} free block(s)) your fits said {got}"
-    )
+    situation = f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, {len(hits)} cached block(s), "
+    situation += f"{decoding} decoding, {sched.blocks.num_free} free block(s)) your fits said {got}"
     if not got and hits:
         return f"{situation}: cached prefix blocks are shared, not taken: they cost no free block"
     if not got and req.prefill_len > max_tokens:

@@ -344,21 +344,6 @@ def stream_text(fn: Callable, lm) -> Verdict:
     def one_per_poll(ids):
         return [([t], "running", None) for t in ids[:-1]] + [([ids[-1]], "done", "stop")]
 
-    answer = tok.encode(" The capital of France is Paris.")
-    emoji = tok.encode("I love 🍕 and ☕.")
-    cut = tok.encode("I love 🍕")[:-1]  # the stream ends inside the emoji
-    with_done = [(answer[:3], "running", None), (answer[3:], "done", "stop")]
-    late = [(answer[:2], "running", None), ([], "running", None), (answer[2:], "done", "length")]
-    cases = [
-        case("' The capital of France is Paris.' one token per poll", one_per_poll(answer)),
-        case("the same: the first piece comes before the last poll", one_per_poll(answer), streaming=True),
-        case("'I love 🍕 and ☕.': each emoji is 3 tokens, in 3 separate polls", one_per_poll(emoji), HELD),
-        case("the last 4 tokens come in the same poll as 'done': show them too", with_done, BEFORE),
-        case("polls that return nothing for a while: keep polling", [([], "running", None)] * 3 + late),
-        case("the stream is cut inside an emoji: flush() gives the rest", [(cut, "done", "length")], FLUSH),
-        case("an unknown request id: stop after one poll, no text", [([], "unknown", None)]),
-    ]
-
     def real(f):
         from ..loop import EngineLoop
 
@@ -385,8 +370,19 @@ def stream_text(fn: Callable, lm) -> Verdict:
     def show_real(value):
         return repr(value[0]) if isinstance(value, tuple) else value
 
-    real_case = Case(
-        "the real model on an EngineLoop", real, "the engine's text", real_compare, "", show_real
-    )
-    cases.append(real_case)
+    answer = tok.encode(" The capital of France is Paris.")
+    emoji = tok.encode("I love 🍕 and ☕.")
+    cut = tok.encode("I love 🍕")[:-1]  # the stream ends inside the emoji
+    with_done = [(answer[:3], "running", None), (answer[3:], "done", "stop")]
+    late = [(answer[:2], "running", None), ([], "running", None), (answer[2:], "done", "length")]
+    cases = [
+        case("' The capital of France is Paris.' one token per poll", one_per_poll(answer)),
+        case("the same: the first piece comes before the last poll", one_per_poll(answer), streaming=True),
+        case("'I love 🍕 and ☕.': each emoji is 3 tokens, in 3 separate polls", one_per_poll(emoji), HELD),
+        case("the last 4 tokens come in the same poll as 'done': show them too", with_done, BEFORE),
+        case("polls that return nothing for a while: keep polling", [([], "running", None)] * 3 + late),
+        case("the stream is cut inside an emoji: flush() gives the rest", [(cut, "done", "length")], FLUSH),
+        case("an unknown request id: stop after one poll, no text", [([], "unknown", None)]),
+        Case("the real model on an EngineLoop", real, "the engine's text", real_compare, "", show_real),
+    ]
     return run_cases("stream_text", fn, cases)

@@ -25,16 +25,11 @@ def test_a_scheduler_that_never_stops_is_stopped_with_words():
 
 def test_a_memory_case_whose_reference_does_not_preempt_is_refused():
     roomy = _pieces.fake_workload("w", [(5, 3), (6, 2)])
+    judge = _pieces.piece_judge(
+        ContinuousScheduler, ContinuousScheduler, roomy, [], max_batch_size=2, num_kv_blocks=64
+    )
     with pytest.raises(AssertionError, match="did not show the scenario"):
-        _pieces.pressure_case(
-            "memory: roomy",
-            lambda cls: None,
-            ContinuousScheduler,
-            roomy,
-            True,
-            max_batch_size=2,
-            num_kv_blocks=64,
-        )
+        _pieces.memory_case("memory: roomy", judge, True)
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from ._core import Case, _where, table, whole_number_compare
 
 VOCAB = 64
 MAX_PASSES = 5000  # far more than any case needs: a scheduler that loops is stopped here
+HELD = "KV block(s) were still held: a request leaving gives them back"
 
 
 class _TooManyPasses(BaseException):
@@ -44,10 +45,6 @@ def fake_workload(name: str, rows: list[tuple[int, int]], seed: int = 0) -> Work
 def random_rows(seed: int, n: int, prompts: tuple[int, int], outputs: tuple[int, int]) -> list[tuple]:
     rng = random.Random(seed)
     return [(rng.randint(*prompts), rng.randint(*outputs)) for _ in range(n)]
-
-
-# What a learner's mistake looks like when the engine trips over it, and what to say.
-SLOT_TAKEN = "every decode slot is taken"
 
 
 @dataclass
@@ -82,7 +79,7 @@ def run_piece(cls, workload: Workload, *, max_seq_len=None, hints=None, prioriti
         why = f"the KV pool ran out ({blocks} blocks): MemoryError: {e}{_where(e)}"
         trace, problem = engine.trace, why + _then(hints.get("memory"))
     except Exception as e:
-        why = _then(hints.get("slot") if SLOT_TAKEN in str(e) else None)
+        why = _then(hints.get("slot") if "every decode slot is taken" in str(e) else None)  # take_slot's
         trace, problem = engine.trace, f"your scheduler raised {type(e).__name__}: {e}{_where(e)}{why}"
     stats = engine.stats()
     return Run(trace, problem, stats["num_kv_blocks"] - stats["free_kv_blocks"], stats["preemptions"])
@@ -195,12 +192,6 @@ def state_problem(trace: Trace, set_decoding: str) -> str | None:
     return None
 
 
-def blocks_problem(run: Run) -> str | None:
-    if run.blocks_held:
-        return f"at the end {run.blocks_held} KV block(s) were still held: a request leaving gives them back"
-    return None
-
-
 def piece_case(label: str, judge: Callable[[type], str | None], hint: str = "") -> Case:
     """A case whose answer is "ok" or the first problem ``judge(cls)`` finds."""
     return Case(
@@ -224,25 +215,21 @@ def piece_judge(base, reference, workload, checks, *, broken=(), schedule=None, 
         run = run_piece(cls, workload, hints=hints, **options)
         found = (check(run.trace) for check in (broken if run.problem else checks) if run.trace)
         first = next(filter(None, found), None)  # else a broken-off run's problem
-        return first or run.problem or (schedule and schedule(run.trace, ref)) or blocks_problem(run)
+        held = run.blocks_held and f"at the end {run.blocks_held} {HELD}"
+        return first or run.problem or (schedule and schedule(run.trace, ref)) or held or None
 
     judge.scenario = (reference, workload, options)  # for memory_case
     return judge
 
 
-def pressure_case(label, judge, reference, workload, must_preempt: bool, hint="", **options) -> Case:
-    """A case on a small KV pool; the reference must show the scenario (preempt if ``must_preempt``)."""
+def memory_case(label: str, judge: Callable, must_preempt: bool, hint: str = "") -> Case:
+    """A ``piece_judge`` case on a small KV pool: its reference must show the scenario (preempt if told)."""
+    reference, workload, options = judge.scenario
     ref = run_piece(reference, workload, **options)
     if ref.problem or (must_preempt and not ref.preemptions):
         why = ref.problem or "no preemption"
         raise AssertionError(f"checker case {label!r}: the reference run did not show the scenario ({why})")
     return piece_case(label, judge, hint)
-
-
-def memory_case(label: str, judge: Callable, must_preempt: bool, hint: str = "") -> Case:
-    """``pressure_case`` on the scenario of a ``piece_judge`` judge."""
-    reference, workload, options = judge.scenario
-    return pressure_case(label, judge, reference, workload, must_preempt, hint, **options)
 
 
 def schedule_problem(got: Trace, expected: Trace, key: Callable, words: Callable, hint=None) -> str | None:

@@ -24,10 +24,6 @@ HINTS = {
 BEGIN = "start each request of the batch with self.begin(req)"
 
 
-def _names(ids) -> str:
-    return ", ".join(ids) or "none"
-
-
 def _key(s):
     prefill = [(rid, n) for rid, _, n in s.prefill]
     return prefill, list(s.decoded), list(s.padding), s.padding_tokens, list(s.slots)
@@ -37,9 +33,9 @@ def _words(s, other) -> str:
     parts = []
     if s.prefill:
         parts.append("prefill " + ", ".join(f"{rid} ({n} tokens)" for rid, _, n in s.prefill))
-    parts.append(f"decode rows {_names(s.decoded)}")
+    parts.append(f"decode rows {', '.join(s.decoded) or 'none'}")
     if s.padding or other.padding:
-        parts.append(f"padding rows {_names(s.padding)}")
+        parts.append(f"padding rows {', '.join(s.padding) or 'none'}")
     if s.padding_tokens or other.padding_tokens:
         parts.append(f"{s.padding_tokens} padding tokens")
     if s.slots != other.slots:
@@ -68,11 +64,10 @@ def static_invariants(trace: Trace, B: int) -> str | None:
     batch, previous_slots, finished = set(), [], set()
     for step in trace.steps:
         started = {rid for rid, _, _ in step.prefill}
-        if started:
-            if any(previous_slots):
-                who = ", ".join(sorted(started))
-                return f"step {step.index}: {who} started: in static batching nobody joins a running batch"
-            batch = started
+        if started and any(previous_slots):
+            who = ", ".join(sorted(started))
+            return f"step {step.index}: {who} started: in static batching nobody joins a running batch"
+        batch = started or batch
         rows = set(step.decoded) | set(step.padding)
         if step.decoded and rows != batch:
             missing = sorted(batch - rows)
@@ -80,8 +75,7 @@ def static_invariants(trace: Trace, B: int) -> str | None:
                 why = "a finished request stays in its batch as a padding row until the batch ends"
                 return f"step {step.index}: finished {', '.join(missing)} had no row: {why}"
             return f"step {step.index}: the decode step ran rows {sorted(rows)}, the batch is {sorted(batch)}"
-        if set(step.decoded) & set(step.padding):
-            both = sorted(set(step.decoded) & set(step.padding))
+        if both := sorted(set(step.decoded) & set(step.padding)):
             return f"step {step.index}: {both} got a decode row and a padding row"
         finished |= set(step.finished)
         previous_slots = list(step.slots)
@@ -92,11 +86,9 @@ def _static_judge(rows, B, seed=0, **pool):
     w = fake_workload("static", rows, seed)
     checks = [lambda t: output_problem(t, w), lambda t: slot_problem(t, B, rectangular=True)]
     checks += [lambda t: state_problem(t, BEGIN), lambda t: static_invariants(t, B)]
-    pool.update(schedule=_schedule, hints=HINTS, max_batch_size=B)
+    schedule = partial(schedule_problem, key=_key, words=_words, hint=_static_hint)
+    pool.update(schedule=schedule, hints=HINTS, max_batch_size=B)
     return piece_judge(StaticScheduler, StaticScheduler, w, checks, **pool)
-
-
-_schedule = partial(schedule_problem, key=_key, words=_words, hint=_static_hint)
 
 
 def static_scheduler(cls) -> Verdict:
@@ -106,7 +98,7 @@ def static_scheduler(cls) -> Verdict:
     thirty = list(zip(rng.integers(3, 30, 30).tolist(), rng.integers(1, 41, 30).tolist()))
     hint = "start up to B requests only when no batch runs; when all of the batch are done, free them all"
     five = [(4, 3), (5, 7), (6, 2), (7, 5), (8, 4)]
-    cases = [
+    rows = [
         ("two batches: 5 requests, B=3; the 4th and 5th wait for the first three", five, 3),
         ("one batch of 3 requests with B=4 (fewer requests than slots)", [(5, 4), (9, 2), (3, 6)], 4),
         ("every request wants a single token (3 requests, B=2): no decode rows", [(6, 1)] * 3, 2),
@@ -116,13 +108,11 @@ def static_scheduler(cls) -> Verdict:
         ("whole workload: 30 requests, outputs 1 to 40 tokens, B=4 (eight batches)", thirty, 4),
     ]
     cases = [
-        piece_case(label, _static_judge(rows, B, seed=10 * i), hint)
-        for i, (label, rows, B) in enumerate(cases)
+        piece_case(label, _static_judge(w, B, seed=10 * i), hint) for i, (label, w, B) in enumerate(rows)
     ]
     tight = _static_judge([(20 + 7 * i % 25, 8 + 5 * i % 30) for i in range(12)], 8, seed=7, num_kv_blocks=16)
     label = "memory: 12 requests on a KV pool of 16 blocks of 16 tokens, B=8"
-    cases.append(memory_case(label, tight, False, hint))
-    return run_cases("static_scheduler", cls, cases)
+    return run_cases("static_scheduler", cls, cases + [memory_case(label, tight, False, hint)])
 
 
 def _static_trace(output_lens: list[int], B: int) -> Trace:

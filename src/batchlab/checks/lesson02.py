@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from operator import attrgetter
 from typing import Callable
 
 import numpy as np
@@ -68,10 +69,6 @@ def continuous_invariants(trace, B: int) -> str | None:
     return None
 
 
-def _key(s):
-    return (s.prefill, s.decoded, s.slots)
-
-
 def _words(s, other=None) -> str:
     pre = ", ".join(f"{rid} ({n} tokens)" for rid, _, n in s.prefill) or "none"
     slots = ", ".join(r or "free" for r in s.slots)
@@ -86,7 +83,7 @@ def _hint(g, e) -> str | None:
     return None
 
 
-_schedule = partial(schedule_problem, key=_key, words=_words, hint=_hint)
+_schedule = partial(schedule_problem, key=attrgetter("prefill", "decoded", "slots"), words=_words, hint=_hint)
 
 
 def continuous_judge(rules, hints, placed, rows, B, seed=0, max_seq_len=None, **options):
@@ -103,29 +100,22 @@ def continuous_scheduler(cls) -> Verdict:
     """Check ``MyContinuousScheduler``: the rules, the tokens, the library's schedule, every block back."""
     rng = np.random.default_rng(2)
     short = [int(o) for o in np.clip(np.ceil(rng.exponential(24, 24)), 1, 100)]
-    drawn = [int(p) for p in rng.integers(20, 60, 24)], [int(p) for p in rng.integers(40, 120, 16)]
-    labels = [
-        "5 requests, B=2, outputs [4, 6, 2, 5, 3]",
-        "outputs [5, 2, 3], B=1: the second waits for the only slot",
-        "single-token requests [1, 1, 1], B=2: no slot needed",
-        "12 requests, B=4: slots freed mid-way must be refilled",
-        "whole workload: 24 requests, outputs 1 to 100 tokens (most short), B=8",
-        "whole workload: 16 requests with the mixed workload's output lengths, B=8",
-    ]
-    data = [  # (B, output lengths, prompt lengths)
-        (2, [4, 6, 2, 5, 3], [5, 6, 7, 8, 9]),
-        (1, [5, 2, 3], [5, 5, 5]),
-        (2, [1, 1, 1], [6, 6, 6]),
-        (4, [7, 1, 3, 9, 2, 2, 8, 5, 1, 6, 4, 3], list(range(3, 15))),
-        (8, short, drawn[0]),
-        (8, MIXED_OUTPUTS, drawn[1]),
+    p24, p16 = [int(p) for p in rng.integers(20, 60, 24)], [int(p) for p in rng.integers(40, 120, 16)]
+    outs12 = [7, 1, 3, 9, 2, 2, 8, 5, 1, 6, 4, 3]
+    rows = [  # (label, B, output lengths, prompt lengths)
+        ("5 requests, B=2, outputs [4, 6, 2, 5, 3]", 2, [4, 6, 2, 5, 3], [5, 6, 7, 8, 9]),
+        ("outputs [5, 2, 3], B=1: the second waits for the only slot", 1, [5, 2, 3], [5, 5, 5]),
+        ("single-token requests [1, 1, 1], B=2: no slot needed", 2, [1, 1, 1], [6, 6, 6]),
+        ("12 requests, B=4: slots freed mid-way must be refilled", 4, outs12, list(range(3, 15))),
+        ("whole workload: 24 requests, outputs 1 to 100 tokens (most short), B=8", 8, short, p24),
+        ("whole workload: 16 requests with the mixed workload's output lengths, B=8", 8, MIXED_OUTPUTS, p16),
     ]
     admit = "admit(): start the next queued request if it fits and nobody prefills or awaits a slot; "
     hint = admit + "place(): move the first awaiting request into a free slot and set it DECODING"
     judge = partial(continuous_judge, continuous_invariants, HINTS, PLACED)
     cases = [
         piece_case(label, judge(list(zip(prompts, outputs)), B, 100 * i), hint)
-        for i, (label, (B, outputs, prompts)) in enumerate(zip(labels, data))
+        for i, (label, B, outputs, prompts) in enumerate(rows)
     ]
     ten = [(20 + 9 * i % 40, 40 + 7 * i % 30) for i in range(10)]
     twelve = [(30 + 23 * i % 90, 30 + 11 * i % 40) for i in range(12)]
@@ -133,8 +123,7 @@ def continuous_scheduler(cls) -> Verdict:
         ("memory: 10 requests on a KV pool of 16 blocks, B=4", ten, 4, 16),
         ("memory: 12 requests on 24 blocks, B=6", twelve, 6, 24),
     ]
-    for label, rows, B, blocks in pressure:
-        cases.append(memory_case(label, judge(rows, B, 9, num_kv_blocks=blocks), True, hint))
+    cases += [memory_case(label, judge(w, B, 9, num_kv_blocks=n), True, hint) for label, w, B, n in pressure]
     return run_cases("continuous_scheduler", cls, cases)
 
 
@@ -161,6 +150,7 @@ def continuous_steps(fn: Callable) -> Verdict:
         ("the mixed workload's outputs, B=8", MIXED_OUTPUTS, 8),
         ("the mixed workload's outputs, B=16", MIXED_OUTPUTS, 16),
     ]
-    hint = "simulate: admit one request if none waits (its prefill makes a token), "
-    hint += "place, then each slot decodes"
+    hint = (
+        "simulate: admit one request if none waits (its prefill makes a token), place, then each slot decodes"
+    )
     return count_exercise("continuous_steps", fn, rows, truth, diagnose, hint)

@@ -25,13 +25,10 @@ def _chunk_rules(prefill_step, chunks_of=None):
 
     def rules(trace, B):
         chunks = prefill_chunks(trace)
-        for rid, mine in chunks.items():
-            for index, start, n in mine:
-                if n > limit:
-                    why = (
-                        f"more than prefill_step={prefill_step}: a chunk takes min(prefill_step, tokens left)"
-                    )
-                    return f"step {index}: {rid}'s chunk has {n} tokens, {why}"
+        over = [(k, rid, n) for rid, mine in chunks.items() for k, _, n in mine if n > limit]
+        if over:
+            why = f"more than prefill_step={prefill_step}: a chunk takes min(prefill_step, tokens left)"
+            return f"step {over[0][0]}: {over[0][1]}'s chunk has {over[0][2]} tokens, {why}"
         if chunks_of is not None:
             rid, want = chunks_of
             got = [(start, n) for _, start, n in chunks.get(rid, [])]

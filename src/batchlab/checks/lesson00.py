@@ -9,7 +9,7 @@ from .. import _blas  # noqa: F401  (before mlx)
 import mlx.core as mx
 import numpy as np
 
-from ._core import Case, Verdict, mistakes, number_compare, run_cases, show, table
+from ._core import Case, Verdict, answer_compare, mistakes, number_compare, run_cases, show, table
 
 __all__ = ["greedy_pick", "greedy_generate", "tokens_per_second"]
 
@@ -24,11 +24,7 @@ def _not_python_int(got: Any) -> str | None:
     return f"a token id is a Python int, but you returned a {type(got).__name__}"
 
 
-def _same_token(got: Any, expected: int) -> str | None:
-    problem = _not_python_int(got)
-    return None if problem is None and got == expected else problem or ""
-
-
+_same_token = answer_compare(lambda got: (got, _not_python_int(got)))
 _CACHE: dict = {}  # (kind, id(model), prompt) -> (model, value): holding the model keeps its id unique
 
 
@@ -39,9 +35,7 @@ def _france_ids(lm) -> list[int]:
 def _last_logits(lm, ids: list[int]) -> mx.array:
     key = ("logits", id(lm.model), tuple(ids))
     if key not in _CACHE:
-        row = lm.model(mx.array([ids]))[0, -1]
-        mx.eval(row)
-        _CACHE[key] = (lm.model, row)
+        _CACHE[key] = (lm.model, lm.model(mx.array([ids]))[0, -1])
     return _CACHE[key][1]
 
 
@@ -51,8 +45,7 @@ def _on(values):
 
 def greedy_pick(fn: Callable, lm=None) -> Verdict:
     """Check ``fn(logits) -> int``, the id of the largest logit (with ``lm``, also on the real model's)."""
-    big = np.full(49152, -3.0, dtype=np.float32)
-    big[40000] = 1.5
+    big = np.where(np.arange(49152) == 40000, 1.5, -3.0)
     rows = [
         ("logits [0.1, 2.5, -1.0, 0.3]: the largest is id 1", [0.1, 2.5, -1.0, 0.3]),
         ("logits [3.0, 1.0, 2.0]: the largest is the first, id 0", [3.0, 1.0, 2.0]),
@@ -96,9 +89,7 @@ def _reference_tokens(lm, ids: list[int], n: int) -> list[int]:
 
 def greedy_generate(fn: Callable, lm) -> Verdict:
     """Check ``fn(lm, ids, n) -> list[int]``: greedy decoding with a KV cache, up to ``n`` new tokens."""
-    tok = lm.tokenizer
-    france = _france_ids(lm)
-    eos = tok.eos_token_ids
+    tok, france, five = lm.tokenizer, _france_ids(lm), _Recorder(lm.model)  # five: case 2's model
 
     def show_ids(ids):
         if isinstance(ids, (list, tuple)) and all(isinstance(t, int) for t in ids):
@@ -117,9 +108,9 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         if got == expected:
             return None
         last = f"the EOS token {expected[-1]} ({tok.decode(expected[-1:])!r})" if expected else ""
-        if got[: len(expected)] == expected and expected and expected[-1] in eos:
+        if got[: len(expected)] == expected and expected and expected[-1] in tok.eos_token_ids:
             return f"the first {len(expected)} tokens are right, but you kept going after {last}"
-        if got == expected[:-1] and expected[-1] in eos:
+        if got == expected[:-1] and expected[-1] in tok.eos_token_ids:
             return f"you stopped at {last} but left it out: append it, then stop"
         if len(got) > len(expected) and got[len(got) - len(expected) :] == expected:
             extra = f"the new tokens are right, but {len(got) - len(expected)} tokens come before them"
@@ -128,26 +119,19 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         first = next((i for i in range(n) if got[i] != expected[i]), n)
         return f"they first differ at position {first} (counting from 0)"
 
-    recorded: dict[str, list] = {}
-
-    def case(label, ids, n, hint="", record=None):
+    def case(label, ids, n, hint="", model=None):
         def call(f):
-            recorder = _Recorder(lm.model)
-            recorded[record or ""] = recorder.calls
-            return f(replace(lm, model=recorder), list(ids), n)
+            return f(replace(lm, model=model or _Recorder(lm.model)), list(ids), n)
 
         return Case(label, call, _reference_tokens(lm, ids, n), compare, hint, show_ids)
 
     answer = _reference_tokens(lm, france, 12)
-    first = "the first new token is the prefill's last row's"
-    feed = "feed the token just picked, with the same cache"
-    once = tok.encode("Once upon a time")
-    stop = "after appending a token, stop if it is in lm.tokenizer.eos_token_ids"
+    first, once = "the first new token is the prefill's last row's", tok.encode("Once upon a time")
     twelve = f"the France question, n=12: the answer ends with an EOS token after {len(answer)} tokens"
     cases = [
         case("the France question (chat template), n=1", france, 1, first),
-        case("the France question, n=5", france, 5, feed, "france5"),
-        case(twelve, france, 12, stop),
+        case("the France question, n=5", france, 5, "feed the token just picked, with the same cache", five),
+        case(twelve, france, 12, "after appending a token, stop if it is in lm.tokenizer.eos_token_ids"),
         case("a plain text prompt (no chat template) 'Once upon a time', n=6", once, 6),
         case("a one-token prompt [504] ('The'), n=4", [504], 4),
     ]
@@ -161,17 +145,16 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
             if i > 1 and shape[-1] != 1:
                 newest = "each step after the prompt feeds only the newest token"
                 return f"forward pass {i} was given {shape[-1]} tokens: {newest}"
-        return None
 
-    def show_calls(calls):
-        if not isinstance(calls, list):
+    def show_calls(calls):  # the expected answer is already in words
+        if isinstance(calls, str):
             return calls
-        parts = [f"[{', '.join(map(str, s))}]{'' if c else ' (no cache)'}" for s, c in calls]
+        parts = [f"{list(shape)}{'' if cached else ' (no cache)'}" for shape, cached in calls]
         return "input shapes " + ", ".join(parts[:8]) + (" ..." if len(parts) > 8 else "")
 
     want = f"input shapes [1, {len(france)}], then [1, 1] for every step, all with the cache"
     label = "uses the KV cache: the prompt in one pass, then one new token per pass (case 2's passes)"
-    cases.append(Case(label, lambda f: recorded.get("france5", []), want, cache_ok, show=show_calls))
+    cases.append(Case(label, lambda f: five.calls, want, cache_ok, show=show_calls))
     return run_cases("greedy_generate", fn, cases)
 
 

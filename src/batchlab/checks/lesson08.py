@@ -11,7 +11,7 @@ from ..policies import PriorityPolicy
 from ..request import State
 from ..runner import Chunk
 from ..scheduler import Scheduler
-from ..workloads import Workload, WorkloadRequest
+from ..workloads import Workload, WorkloadRequest as _W
 from ._core import Case, Verdict, answer_compare, run_cases, show, table
 from ._pieces import VOCAB, piece_case, run_piece
 
@@ -87,10 +87,8 @@ def cached_prefix(fn: Callable) -> Verdict:
 
         def diagnose(got, expected):
             if len(got) > full:
-                return (
-                    f"only the first {full} block(s) may be shared: the block holding the last prompt "
-                    f"token is always computed, so the request still gets a next-token distribution"
-                )
+                why = "the block holding the last prompt token is always computed, so the request still"
+                return f"only the first {full} block(s) may be shared: {why} gets a next-token distribution"
             if len(got) > len(expected):
                 return "a block's key chains its parent's: after another prefix it is another block"
             if len(got) < len(expected) and got == expected[: len(got)]:
@@ -116,10 +114,6 @@ def _prompt(i, n, offset=0):  # token ids < 60
 
 
 _POOL = dict(max_batch_size=4, token_budget=24, num_kv_blocks=14)
-_LONG = dict(max_batch_size=4, token_budget=12, num_kv_blocks=24)
-_SHARED = dict(max_batch_size=4, token_budget=24, num_kv_blocks=11, enable_prefix_cache=True)
-_PRIORITIES = {f"p{i}": prio for i, prio in enumerate([1, 0, 2, 1, 0, 2])}
-_W = WorkloadRequest
 SCENARIOS = {  # name: (in words, requests arriving at once, (engine options, priorities, must preempt))
     "tight": (
         "6 requests growing on a pool of 14 blocks of 4 tokens (preemptions must happen)",
@@ -129,17 +123,17 @@ SCENARIOS = {  # name: (in words, requests arriving at once, (engine options, pr
     "priorities": (
         "6 requests of priorities [1, 0, 2, 1, 0, 2] on 14 blocks (preemptions must happen)",
         [_W(f"p{i}", _prompt(i, 6 + i, 5), 20) for i in range(6)],
-        (_POOL, _PRIORITIES, True),
+        (_POOL, {f"p{i}": prio for i, prio in enumerate([1, 0, 2, 1, 0, 2])}, True),
     ),
     "long prompts": (
         "5 prompts of 30-50 tokens, a budget of 12 tokens a step (chunked admission)",
         [_W(f"l{i}", _prompt(i, 30 + 5 * i), 6) for i in range(5)],
-        (_LONG, None, False),
+        (dict(max_batch_size=4, token_budget=12, num_kv_blocks=24), None, False),
     ),
     "shared prefix": (
         "6 requests sharing a 16-token prefix, prefix cache on",
         [_W(f"s{i}", _prompt(99, 16) + _prompt(i, 3 + i), 8) for i in range(6)],
-        (_SHARED, None, False),
+        (dict(max_batch_size=4, token_budget=24, num_kv_blocks=11, enable_prefix_cache=True), None, False),
     ),
 }
 
@@ -173,8 +167,7 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
 
     class PolicyProbe(policy_cls):
         def victim(self, running):
-            got = super().victim(running)
-            want = PriorityPolicy.victim(self, running)
+            got, want = super().victim(running), PriorityPolicy.victim(self, running)
             if got is not want and "victim" not in notes:
                 among, yours = [(r.id, r.priority) for r in running], getattr(got, "id", got)
                 notes["victim"] = (
@@ -192,15 +185,14 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
     right = {r.id: reference_output(r.prompt_ids, r.max_new_tokens, VOCAB, frozenset()) for r in reqs}
     wrong = [rid for rid in right if run.trace.requests[rid].output_ids != right[rid]]
     over = [s.index for s in run.trace.steps if s.num_tokens > options["token_budget"]]
-    if wrong:
-        return f"the outputs of {wrong} differ from the fake model's"
-    if run.blocks_held:
-        return f"{run.blocks_held} KV block(s) still held after every request ended"
-    if over:
-        return f"steps {over[:5]} ran more tokens than the budget"
-    if must_preempt and not run.preemptions:
-        return "this scenario must preempt, but no preemption happened: the run did not test the victim"
-    return None
+    untested = "this scenario must preempt, but no preemption happened: the run did not test the victim"
+    found = [
+        wrong and f"the outputs of {wrong} differ from the fake model's",
+        run.blocks_held and f"{run.blocks_held} KV block(s) still held after every request ended",
+        over and f"steps {over[:5]} ran more tokens than the budget",
+        must_preempt and not run.preemptions and untested,
+    ]
+    return next(filter(None, found), None)
 
 
 VICTIM = "the least important (highest number) gives way; among equals the newest; on a full tie the last"

@@ -39,10 +39,6 @@ def _last_logits(lm, ids: list[int]) -> mx.array:
     return _CACHE[key][1]
 
 
-def _on(values):
-    return lambda f: f(mx.array(np.asarray(values, dtype=np.float32)))
-
-
 def greedy_pick(fn: Callable, lm=None) -> Verdict:
     """Check ``fn(logits) -> int``, the id of the largest logit (with ``lm``, also on the real model's)."""
     big = np.where(np.arange(49152) == 40000, 1.5, -3.0)
@@ -53,7 +49,10 @@ def greedy_pick(fn: Callable, lm=None) -> Verdict:
         ("a vocabulary-sized row (49152 logits) whose largest is at id 40000", big),
     ]
     hint = "greedy picks the position (the token id) of the largest logit, not the logit: mx.argmax"
-    cases = [Case(label, _on(values), int(np.argmax(values)), _same_token, hint) for label, values in rows]
+    cases = [
+        Case(label, lambda f, v=v: f(mx.array(v, dtype=mx.float32)), int(np.argmax(v)), _same_token, hint)
+        for label, v in rows
+    ]
     if lm is not None:
         row = _last_logits(lm, _france_ids(lm))
         expected = int(np.argmax(np.array(row)))
@@ -120,10 +119,8 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         return f"they first differ at position {first} (counting from 0)"
 
     def case(label, ids, n, hint="", model=None):
-        def call(f):
-            return f(replace(lm, model=model or _Recorder(lm.model)), list(ids), n)
-
-        return Case(label, call, _reference_tokens(lm, ids, n), compare, hint, show_ids)
+        on, ids = replace(lm, model=model or _Recorder(lm.model)), list(ids)  # the learner's own copies
+        return Case(label, lambda f: f(on, ids, n), _reference_tokens(lm, ids, n), compare, hint, show_ids)
 
     answer = _reference_tokens(lm, france, 12)
     first, once = "the first new token is the prefill's last row's", tok.encode("Once upon a time")

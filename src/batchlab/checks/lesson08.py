@@ -113,6 +113,7 @@ def _prompt(i, n, offset=0):  # token ids < 60
     return [(7 * i + 3 * j + offset) % 59 + 1 for j in range(n)]
 
 
+VICTIM = "the least important (highest number) gives way; among equals the newest; on a full tie the last"
 _POOL = dict(max_batch_size=4, token_budget=24, num_kv_blocks=14)
 SCENARIOS = {  # name: (in words, requests arriving at once, (engine options, priorities, must preempt))
     "tight": (
@@ -169,10 +170,8 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
         def victim(self, running):
             got, want = super().victim(running), PriorityPolicy.victim(self, running)
             if got is not want and "victim" not in notes:
-                among, yours = [(r.id, r.priority) for r in running], getattr(got, "id", got)
-                notes["victim"] = (
-                    f"victim: among {among} (id, priority), yours was {yours!r}, not {want.id!r}"
-                )
+                among = f"victim: among {[(r.id, r.priority) for r in running]} (id, priority)"
+                notes["victim"] = f"{among}, yours was {getattr(got, 'id', got)!r}, not {want.id!r}"
             if got not in running:
                 raise RuntimeError(f"victim returned {show(got)}, not one of the running requests")
             return got
@@ -195,9 +194,6 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
     return next(filter(None, found), None)
 
 
-VICTIM = "the least important (highest number) gives way; among equals the newest; on a full tie the last"
-
-
 def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
     """Check ``MyMemoryScheduler.fits(req, max_tokens)`` and ``MyVictimPolicy.victim(running)``."""
     missing = next((p for p in (scheduler_cls, policy_cls) if getattr(p, "missing_reason", None)), None)
@@ -217,11 +213,9 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
             picked, want = (next(r for r in running if r.id == i) for i in (got, expected))
             if picked.priority < want.priority:
                 return f"{got} has priority {picked.priority}: lower numbers are MORE important"
-            if picked.priority == want.priority and picked.arrival_s < want.arrival_s:
+            if picked.arrival_s < want.arrival_s:  # the same priority: the answer is the least important
                 return f"{got} and {expected} have the same priority; the NEWER one (later arrival) gives way"
-            if picked.priority == want.priority:
-                return "on a full tie, the one admitted last (the end of the list) gives way"
-            return ""
+            return "on a full tie, the one admitted last (the end of the list) gives way"
 
         return Case(label, call, PriorityPolicy().victim(running).id, compare, VICTIM)
 

@@ -111,10 +111,9 @@ def pack_chunks(fn: Callable) -> Verdict:
     def compare(got, expected):
         if not isinstance(got, (tuple, list)) or len(got) != 3:
             return "return three lists: (tokens, positions, last)"
-        got = tuple([int(x) for x in part] for part in got)
+        tokens, positions, last = got = tuple([int(x) for x in part] for part in got)
         if got == expected:
             return None
-        tokens, positions, last = got
         if tokens != expected[0]:
             return "the tokens are wrong: every chunk's tokens, one chunk after the other, in the order given"
         if len(positions) != len(tokens):
@@ -184,10 +183,9 @@ def skipped_decodes(fn: Callable) -> Verdict:
             return "a pair appears twice: list each skipped (step, request) once"
         if sorted(pairs) == expected:
             return None
-        missing = sorted(set(expected) - set(pairs))
-        extra = sorted(set(pairs) - set(expected))
-        if extra:
+        if extra := sorted(set(pairs) - set(expected)):
             return f"{extra[:3]} are not skips: a request decodes after its first token's step"
+        missing = sorted(set(expected) - set(pairs))
         return f"missed {missing[:3]}{' ...' if len(missing) > 3 else ''}"
 
     wrong = _fake_trace(_PrefillFirst, 4, 12, 3)

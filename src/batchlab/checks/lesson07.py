@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Callable
 
 from ._core import Verdict, close, mistakes, number_compare, table
@@ -13,34 +14,31 @@ __all__ = ["stream_metrics", "parse_sse", "goodput"]
 def stream_metrics(fn: Callable) -> Verdict:
     """Check ``fn(sent_s, chunk_times_s, done_s, output_tokens) -> (ttft_s, itl_s, tpot_s)``."""
 
-    def compare_for(sent, chunks, done, tokens):
-        def compare(got, expected):
-            if not isinstance(got, (tuple, list)) or len(got) != 3:
-                return "return three things: (ttft_s, itl_s, tpot_s)"
-            (ttft, itl, tpot), (e_ttft, e_itl, e_tpot) = got, expected
-            if not isinstance(ttft, (int, float)) or not close(ttft, e_ttft, 1e-9):
-                if isinstance(ttft, (int, float)) and close(ttft, chunks[0], 1e-9) and sent:
-                    return "TTFT is a duration: subtract the time the request was sent"
-                return f"the TTFT is wrong (it should be {e_ttft:g} s)"
-            if not isinstance(itl, (list, tuple)) or len(itl) != len(e_itl):
-                n = len(itl) if isinstance(itl, (list, tuple)) else "not a list"
-                why = f"one between each two of the {len(chunks)} chunks"
-                return f"ITL should be a list of {len(e_itl)} gaps ({why}), got {n}"
-            if not all(close(a, b, 1e-9) for a, b in zip(itl, e_itl)):
-                return "the gaps are wrong: each is a chunk's time minus the previous chunk's"
-            if e_tpot is None:
-                return None if tpot is None else "with fewer than 2 tokens there is no TPOT: return None"
-            if not isinstance(tpot, (int, float)):
-                return f"TPOT should be a number, got {tpot!r}"
-            if close(tpot, e_tpot, 1e-9):
-                return None
-            if close(tpot, (done - sent - ttft) / tokens, 1e-9):
-                return f"divide by output_tokens - 1 = {tokens - 1}: the first token's time is the TTFT"
-            if len(itl) and close(tpot, sum(itl) / len(itl), 1e-9):
-                return "that is the mean ITL (chunks); TPOT counts the tokens from usage"
-            return ""
-
-        return compare
+    def compare(sent, chunks, done, tokens, got, expected):
+        if not isinstance(got, (tuple, list)) or len(got) != 3:
+            return "return three things: (ttft_s, itl_s, tpot_s)"
+        (ttft, itl, tpot), (e_ttft, e_itl, e_tpot) = got, expected
+        if not isinstance(ttft, (int, float)) or not close(ttft, e_ttft, 1e-9):
+            if isinstance(ttft, (int, float)) and close(ttft, chunks[0], 1e-9) and sent:
+                return "TTFT is a duration: subtract the time the request was sent"
+            return f"the TTFT is wrong (it should be {e_ttft:g} s)"
+        if not isinstance(itl, (list, tuple)) or len(itl) != len(e_itl):
+            n = len(itl) if isinstance(itl, (list, tuple)) else "not a list"
+            why = f"one between each two of the {len(chunks)} chunks"
+            return f"ITL should be a list of {len(e_itl)} gaps ({why}), got {n}"
+        if not all(close(a, b, 1e-9) for a, b in zip(itl, e_itl)):
+            return "the gaps are wrong: each is a chunk's time minus the previous chunk's"
+        if e_tpot is None:
+            return None if tpot is None else "with fewer than 2 tokens there is no TPOT: return None"
+        if not isinstance(tpot, (int, float)):
+            return f"TPOT should be a number, got {tpot!r}"
+        if close(tpot, e_tpot, 1e-9):
+            return None
+        if close(tpot, (done - sent - ttft) / tokens, 1e-9):
+            return f"divide by output_tokens - 1 = {tokens - 1}: the first token's time is the TTFT"
+        if len(itl) and close(tpot, sum(itl) / len(itl), 1e-9):
+            return "that is the mean ITL (chunks); TPOT counts the tokens from usage"
+        return ""
 
     labels = [
         "sent at 10.0 s; 4 chunks at 10.5, 10.6, 10.7, 10.8 s; done at 10.8 s; 4 tokens",
@@ -57,7 +55,7 @@ def stream_metrics(fn: Callable) -> Verdict:
     ]
     rows = [(label, *args) for label, args in zip(labels, data)]
     hint = "TPOT = (done_s - sent_s - TTFT) / (output_tokens - 1)"
-    return table("stream_metrics", fn, rows, None, compare_for, hint)
+    return table("stream_metrics", fn, rows, None, lambda *row: partial(compare, *row), hint)
 
 
 def _event(content=None, role=None, finish=None, usage=None) -> str:

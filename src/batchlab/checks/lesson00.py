@@ -134,14 +134,13 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
     ]
 
     def cache_ok(calls, _expected):
-        if not calls:
-            return "your function never called lm.model"
         for i, (shape, with_cache) in enumerate(calls, 1):
             if not with_cache:
                 return f"forward pass {i} ran without a cache: pass cache=lm.model.make_cache() to every call"
             if i > 1 and shape[-1] != 1:
                 newest = "each step after the prompt feeds only the newest token"
                 return f"forward pass {i} was given {shape[-1]} tokens: {newest}"
+        return None if calls else "your function never called lm.model"
 
     def show_calls(calls):  # the expected answer is already in words
         if isinstance(calls, str):

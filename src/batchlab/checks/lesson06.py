@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from ..engine import Engine, make_engine
 from ..fake import FakeModel, FakeRunner, reference_output
+from ..loop import EngineLoop
 from ._core import Case, Verdict, answer_compare, run_cases, show
 from ._pieces import piece_case
 
@@ -56,13 +58,15 @@ def _right(rid, new):
 
 
 def _started(f, *requests, steps=0, slots=1, **options):
-    """``f``'s engine (``options``: lock, runner), ``requests`` (id, new tokens) submitted, ``steps`` run."""
+    """``f``'s engine (options: lock, runner), ``requests`` (id, new tokens) in, ``steps`` run (None: all)."""
     options = {"lock": _SpyLock(), "runner": FakeRunner, **_POOL, **options}
     engine = make_engine("stallfree", FakeModel(), engine_class=f, max_batch_size=slots, **options)
     for rid, new in requests:
         engine.submit(_PROMPTS[rid], max_new_tokens=new, ignore_eos=True, request_id=rid)
-    for _ in range(steps):
+    for _ in range(steps or 0):
         engine.step()
+    if steps is None:
+        engine.run_until_idle()
     return engine
 
 
@@ -86,9 +90,7 @@ def poll_case(label, requests, steps=0, hint="", rid="a", again=False, slots=1):
 
     def call(f):
         new = 6 if steps is not None else 4  # None: until idle
-        engine = _started(f, *[(r, new) for r in requests], steps=steps or 0, slots=slots)
-        if steps is None:
-            engine.run_until_idle()
+        engine = _started(f, *[(r, new) for r in requests], steps=steps, slots=slots)
         if again:
             engine.poll(rid)
         return engine.poll(rid)
@@ -130,35 +132,29 @@ def interleaved(f):
 
 
 def threaded(f):
-    from ..loop import EngineLoop
-
     errors, wrong = [], []
-    with EngineLoop(_started(f, slots=4)) as loop:
 
-        def client(c):
-            for j in range(5):
-                prompt = [1 + (7 * c + j) % 60, 2, 3]
-                rid = loop.submit(prompt, max_new_tokens=8, ignore_eos=True, request_id=f"c{c}-{j}")
-                got, deadline = [], time.monotonic() + 20
-                while time.monotonic() < deadline:
-                    try:
-                        tokens, status, _ = loop.poll(rid)
-                    except Exception as e:  # report, never hang
-                        return errors.append(f"{type(e).__name__}: {e}")
-                    got += tokens
-                    if status != "running":
-                        break
-                    time.sleep(0.001)
-                else:
-                    return errors.append(f"client {c} never saw 'done' for {rid}")
-                if got != reference_output(prompt, 8, FakeModel().vocab_size, frozenset()):
-                    wrong.append((rid, len(got)))
+    def client(c):
+        for j in range(5):
+            prompt = [1 + (7 * c + j) % 60, 2, 3]
+            rid = loop.submit(prompt, max_new_tokens=8, ignore_eos=True, request_id=f"c{c}-{j}")
+            got, deadline = [], time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    tokens, status, _ = loop.poll(rid)
+                except Exception as e:  # report, never hang
+                    return errors.append(f"{type(e).__name__}: {e}")
+                got += tokens
+                if status != "running":
+                    break
+                time.sleep(0.001)
+            else:
+                return errors.append(f"client {c} never saw 'done' for {rid}")
+            if got != reference_output(prompt, 8, FakeModel().vocab_size, frozenset()):
+                wrong.append((rid, len(got)))
 
-        threads = [threading.Thread(target=client, args=(c,)) for c in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    with EngineLoop(_started(f, slots=4)) as loop, ThreadPoolExecutor(6) as clients:
+        clients.map(client, range(6))  # each client in its own thread; both end when all are done
     if loop.error is not None:
         return f"the engine thread died: {type(loop.error).__name__}: {loop.error}"
     if errors or not wrong:
@@ -208,8 +204,7 @@ def cancel_queued(f):
 
 
 def cancel_done(f):
-    engine = _started(f, ("a", 3))
-    engine.run_until_idle()
+    engine = _started(f, ("a", 3), steps=None)
     got = [engine.cancel("a")]  # finished, "done" not yet polled
     engine.poll("a")
     got += [engine.cancel("a"), engine.cancel("zzz")]
@@ -272,25 +267,21 @@ def engine_front(cls: Any) -> Verdict:
     return run_cases("engine_front", cls, cases)
 
 
-def _scripted(tokenizer, script, rid="req-0"):
-    """A call running the learner's generator on a poll that answers ``script``, one item a poll."""
+def _scripted(fn, tokenizer, script, rid="req-0"):
+    """The learner's generator ``fn`` run on a poll that answers ``script``, one item a poll."""
+    calls: list[str] = []
 
-    def call(fn):
-        calls: list[str] = []
+    def poll(r):
+        calls.append(r)
+        return script[len(calls) - 1] if r == rid and len(calls) <= len(script) else ([], "unknown", None)
 
-        def poll(r):
-            calls.append(r)
-            return script[len(calls) - 1] if r == rid and len(calls) <= len(script) else ([], "unknown", None)
-
-        pieces, at = [], []
-        for piece in fn(poll, rid, tokenizer.detokenizer()):
-            pieces.append(piece)
-            at.append(len(calls))
-            if len(calls) > len(script) + 50:
-                break
-        return {"pieces": pieces, "at": at, "polls": len(calls)}
-
-    return call
+    pieces, at = [], []
+    for piece in fn(poll, rid, tokenizer.detokenizer()):
+        pieces.append(piece)
+        at.append(len(calls))
+        if len(calls) > len(script) + 50:
+            break
+    return {"pieces": pieces, "at": at, "polls": len(calls)}
 
 
 HELD = "a token can end in the middle of a character; the detokenizer holds it back"
@@ -302,11 +293,9 @@ def stream_text(fn: Callable, lm) -> Verdict:
     """Check ``fn(poll, rid, detokenizer)``: a generator yielding the text pieces of ``rid``'s tokens."""
     tok = lm.tokenizer
 
-    def expect(script):
-        ids = [t for tokens, _, _ in script for t in tokens]
-        return {"text": tok.decode(ids), "polls": len(script)}
+    def case(label, script, hint="", streaming=False):
+        want = {"text": tok.decode([t for tokens, _, _ in script for t in tokens]), "polls": len(script)}
 
-    def compare_for(script, streaming=False):
         def compare(got, expected):
             pieces = got["pieces"]
             if not all(isinstance(p, str) for p in pieces):
@@ -319,9 +308,8 @@ def stream_text(fn: Callable, lm) -> Verdict:
             if "\ufffd" not in expected["text"] and any("\ufffd" in p for p in pieces):
                 return "a piece contains '\\ufffd' (the replacement character): use detokenizer.add()"
             if text != expected["text"]:
-                last_poll = script[-1][0]
                 before = tok.decode([t for tokens, _, _ in script[:-1] for t in tokens])
-                if last_poll and text in (before, before.rstrip("\ufffd")):
+                if script[-1][0] and text in (before, before.rstrip("\ufffd")):
                     return "the tokens that came with the final status are missing"
                 if expected["text"].startswith(text):
                     return f"the text stops short: {expected['text'][len(text) :]!r} is missing (flush())"
@@ -330,23 +318,17 @@ def stream_text(fn: Callable, lm) -> Verdict:
                 return "the first piece came out only after the last poll: yield each piece at once"
             return None
 
-        return compare
+        return Case(label, lambda f: _scripted(f, tok, script), want, compare, hint, show_stream)
 
     def show_stream(value):
         if "pieces" in value:
             return f"pieces {show(value['pieces'])} after {value['polls']} polls"
         return f"text {value['text']!r} after {value['polls']} polls"
 
-    def case(label, script, hint="", streaming=False):
-        call = _scripted(tok, script)
-        return Case(label, call, expect(script), compare_for(script, streaming), hint, show_stream)
-
     def one_per_poll(ids):
         return [([t], "running", None) for t in ids[:-1]] + [([ids[-1]], "done", "stop")]
 
     def real(f):
-        from ..loop import EngineLoop
-
         ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
         loop = EngineLoop(make_engine("stallfree", lm, max_batch_size=2, token_budget=64, num_kv_blocks=16))
         seen: list[int] = []
@@ -370,8 +352,7 @@ def stream_text(fn: Callable, lm) -> Verdict:
     def show_real(value):
         return repr(value[0]) if isinstance(value, tuple) else value
 
-    answer = tok.encode(" The capital of France is Paris.")
-    emoji = tok.encode("I love 🍕 and ☕.")
+    answer, emoji = tok.encode(" The capital of France is Paris."), tok.encode("I love 🍕 and ☕.")
     cut = tok.encode("I love 🍕")[:-1]  # the stream ends inside the emoji
     with_done = [(answer[:3], "running", None), (answer[3:], "done", "stop")]
     late = [(answer[:2], "running", None), ([], "running", None), (answer[2:], "done", "length")]

@@ -28,10 +28,8 @@ def mean_in_system(fn: Any) -> Verdict:
         return sum(y - x for x, y in zip(a, d))
 
     def judge(a, d):
-        w, rate = "that is W, the mean time one request spends in the system", "that is λ, the arrival rate"
-        return number_compare(
-            mistakes((stays(a, d) / len(a), f"{w}; L = λ W"), (len(a) / max(d), f"{rate}; L = λ W"))
-        )
+        w = (stays(a, d) / len(a), "that is W, the mean time one request spends in the system; L = λ W")
+        return number_compare(mistakes(w, (len(a) / max(d), "that is λ, the arrival rate; L = λ W")))
 
     hint = "add up the time each request spends in the system and divide by the length of the window"
     return table("mean_in_system", fn, rows, lambda a, d: stays(a, d) / max(d), judge, hint)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from batchlab import checks
@@ -114,10 +112,22 @@ def test_a_poll_that_deadlocks_is_reported_not_hung():
             with self._lock:
                 return super().poll(req_id)
 
-    start = time.monotonic()
-    verdict = checks.engine_front(Nested)
+    verdict = checks.engine_front(Nested)  # a hang would meet the suite's timeout instead
     assert not verdict and "taken twice by the same thread" in verdict.message
-    assert time.monotonic() - start < 60
+
+
+class NoneWhenEmpty(Engine):
+    """Hands out None instead of [] when nothing is pending: a client doing `got += tokens` crashes."""
+
+    def poll(self, req_id):
+        tokens, status, reason = super().poll(req_id)
+        return tokens or None, status, reason
+
+
+def test_a_client_thread_that_crashes_fails_the_threaded_case():
+    verdict = checks.engine_front(NoneWhenEmpty)
+    assert not verdict and "new tokens should be a list" in verdict.message
+    assert any("real threads" in label for label in verdict.failed), verdict.message
 
 
 @pytest.mark.slow

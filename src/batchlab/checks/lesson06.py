@@ -154,7 +154,7 @@ def threaded(f):
                 wrong.append((rid, len(got)))
 
     with EngineLoop(_started(f, slots=4)) as loop, ThreadPoolExecutor(6) as clients:
-        clients.map(client, range(6))  # each client in its own thread; both end when all are done
+        list(clients.map(client, range(6)))  # a thread each; an exception in one comes out here
     if loop.error is not None:
         return f"the engine thread died: {type(loop.error).__name__}: {loop.error}"
     if errors or not wrong:

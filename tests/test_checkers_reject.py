@@ -564,7 +564,8 @@ def test_no_checker_reads_private_state():
 def test_the_checkers_do_not_grow_back():
     """checks/ was 4,450 ruff-formatted lines before issue 19's harness work (the layout CI
     enforces); the harness brought it to 3,897, the cut that followed to 2,869 and the second cut
-    (table rows, shared helpers) to 2,515, then 2,511. It must not grow back past that (the issue
-    aims at half, 2,225)."""
+    (table rows, shared helpers) to 2,515, then 2,511, and the third (single-use helpers inlined, a
+    dead diagnosis removed) to 2,409, 54 % of where it started (the issue aimed at half, 2,225). A new
+    checker may add its own lines; the harness and the existing ones must not grow back."""
     lines = sum(len(path.read_text().splitlines()) for path in _checker_sources())
-    assert lines <= 2525, f"checks/ has {lines} lines"
+    assert lines <= 2420, f"checks/ has {lines} lines"

@@ -75,3 +75,20 @@ def test_decode_rows_each_row_sees_only_its_own_context():
     for r, n in enumerate(lengths):
         want = reference(q[r : r + 1], k[r, :n], v[r, :n], np.ones((1, n), bool))
         assert np.max(np.abs(got[r] - want[0])) < 2e-6, r
+
+
+def test_decode_rows_views_each_row_over_its_own_keys_of_its_own_length():
+    """The runner's CPU decode attention: rows of different lengths share one padded
+    softmax, so a row whose padding leaked into it, or a row read with another's length,
+    would show."""
+    rng = np.random.default_rng(2)
+    lengths = [1, 300, 5, 64, 257]
+    pool_k, pool_v = (rng.standard_normal((1000, KH, D)).astype(np.float32) for _ in range(2))
+    starts = [0, 10, 400, 500, 700]
+    q = rng.standard_normal((len(lengths), H, D)).astype(np.float32)
+    contexts = [(pool_k[s : s + n], pool_v[s : s + n]) for s, n in zip(starts, lengths)]
+    got = attention.decode_rows_views(q, contexts, SCALE)
+    assert got.shape == (len(lengths), H * D)
+    for r, (s, n) in enumerate(zip(starts, lengths)):
+        want = reference(q[r : r + 1], pool_k[s : s + n], pool_v[s : s + n], np.ones((1, n), bool))
+        assert np.max(np.abs(got[r] - want[0])) < 2e-6, r

@@ -195,7 +195,7 @@ def fake_machine(lm):
         "decode_scaling": {
             1: {"step_s": 0.1, "tokens_per_s": 10.0},
             8: {"step_s": 0.16, "tokens_per_s": 50.0},
-            16: {"step_s": 0.2, "tokens_per_s": 80.0},
+            16: {"step_s": 0.2, "tokens_per_s": 80.0, "kv_bytes_read": 5e8},
         },
         "microbench_loads": {"limits": record(0.01, load=0.5)},
     }
@@ -277,6 +277,9 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     assert figures["decode_b1_over_roofline"] == pytest.approx(0.1 / 0.05)
     assert figures["decode_b8_over_roofline"] == pytest.approx(0.16 / 0.05)
     assert figures["decode_b16_over_roofline"] == pytest.approx(0.2 / 0.08)
+    # B=16 reads 0.5 GB of KV beside the 0.5 GB of weights: 0.1 s at 10 GB/s, over the FLOPs' 0.08 s
+    assert figures["decode_b16_over_roofline_with_kv"] == pytest.approx(0.2 / 0.1)
+    assert "decode_b8_over_roofline_with_kv" not in figures  # no KV bytes measured for it
     assert figures["batch_sizes"] == {"chat": 16, "high_variance": 16, "interference": 8}
     assert figures["stallfree_token_budget"] == {str(b): bench.stallfree_token_budget(b) for b in (8, 16)}
     assert figures["sgemm_gflops"] == 100.0 and figures["copy_gbps"] == 10.0

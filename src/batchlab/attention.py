@@ -14,10 +14,13 @@ So on the CPU the runner hands this layer's queries, keys and values to numpy
 (``np.asarray`` evaluates them and shares their memory) and gets the ``[N, H * D]``
 result back as one small MLX array. Attention is then two batched matmuls, one per KV
 head with its group of query heads stacked as rows (``[KH, G*L, D] @ [KH, D, S]``: GQA
-without copying keys), an additive float mask, and a softmax done in place; the rows are
-split across the cores (Python threads: numpy releases the GIL in matmuls and ufuncs).
-numpy's own OpenBLAS is held to one thread, because its idle threads spin on the cores
-MLX's OpenBLAS is about to use (measured: a 64-token chunk went from 0.19 s to 0.68 s).
+without copying keys), an additive float mask, and a softmax done in place, on one
+thread. numpy's own OpenBLAS is held to one thread, because its idle threads spin on the
+cores MLX's OpenBLAS is about to use (measured: a 64-token chunk went from 0.19 s to
+0.68 s). Splitting the rows over the cores in Python threads loses for the same reason:
+after each linear layer MLX's OpenBLAS worker spins on the second core, and a second
+attention thread competes with it (measured in the runner, 2026-12-03: one thread took
+0.94-0.98 of the time of two for chunks of 64-256 tokens at context 0 and 960).
 
 On Metal, ``mx.fast.scaled_dot_product_attention`` is the fast one: ``decode_rows`` and
 ``prefill_chunk`` call it whenever the default device is the GPU, and the graph stays
@@ -31,8 +34,6 @@ contexts); query head ``h`` reads KV head ``h // G`` with ``G = H // KH``, as in
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -42,9 +43,6 @@ from threadpoolctl import ThreadpoolController
 _NUMPY_BLAS = ThreadpoolController().select(prefix="libscipy_openblas")
 _NUMPY_BLAS.limit(limits=1)
 CORES = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
-_POOL = ThreadPoolExecutor(CORES, thread_name_prefix="batchlab-attention")
-_SCORES_PER_THREAD = 32_768  # below this, handing work to a thread costs more than it saves
-ROW_VIEWS_SCORES_PER_THREAD = 10**9
 
 
 def numpy_blas_threads(threads: int):
@@ -75,16 +73,6 @@ def to_numpy(*arrays: mx.array) -> list[np.ndarray]:
     arrays = [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in arrays]
     mx.eval(*arrays)
     return [np.asarray(a) for a in arrays]
-
-
-def _split_rows(attend: Callable[[int, int], np.ndarray], rows: int, scores: int, axis: int) -> np.ndarray:
-    """``attend(lo, hi)`` for contiguous row ranges covering ``rows``, one per core when
-    the step computes enough ``scores`` to be worth it, joined along ``axis``."""
-    parts = max(1, min(CORES, rows, scores // _SCORES_PER_THREAD))
-    if parts == 1:
-        return attend(0, rows)
-    bounds = np.linspace(0, rows, parts + 1).astype(int)
-    return np.concatenate(list(_POOL.map(attend, bounds[:-1], bounds[1:])), axis=axis)
 
 
 def prefill_chunk(q: mx.array, keys: mx.array, values: mx.array, mask, scale: float) -> mx.array:
@@ -122,12 +110,9 @@ def prefill_chunk_np(
     qg = (q * np.float32(scale)).reshape(L, KH, G, D).transpose(1, 2, 0, 3).reshape(KH, G * L, D)
     keys_t, values_h = keys.transpose(1, 2, 0), values.transpose(1, 0, 2)  # [KH, D, S], [KH, S, D]
 
-    def attend(lo: int, hi: int) -> np.ndarray:
-        scores = qg[:, lo:hi] @ keys_t
-        scores += mask[np.arange(lo, hi) % L]
-        return softmax_(scores) @ values_h
-
-    out = _split_rows(attend, G * L, H * L * S, axis=1)  # [KH, G*L, D]
+    scores = qg @ keys_t  # [KH, G*L, S]
+    scores += mask[np.arange(G * L) % L]
+    out = softmax_(scores) @ values_h  # [KH, G*L, D]
     return out.reshape(KH, G, L, D).transpose(2, 0, 1, 3).reshape(L, H * D)
 
 
@@ -161,12 +146,9 @@ def decode_rows_np(
     qg = (q * np.float32(scale)).reshape(R, KH, G, D)
     keys_t, values_h = keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3)  # [R, KH, D|S, S|D]
 
-    def attend(lo: int, hi: int) -> np.ndarray:
-        scores = qg[lo:hi] @ keys_t[lo:hi]  # [rows, KH, G, S]
-        scores += mask[lo:hi, None, None, :]
-        return softmax_(scores) @ values_h[lo:hi]
-
-    out = _split_rows(attend, R, R * H * S, axis=0)  # [R, KH, G, D]
+    scores = qg @ keys_t  # [R, KH, G, S]
+    scores += mask[:, None, None, :]
+    out = softmax_(scores) @ values_h  # [R, KH, G, D]
     return out.reshape(R, H * D)
 
 
@@ -175,27 +157,21 @@ def decode_rows_views(
 ) -> np.ndarray:
     """Attention of ``R`` decode rows ``[R, H, D]`` (float32 numpy), row ``r`` over its own
     keys and values ``contexts[r]`` (each ``[S_r, KH, D]``, typically views of the KV pool:
-    nothing gathered, nothing padded, no mask). Returns ``[R, H * D]``. Measured here at
-    16 rows of 257 keys a layer: 0.4 ms, against 0.5 ms to gather the padded contexts
-    into one array and 0.4 ms more to attend over it (``decode_rows_np``)."""
+    nothing gathered, no mask). Each row's scores go into one ``[R, KH, G, max S_r]``
+    array whose unused tail stays -inf, so the softmax is one pass over all rows, and each
+    row costs two matrix multiplies. Measured in the runner at 16 rows of 257 keys
+    (2026-12-03): 32 ms a step for the 30 layers, against 34 ms with a softmax per row and
+    0.5 ms a layer more to gather the padded contexts into one array (``decode_rows_np``)."""
     R, H, D = q.shape
     KH = contexts[0][0].shape[1] if R else 1
     G = H // KH
     qg = (q * np.float32(scale)).reshape(R, KH, G, D)
+    lengths = [keys.shape[0] for keys, _ in contexts]
+    scores = np.full((R, KH, G, max(lengths, default=0)), -np.inf, dtype=np.float32)
+    for r, (keys, _) in enumerate(contexts):
+        np.matmul(qg[r], keys.transpose(1, 2, 0), out=scores[r, :, :, : lengths[r]])
+    softmax_(scores)
     out = np.empty((R, KH, G, D), dtype=np.float32)
-
-    def attend(lo: int, hi: int) -> np.ndarray:
-        for r in range(lo, hi):
-            keys, values = contexts[r]
-            scores = qg[r] @ keys.transpose(1, 2, 0)  # [KH, G, S_r]
-            out[r] = softmax_(scores) @ values.transpose(1, 0, 2)
-        return out[lo:hi]
-
-    scores = sum(k.shape[0] for k, _ in contexts) * H
-    parts = max(1, min(CORES, R, scores // ROW_VIEWS_SCORES_PER_THREAD))
-    if parts == 1:
-        attend(0, R)
-    else:
-        bounds = np.linspace(0, R, parts + 1).astype(int)
-        list(_POOL.map(attend, bounds[:-1], bounds[1:]))
+    for r, (_, values) in enumerate(contexts):
+        np.matmul(scores[r, :, :, : lengths[r]], values.transpose(1, 0, 2), out=out[r])
     return out.reshape(R, H * D)

@@ -471,6 +471,11 @@ def headline_figures(traces, experiments, machine: dict, extra: list[str] = ()) 
     for b in sorted(roofline):  # each decode step of our runner as a multiple of its roofline
         if b in scaling:
             figures[f"decode_b{b}_over_roofline"] = ratio(scaling[b]["step_s"], roofline[b])
+            if "kv_bytes_read" in scaling[b]:  # the roofline once the rows' KV reads count too
+                with_kv = (limits["weight_bytes"] + scaling[b]["kv_bytes_read"]) / (limits["copy_gbps"] * 1e9)
+                figures[f"decode_b{b}_over_roofline_with_kv"] = ratio(
+                    scaling[b]["step_s"], max(roofline[b], with_kv)
+                )
     figures["batch_sizes"] = {name: max(bs) for name, _, bs in experiments}
     return figures
 

@@ -159,9 +159,10 @@ def decode_rows_views(
     keys and values ``contexts[r]`` (each ``[S_r, KH, D]``, typically views of the KV pool:
     nothing gathered, no mask). Each row's scores go into one ``[R, KH, G, max S_r]``
     array whose unused tail stays -inf, so the softmax is one pass over all rows, and each
-    row costs two matrix multiplies. Measured in the runner at 16 rows of 257 keys
-    (2026-12-03): 32 ms a step for the 30 layers, against 34 ms with a softmax per row and
-    0.5 ms a layer more to gather the padded contexts into one array (``decode_rows_np``)."""
+    row costs two matrix multiplies. In the runner at 16 rows of 257 keys it takes 0.93-0.95
+    of the time of a softmax per row (``benchmarks/decode_attention_ab.py``, 2026-12-03: 33 ms
+    a step for the 30 layers); gathering the padded contexts into one array
+    (``decode_rows_np``) costs 0.5 ms a layer more."""
     R, H, D = q.shape
     KH = contexts[0][0].shape[1] if R else 1
     G = H // KH

@@ -88,8 +88,8 @@ def main() -> None:
     for cpu_path in (True, False):
         blocks = BlockManager(-(-(16 * (CONTEXT + 8) + 400) // 16), 16)
         runner = ModelRunner(lm, blocks.num_blocks, 16, cpu_path=cpu_path)
-        if cpu_path:  # what one token's keys and values take in the profiled pool
-            kv_per_token = 2 * len(runner.pool.keys) * runner.pool.keys[0][0].nbytes
+        if cpu_path:  # the profiled pool's
+            kv_per_token = runner.pool.token_bytes
         for name, chunks in passes(runner, blocks).items():
             results.setdefault(name, {})["cpu_path" if cpu_path else "mlx_layers"] = profile(
                 runner, chunks, args.reps

@@ -415,3 +415,15 @@ def test_one_row_linears_times_every_weight_matrix(lm):
     assert out["matrices"] == 7 * len(lm.model.model.layers) + 1
     assert out["mlx_s"] > 0 and out["numpy_s"] > 0
     assert out["mlx_over_numpy"] == pytest.approx(out["mlx_s"] / out["numpy_s"])
+
+
+def test_a_pools_token_bytes_agree_with_the_formula_for_either_backing():
+    """What the bench counts as a decode row's KV reads: one token's keys and values, every
+    layer, whether the pool is numpy (the CPU path) or MLX (Metal)."""
+    import mlx.core as mx
+
+    from batchlab.model_runner import KVPool
+
+    for numpy in (True, False):
+        pool = KVPool(30, 4, 16, 3, 64, mx.float32, numpy=numpy)
+        assert pool.token_bytes == KVPool.bytes_per_token(30, 3, 64, mx.float32) == 2 * 30 * 3 * 64 * 4

@@ -130,11 +130,7 @@ def decode_scaling(
             "batch": batch,
             "context": context,
             # what the step reads of its rows' keys and values (every layer, context + 1 each)
-            "kv_bytes_read": batch
-            * (context + 1)
-            * 2
-            * len(runner.pool.keys)
-            * runner.pool.keys[0][0].nbytes,
+            "kv_bytes_read": batch * (context + 1) * runner.pool.token_bytes,
             "step_s": step_s,
             "tokens_per_s": batch / step_s,
             "step_min_s": min(times),

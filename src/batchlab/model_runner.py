@@ -67,6 +67,11 @@ class KVPool:
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: mx.Dtype) -> int:
         return 2 * num_layers * kv_heads * head_dim * dtype.size
 
+    @property
+    def token_bytes(self) -> int:
+        """What one token's keys and values take in this pool, every layer."""
+        return 2 * len(self.keys) * self.keys[0][0].nbytes
+
 
 def sample(logits, samplers: list[Sampler]) -> list[int]:
     """One token per row of ``logits`` [N, vocab] (MLX or numpy). All greedy: one argmax;

@@ -82,3 +82,10 @@ def hf_model(hf_gguf):
     model.tie_weights()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model
+
+
+def pytest_report_header(config):
+    """Which path the model runs (``BATCHLAB_GPU_PATH`` can force the GPU path on the CPU)."""
+    from batchlab.backend import describe
+
+    return f"path: {describe()}"

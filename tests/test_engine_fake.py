@@ -3,11 +3,13 @@
 import random
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 from kinds import kind_configs
 
 from batchlab import EngineLoop, make_engine
+from batchlab.engine import EngineFailing
 from batchlab.fake import FakeModel, FakeRunner, reference_output
 from batchlab.request import State
 
@@ -419,3 +421,65 @@ def test_a_failed_pass_ends_its_requests_with_error_and_everyone_else_goes_on(ca
     again = engine.submit(prompts["a"], max_new_tokens=6, ignore_eos=True)
     engine.run_until_idle()
     assert engine.poll(again)[0] == reference_output(prompts["a"], 6, LM.vocab_size, frozenset())
+
+
+class DecodeFailingRunner(FakeRunner):
+    """A fake runner in which every pass that carries a decode row raises, as every masked
+    pass did on the Mac path before its attention mask took the queries' dtype: a request's
+    first token (from its prefill) comes, then nothing."""
+
+    def run(self, chunks):
+        if any(len(c.tokens) == 1 for c in chunks):
+            raise ValueError("[scaled_dot_product_attention] Mask type must promote to output type")
+        return super().run(chunks)
+
+
+@pytest.mark.parametrize("kind", ["continuous", "stallfree"])
+def test_an_engine_whose_passes_keep_failing_says_so_once(kind, caplog):
+    engine = make_engine(kind, LM, runner=DecodeFailingRunner, max_batch_size=4)
+    ids = [engine.submit([1 + i, 2, 3], max_new_tokens=6, ignore_eos=True) for i in range(6)]
+    with caplog.at_level("WARNING", logger="batchlab"), pytest.raises(EngineFailing) as raised:
+        engine.run_until_idle()
+    assert "Mask type must promote" in str(raised.value) and "bug in the engine" in str(raised.value)
+    said = [r.getMessage() for r in caplog.records if "failing" in r.getMessage()]
+    assert len(said) == 1, said  # once, however many passes failed
+    assert engine.passes_failed >= 2 and engine.passes_failed >= engine.passes_ok
+    # nothing was lost before the error: every request has ended, with reason "error"
+    assert {engine.poll(i)[1:] for i in ids} == {("done", "error")}
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+
+
+def test_one_failed_pass_among_many_is_not_a_failing_engine():
+    engine = make_engine("continuous", LM, runner=FailingRunner, max_batch_size=2)
+    for i in range(4):
+        engine.submit([1 + i, 2, 3], max_new_tokens=6, ignore_eos=True)
+    engine.run_until_idle()  # raises nothing: one pass of many failed
+    assert engine.passes_failed == 1 and engine.failing is None
+
+
+def test_generate_exits_nonzero_when_its_engine_is_failing(tmp_path, monkeypatch, capsys):
+    from batchlab import cli, engine as engine_module
+
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text("".join(f'{{"id": "q{i}", "prompt_ids": [{i + 1}, 2, 3]}}\n' for i in range(4)))
+
+    class Words(FakeModel):  # the fake model, with a tokenizer that can write its answers
+        @property
+        def tokenizer(self):
+            return SimpleNamespace(
+                vocab_size=self.vocab_size,
+                eos_token_ids=frozenset({self.eos_id}),
+                decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)),
+            )
+
+    monkeypatch.setattr("batchlab.model.load_model", lambda model=None: Words())
+    real = engine_module.make_engine
+    monkeypatch.setattr(
+        engine_module, "make_engine", lambda *a, **k: real(*a, runner=DecodeFailingRunner, **k)
+    )
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--input", str(inputs), "--output", str(out), "--engine", "continuous"]
+    status = cli.main(argv + ["--max-new-tokens", "5", "--ignore-eos"])
+    assert status == 1
+    assert "bug in the engine" in capsys.readouterr().err
+    assert len(out.read_text().splitlines()) == 4, "every answer is written before the error"

@@ -23,8 +23,10 @@ attention thread competes with it (measured in the runner, 2026-12-03: one threa
 0.94-0.98 of the time of two for chunks of 64-256 tokens at context 0 and 960).
 
 On Metal, ``mx.fast.scaled_dot_product_attention`` is the fast one: ``decode_rows`` and
-``prefill_chunk`` call it whenever the default device is the GPU, and the graph stays
-lazy.
+``prefill_chunk`` call it on the GPU path (``backend.gpu_path``: the GPU, or
+``BATCHLAB_GPU_PATH=1`` on the CPU), and the graph stays lazy. Its additive mask must have
+the queries' dtype (float16 on a Mac): MLX refuses a float32 mask with float16 queries
+("Mask type must promote to output type"), so the mask is cast where it is used.
 
 Shapes: queries ``[N, H, D]`` (token-major, as the runner packs them), keys and values
 ``[S, KH, D]`` (one sequence's context) or ``[R, S, KH, D]`` (decode rows' padded
@@ -38,6 +40,8 @@ import os
 import mlx.core as mx
 import numpy as np
 from threadpoolctl import ThreadpoolController
+
+from .backend import gpu_path
 
 # numpy's wheel bundles its own OpenBLAS (symbols prefixed scipy_openblas); MLX's is another
 _NUMPY_BLAS = ThreadpoolController().select(prefix="libscipy_openblas")
@@ -64,10 +68,6 @@ def additive_mask(allowed: np.ndarray) -> mx.array:
     return mx.array(np.where(allowed, 0.0, -np.inf).astype(np.float32))
 
 
-def on_gpu() -> bool:
-    return mx.default_device() == mx.gpu
-
-
 def to_numpy(*arrays: mx.array) -> list[np.ndarray]:
     """float32 numpy views of MLX arrays, evaluated together (copies only to convert a dtype)."""
     arrays = [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in arrays]
@@ -80,17 +80,17 @@ def prefill_chunk(q: mx.array, keys: mx.array, values: mx.array, mask, scale: fl
     ``[S, KH, D]``; ``mask`` is additive ``[L, S]`` (None: the keys are exactly the chunk's
     own, causal). Returns ``[L, H * D]``."""
     L, H, D = q.shape
-    if on_gpu():
+    if gpu_path():
         out = mx.fast.scaled_dot_product_attention(
             q.transpose(1, 0, 2)[None],
             keys.transpose(1, 0, 2)[None],
             values.transpose(1, 0, 2)[None],
             scale=scale,
-            mask="causal" if mask is None else mask,
+            mask="causal" if mask is None else mask.astype(q.dtype),
         )
         return out[0].transpose(1, 0, 2).reshape(L, H * D)
     qn, kn, vn = to_numpy(q, keys, values)
-    out = prefill_chunk_np(qn, kn, vn, None if mask is None else np.asarray(mask), scale)
+    out = prefill_chunk_np(qn, kn, vn, None if mask is None else to_numpy(mask)[0], scale)
     return mx.array(out).astype(q.dtype)
 
 
@@ -121,17 +121,17 @@ def decode_rows(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, s
     contexts ``[R, S, KH, D]``; ``mask`` is additive ``[R, S]`` hiding each row's padding.
     Returns ``[R, H * D]``."""
     R, H, D = q.shape
-    if on_gpu():
+    if gpu_path():
         out = mx.fast.scaled_dot_product_attention(
             q[:, :, None],
             keys.transpose(0, 2, 1, 3),
             values.transpose(0, 2, 1, 3),
             scale=scale,
-            mask=mask[:, None, None, :],
+            mask=mask[:, None, None, :].astype(q.dtype),
         )
         return out.reshape(R, H * D)
-    qn, kn, vn = to_numpy(q, keys, values)
-    return mx.array(decode_rows_np(qn, kn, vn, np.asarray(mask), scale)).astype(q.dtype)
+    qn, kn, vn, mn = to_numpy(q, keys, values, mask)
+    return mx.array(decode_rows_np(qn, kn, vn, mn, scale)).astype(q.dtype)
 
 
 def decode_rows_np(

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .engine import KINDS, scheduler_class
+from .engine import KINDS, EngineFailing, scheduler_class
 from .scheduler import Option
 
 
@@ -19,6 +19,7 @@ def _cmd_info(args) -> int:
     from . import _blas
     import mlx.core as mx
     from .microbench import sgemm_gflops
+    from .backend import describe as describe_path
     from .model import backend, load_model
 
     def version(name):
@@ -33,6 +34,7 @@ def _cmd_info(args) -> int:
     )
     print(f"mlx        {mx.__version__}   mlx-lm {version('mlx-lm')}   tokenizers {version('tokenizers')}")
     print(f"backend    {backend()}  (default device: {mx.default_device()})")
+    print(f"path       {describe_path()}")
     blas = _blas.STATUS
     print(f"BLAS       {blas.name}")
     print(f"           {blas.path or '-'}: {blas.note}")
@@ -162,7 +164,8 @@ def _cmd_generate(args) -> int:
         )
         for r in requests
     ]
-    engine.run_until_idle()
+    while engine.step():  # every answer is written, even where the engine fails (said below)
+        pass
     with open(args.output, "w") as out:
         for req, rid in zip(requests, ids):
             tokens, _, reason = engine.poll(rid)
@@ -174,7 +177,7 @@ def _cmd_generate(args) -> int:
                         "token_ids": tokens,
                         "text": lm.tokenizer.decode(tokens, skip_special_tokens=True),
                         "finish_reason": reason,
-                        "ttft_s": rec.first_token_s - rec.arrival_s,
+                        "ttft_s": None if rec.first_token_s is None else rec.first_token_s - rec.arrival_s,
                         "token_times_s": [t - rec.arrival_s for t in rec.token_times_s],
                     }
                 )
@@ -187,6 +190,9 @@ def _cmd_generate(args) -> int:
         f"{args.engine_class.kind})",
         file=sys.stderr,
     )
+    if engine.failing:
+        print(f"error: {engine.failing}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -535,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             "fit-cost": _cmd_fit_cost,
         }[args.command]
         return handler(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, EngineFailing) as e:  # said plainly, exit status 1
         raise SystemExit(f"batchlab {command}: {e}") from None
 
 

@@ -224,6 +224,7 @@ def play(lm, kind, requests: int = 10, out: TextIO = sys.stdout, **options) -> s
     if not live:
         out.write("\n".join(screen) + "\n")
     out.write("\n" + text + "\n")
+    engine.raise_if_failing()  # after the summary: what did happen is shown first
     return text
 
 

@@ -42,6 +42,11 @@ if TYPE_CHECKING:  # the engine imports no MLX itself: fake and simulated engine
 log = logging.getLogger("batchlab")
 
 
+class EngineFailing(RuntimeError):
+    """Half or more of an engine's forward passes failed: a bug in the engine or its runner
+    (or in a learner's scheduler), not bad luck for one request."""
+
+
 class Engine:
     def __init__(
         self,
@@ -77,6 +82,12 @@ class Engine:
         self._ids = itertools.count()
         self._step_index = 0
         self.finished_by_reason: dict[str, int] = {}
+        # Forward passes that ran and that raised, and the first error: a pass that fails
+        # now and then ends its requests and the engine goes on; passes that fail as often
+        # as they run are a broken engine, said once (``failing``).
+        self.passes_ok = self.passes_failed = 0
+        self.first_error: BaseException | None = None
+        self._said_failing = False
 
     # -- the client side ------------------------------------------------------------------
     def submit(
@@ -193,8 +204,30 @@ class Engine:
         self._cancelled.clear()
 
     def run_until_idle(self) -> None:
+        """Step until there is nothing to do. Raises ``EngineFailing`` at the end (every
+        request has finished by then) if half or more of the passes failed."""
         while self.step():
             pass
+        self.raise_if_failing()
+
+    @property
+    def failing(self) -> str | None:
+        """Why this engine is broken, or None: at least two forward passes failed, and no
+        fewer failed than ran. One failure among many is not this (its requests end with
+        "error" and the others go on); this is every pass of some kind failing."""
+        if self.passes_failed < 2 or self.passes_failed < self.passes_ok:
+            return None
+        e = self.first_error
+        return (
+            f"{self.passes_failed} of the engine's {self.passes_ok + self.passes_failed} forward "
+            f"passes failed, the first with {type(e).__name__}: {e}. This is a bug in the engine, "
+            f"its runner or its scheduler, not in the requests: every request those passes "
+            f"carried ended with finish reason 'error'."
+        )
+
+    def raise_if_failing(self) -> None:
+        if self.failing:
+            raise EngineFailing(self.failing) from self.first_error
 
     def _record_pass(self, batch: Batch, record: StepRecord) -> None:
         record.decoded += [r.id for r in batch.decode]
@@ -210,10 +243,8 @@ class Engine:
         try:
             tokens = self.runner.run(chunks)
         except Exception as e:  # the pass is lost: its requests end, everyone else goes on
-            log.exception(
-                "a forward pass of %d chunks failed; its requests finish with reason 'error'", len(chunks)
-            )
             with self._lock:
+                self._pass_failed(e, len(chunks))
                 for req in self.scheduler.fail(batch, e, self.clock()):
                     self._count("error")
                     record.finished[req.id] = "error"
@@ -222,11 +253,29 @@ class Engine:
             record.forward_s += self.clock() - start
             record.passes += 1
         with self._lock:
+            self.passes_ok += 1
             for req, token, reason in self.scheduler.postprocess(batch, tokens, self.clock()):
                 record.emitted.setdefault(req.id, []).append(token)
                 if reason is not None:
                     self._count(reason)
                     record.finished[req.id] = reason
+
+    def _pass_failed(self, e: Exception, num_chunks: int) -> None:
+        """Count a failed pass; log the first failure with its traceback, later ones in a line,
+        and the moment the engine turns ``failing``, once."""
+        self.passes_failed += 1
+        if self.first_error is None:
+            self.first_error = e
+            log.error(
+                "a forward pass of %d chunks failed; its requests finish with reason 'error'",
+                num_chunks,
+                exc_info=e,
+            )
+        else:  # said once above; an operator who wants each one sets the level to INFO
+            log.info("a forward pass of %d chunks failed: %s: %s", num_chunks, type(e).__name__, e)
+        if self.failing and not self._said_failing:
+            self._said_failing = True
+            log.error("the engine is failing: %s", self.failing)
 
     def _end_step(self, record: StepRecord) -> None:
         record.slots = [r.id if r is not None else None for r in self.scheduler.slots]

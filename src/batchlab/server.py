@@ -391,6 +391,8 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
     async def health():
         if server.unavailable():
             return error(503, server.unavailable(), "server_error")
+        if server.loop.engine.failing:  # it still takes requests, but an operator must know
+            return error(503, server.loop.engine.failing, "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models", dependencies=[auth])

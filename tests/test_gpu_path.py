@@ -1,0 +1,171 @@
+"""The GPU path, the code a Mac runs on Metal, run on this machine's CPU and checked.
+
+``BATCHLAB_GPU_PATH=1`` makes the runner take the GPU path on MLX's CPU backend: MLX's own
+layers, ``mx.fast.scaled_dot_product_attention`` with its masks, float16 weights, greedy
+picks and sampling on MLX arrays (``batchlab.backend``). Here, in float16 as a Mac loads the
+model, every engine kind and the learner's engine from the solved lessons must give the
+float32 reference's greedy answers, except at near-ties. The runs go under ``coverage``,
+and every line under an ``if gpu_path():`` anywhere in batchlab, and every line of the
+functions only that path calls, must have run: a new GPU-only branch that no test reaches
+fails here.
+
+``test_gpu_path_suite.py`` runs the real-model engine, KV and server tests, and lessons
+2, 5b and 8, under the same switch (in float32, for time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import textwrap
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from learner_pieces import MyMemoryScheduler, MyVictimPolicy
+
+import batchlab
+from batchlab import generate, make_engine
+from batchlab.backend import GPU_PATH_ENV
+
+pytestmark = pytest.mark.slow
+
+SRC = Path(batchlab.__file__).parent
+NEW_TOKENS = 12
+NEAR_TIE = 0.1  # logits: float16 weights move SmolLM2's logits by ~0.01-0.05 (test_float16.py)
+MAX_PARTINGS = 2  # near-ties in one answer, each followed by the reference continued from ours
+# Called only on the GPU path: every line must run (with the bodies of ``if gpu_path():``).
+GPU_ONLY = {
+    "model_runner.py": ["greedy_mx", "ModelRunner._attention", "ModelRunner._row_context"],
+}
+CONFIGS = {  # every kind, each with prefill chunks over earlier context where it has them
+    "sequential": ("sequential", {}),
+    "static": ("static", {"max_batch_size": 4}),
+    "continuous": ("continuous", {"max_batch_size": 4, "prefill_step": 32}),
+    "stallfree": ("stallfree", {"max_batch_size": 4, "token_budget": 24}),
+    "learner": (MyMemoryScheduler, {"max_batch_size": 4, "token_budget": 24, "policy": MyVictimPolicy()}),
+}
+
+
+def gpu_branch_lines() -> dict[str, set[int]]:
+    """Every line that runs only on the GPU path, by file: the bodies of ``if gpu_path():``
+    (found in every module of batchlab) and the functions of ``GPU_ONLY``."""
+    found: dict[str, set[int]] = {}
+    for path in SRC.rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        lines = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "gpu_path()" in ast.unparse(node.test):
+                assert ast.unparse(node.test) == "gpu_path()", f"{path.name}:{node.lineno}: test it plainly"
+                lines |= {n.lineno for stmt in node.body for n in ast.walk(stmt) if hasattr(n, "lineno")}
+            if isinstance(node, ast.IfExp) and "gpu_path()" in ast.unparse(node.test):
+                pytest.fail(f"{path.name}:{node.lineno}: a GPU branch inside an expression cannot be traced")
+        for qualname in GPU_ONLY.get(path.name, []):
+            node = tree
+            for part in qualname.split("."):
+                node = next(n for n in node.body if getattr(n, "name", None) == part)
+            lines |= {n.lineno for stmt in node.body for n in ast.walk(stmt) if hasattr(n, "lineno")}
+        if lines:
+            found[str(path)] = lines
+    return found
+
+
+@pytest.fixture(scope="module")
+def workload(lm):
+    """Chat questions that end on EOS, and a long plain prompt whose prefill is chunked."""
+    text = " ".join(textwrap.dedent(argparse.__doc__).split())
+    chats = ["What is the capital of France?", "Say hello.", "Name a colour."]
+    prompts = [lm.tokenizer.encode_chat([{"role": "user", "content": q}]) for q in chats]
+    return prompts + [lm.tokenizer.encode(text)[:70]]
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(workload):
+    """Every config's greedy answers on the GPU path in float16, under coverage, plus a
+    seeded sampled request alone and in a crowd; and the lines that ran."""
+    import coverage
+
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(GPU_PATH_ENV, "1")
+        env.delenv("BATCHLAB_DTYPE", raising=False)
+        cov = coverage.Coverage(data_file=None, include=[str(SRC / "*.py"), str(SRC / "*" / "*.py")])
+        cov.start()
+        try:
+            lm16 = batchlab.load_model()  # no dtype given: the GPU path's own, as on a Mac
+            answers = {}
+            for label, (kind, options) in CONFIGS.items():
+                engine = make_engine(kind, lm16, **options)
+                assert not engine.runner.cpu_path
+                ids = [engine.submit(p, max_new_tokens=NEW_TOKENS) for p in workload]
+                engine.run_until_idle()
+                answers[label] = [engine.poll(i)[:2] for i in ids]
+            sampled = {}
+            for crowd in (0, 2):
+                engine = make_engine("stallfree", lm16, max_batch_size=4, token_budget=24)
+                for j in range(crowd):
+                    engine.submit(workload[j], max_new_tokens=6, temperature=1.0, seed=j)
+                rid = engine.submit(workload[3], max_new_tokens=8, temperature=0.8, top_p=0.9, seed=7)
+                engine.run_until_idle()
+                sampled[crowd] = engine.poll(rid)
+        finally:
+            cov.stop()
+        data = cov.get_data()
+        # file -> (its executable lines, those that ran)
+        ran = {f: (set(cov.analysis2(f)[1]), set(data.lines(f) or ())) for f in data.measured_files()}
+    return lm16, answers, sampled, ran
+
+
+def test_the_switch_loads_float16_and_takes_the_gpu_path(gpu_runs):
+    lm16 = gpu_runs[0]
+    assert lm16.info.dtype == "float16"
+    assert lm16.model.model.embed_tokens.weight.dtype == mx.float16
+
+
+def test_every_gpu_branch_ran(gpu_runs):
+    ran = gpu_runs[3]
+    branches = gpu_branch_lines()
+    assert {Path(f).name for f in branches} >= {"attention.py", "model_runner.py", "model.py"}
+    never = (set(), set())
+    missed = {f: sorted(lines & ran.get(f, never)[0] - ran.get(f, never)[1]) for f, lines in branches.items()}
+    missed = {Path(f).name: lines for f, lines in missed.items() if lines}
+    assert not missed, f"GPU-path lines no run reached (file: lines): {missed}"
+
+
+def agrees_with_reference(lm32, prompt, ours, n):
+    """None if ``ours`` equals the float32 reference's greedy answer, except at near-ties:
+    where they part, our token must be within ``NEAR_TIE`` of the reference's best, and
+    the rest must equal the reference continued from our token. Else what is wrong."""
+    done = []
+    for _ in range(MAX_PARTINGS + 1):
+        ref = generate(lm32, prompt + done, n - len(done)).token_ids
+        rest = ours[len(done) :]
+        part = next((i for i, (a, b) in enumerate(zip(ref, rest)) if a != b), None)
+        if part is None:
+            return (
+                None if len(rest) == len(ref) else f"{len(ours)} tokens, the reference {len(done) + len(ref)}"
+            )
+        at = len(done) + part
+        logits = np.array(lm32.model(mx.array([prompt + ours[:at]]))[0, -1])
+        margin = float(logits[ref[part]] - logits[rest[part]])
+        print(f"parts at token {at}: float32 margin {margin:.4f}")
+        if not 0 <= margin < NEAR_TIE:
+            return (
+                f"token {at} is {rest[part]}, the reference's {ref[part]} led it by {margin:.3f}: no near-tie"
+            )
+        done = ours[: at + 1]
+    return f"more than {MAX_PARTINGS} near-ties"
+
+
+@pytest.mark.parametrize("label", CONFIGS)
+def test_every_kind_on_the_gpu_path_gives_the_float32_answers(lm, workload, gpu_runs, label):
+    for prompt, (tokens, status) in zip(workload, gpu_runs[1][label]):
+        assert status == "done"
+        wrong = agrees_with_reference(lm, prompt, tokens, NEW_TOKENS)
+        assert wrong is None, f"{label}: {wrong}"
+
+
+def test_sampling_on_the_gpu_path_is_per_request(gpu_runs):
+    sampled = gpu_runs[2]
+    assert sampled[0][1:] == sampled[2][1:] == ("done", "length")
+    assert sampled[0][0] == sampled[2][0], "a seeded request samples the same tokens alone and in a crowd"

@@ -566,6 +566,7 @@ def test_the_checkers_do_not_grow_back():
     enforces); the harness brought it to 3,897, the cut that followed to 2,869 and the second cut
     (table rows, shared helpers) to 2,515, then 2,511, and the third (single-use helpers inlined, a
     dead diagnosis removed) to 2,409, 54 % of where it started (the issue aimed at half, 2,225). A new
-    checker may add its own lines; the harness and the existing ones must not grow back."""
+    checker may add its own lines; the harness and the existing ones must not grow back. (+9 in
+    issue 30: lesson 0's greedy_pick takes any of the ids tied for the largest float16 logit.)"""
     lines = sum(len(path.read_text().splitlines()) for path in _checker_sources())
-    assert lines <= 2420, f"checks/ has {lines} lines"
+    assert lines <= 2430, f"checks/ has {lines} lines"

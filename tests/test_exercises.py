@@ -17,6 +17,8 @@ import batchlab  # noqa: F401  (first: OpenBLAS before mlx)
 import mlx.core as mx
 import nbformat
 import numpy as np
+from types import SimpleNamespace
+
 import pytest
 
 from batchlab import checks, course, exercises
@@ -168,6 +170,27 @@ def test_wrong_greedy_pick_names_the_failing_case(lm):
     assert "case 3 of 5: logits [-5.0, -2.0, -9.0, -1.5]" in verdict.message
     assert "expected: 3" in verdict.message and "got:      2" in verdict.message
     assert verdict.passed == 3 and len(verdict.failed) == 2
+
+
+def test_greedy_pick_on_tied_float16_logits_takes_any_of_the_tied_ids():
+    """On a Mac the logits are float16 and tie often; ``mx.argmax`` may pick the last of the
+    tied ids there, and that is right. A non-maximal id still fails."""
+    row = [0.0] * 10
+    row[3] = row[7] = 20.015625  # one float16 step above 20
+    tied = SimpleNamespace(
+        model=lambda ids: mx.array([[row]], dtype=mx.float16),
+        tokenizer=SimpleNamespace(encode_chat=lambda messages: [1, 2, 3]),
+    )
+
+    def last_of_the_largest(logits):
+        values = np.array(logits.astype(mx.float32))
+        return int(np.flatnonzero(values == values.max())[-1])
+
+    assert checks.greedy_pick(last_of_the_largest, tied)
+    verdict = checks.greedy_pick(lambda logits: 7 if logits.size == 10 else int(mx.argmax(logits)), tied)
+    assert verdict, "id 7 is tied for the largest logit"
+    verdict = checks.greedy_pick(lambda logits: 2 if logits.size == 10 else int(mx.argmax(logits)), tied)
+    assert not verdict and "case 5 of 5" in verdict.message
 
 
 def test_greedy_pick_asks_for_a_python_int():

@@ -27,6 +27,7 @@ from learner_pieces import MyMemoryScheduler, MyVictimPolicy
 
 import batchlab
 from batchlab import generate, make_engine
+from batchlab import backend, microbench
 from batchlab.backend import GPU_PATH_ENV
 
 pytestmark = pytest.mark.slow
@@ -100,19 +101,21 @@ def gpu_runs(workload):
                 ids = [engine.submit(p, max_new_tokens=NEW_TOKENS) for p in workload]
                 engine.run_until_idle()
                 answers[label] = [engine.poll(i)[:2] for i in ids]
-            sampled = {}
-            for crowd in (0, 2):
+            sampled = []  # alone, in a crowd, in the same crowd again
+            for crowd in (0, 2, 2):
                 engine = make_engine("stallfree", lm16, max_batch_size=4, token_budget=24)
                 for j in range(crowd):
                     engine.submit(workload[j], max_new_tokens=6, temperature=1.0, seed=j)
                 rid = engine.submit(workload[3], max_new_tokens=8, temperature=0.8, top_p=0.9, seed=7)
                 engine.run_until_idle()
-                sampled[crowd] = engine.poll(rid)
+                sampled.append(engine.poll(rid))
+            copy_rate = microbench.copy_gbps(megabytes=16, repeats=1)  # the bench's limit, on MLX
         finally:
             cov.stop()
         data = cov.get_data()
         # file -> (its executable lines, those that ran)
         ran = {f: (set(cov.analysis2(f)[1]), set(data.lines(f) or ())) for f in data.measured_files()}
+    assert copy_rate > 0
     return lm16, answers, sampled, ran
 
 
@@ -166,6 +169,13 @@ def test_every_kind_on_the_gpu_path_gives_the_float32_answers(lm, workload, gpu_
 
 
 def test_sampling_on_the_gpu_path_is_per_request(gpu_runs):
-    sampled = gpu_runs[2]
-    assert sampled[0][1:] == sampled[2][1:] == ("done", "length")
-    assert sampled[0][0] == sampled[2][0], "a seeded request samples the same tokens alone and in a crowd"
+    """A seeded request samples from its own stream: the same tokens in the same batch,
+    every time. Alone or among others it samples the same tokens only where the logits do
+    not depend on the batch: MLX's CPU kernels here, not CUDA's on an H200, whose matrix
+    products round differently at other batch sizes (docs/results/gpu_path_cuda_h200.md);
+    Metal's were not measured."""
+    alone, crowd, again = gpu_runs[2]
+    assert alone[1:] == crowd[1:] == again[1:] == ("done", "length")
+    assert crowd[0] == again[0], "a seeded request in the same batch samples the same tokens"
+    if backend.device() == "cpu":
+        assert alone[0] == crowd[0], "a seeded request samples the same tokens alone and in a crowd"

@@ -18,7 +18,7 @@ def _cmd_info(args) -> int:
 
     from . import _blas
     import mlx.core as mx
-    from .microbench import sgemm_gflops
+    from .microbench import copy_gbps, sgemm_gflops
     from .backend import describe as describe_path
     from .model import backend, load_model
 
@@ -36,14 +36,13 @@ def _cmd_info(args) -> int:
     print(f"backend    {backend()}  (default device: {mx.default_device()})")
     print(f"path       {describe_path()}")
     blas = _blas.STATUS
-    print(f"BLAS       {blas.name}")
+    print(f"BLAS       {blas.name}  (MLX's matmuls on the CPU)")
     print(f"           {blas.path or '-'}: {blas.note}")
     if blas.core:
         print(f"kernel     {blas.core}: {blas.core_reason}")
-    print(
-        f"sgemm      {sgemm_gflops():.1f} GFLOP/s (float32 576x1536 by 64 rows"
-        f"{f', {blas.core} kernel' if blas.core else ''}; reference BLAS gives ~5 here)"
-    )
+    where = f"on the {backend()}" + (f", {blas.core} kernel" if blas.core and backend() == "cpu" else "")
+    print(f"sgemm      {sgemm_gflops():.1f} GFLOP/s (float32 576x1536 by 64 rows, {where})")
+    print(f"copy       {copy_gbps():.1f} GB/s (read + written; {where.split(',')[0]})")
     lm = load_model(args.model)
     i = lm.info
     print(

@@ -220,7 +220,7 @@ class Engine:
         e = self.first_error
         return (
             f"{self.passes_failed} of the engine's {self.passes_ok + self.passes_failed} forward "
-            f"passes failed, the first with {type(e).__name__}: {e}. This is a bug in the engine, "
+            f"passes failed, the first with {type(e).__name__}: {str(e).rstrip('.')}. This is a bug in the engine, "
             f"its runner or its scheduler, not in the requests: every request those passes "
             f"carried ended with finish reason 'error'."
         )

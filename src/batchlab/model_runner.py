@@ -146,7 +146,6 @@ class ModelRunner(Runner):
             numpy=self.cpu_path,
         )
         self.profile: dict[str, float] | None = None
-        self._head_rows: list[int] | None = None
         if self.cpu_path:
             self._np = _NumpyWeights(lm, max(lm.max_seq_len, num_blocks * block_size))
 
@@ -160,11 +159,7 @@ class ModelRunner(Runner):
         middle of its prompt needs no logits)."""
         rows = [i for i, c in enumerate(chunks) if c.sampler is not None]
         tokens: list[int | None] = [None] * len(chunks)
-        self._head_rows = rows
-        try:
-            logits = self.forward(chunks)  # [len(rows), vocab]
-        finally:
-            self._head_rows = None
+        logits = self.forward(chunks, head_rows=rows)  # [len(rows), vocab]
         if rows:
             for i, token in zip(
                 rows, self.sample(logits, list(range(len(rows))), [chunks[i].sampler for i in rows])
@@ -178,12 +173,12 @@ class ModelRunner(Runner):
             self.profile[name] = self.profile.get(name, 0.0) + now - self._t
             self._t = now
 
-    def forward(self, chunks: list[Chunk]):
-        """Run all ``chunks`` in one pass; return logits ``[len(chunks), vocab]`` for the
-        last token of each chunk (the distribution of the token that comes next). Inside
-        ``run``, only the rows that sample, in their order."""
+    def forward(self, chunks: list[Chunk], head_rows: list[int] | None = None):
+        """Run all ``chunks`` in one pass; return logits for the last token of each chunk in
+        ``head_rows`` (default: every chunk), in that order, ``[len(head_rows), vocab]``: the
+        distribution of the token that comes next. ``run`` asks only for the rows that sample."""
         self._t = time.perf_counter()
-        head = list(range(len(chunks))) if self._head_rows is None else self._head_rows
+        head = list(range(len(chunks))) if head_rows is None else head_rows
         # Decode rows first, then prefill chunks: each group's attention is done together.
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].tokens) > 1)
         where = np.argsort(order)  # caller's chunk i sits at where[i] in the packed order
@@ -463,9 +458,4 @@ def mlp(block, x: mx.array) -> mx.array:
     if gpu_path():
         return block(x)
     gate, up = attention.to_numpy(block.gate_proj(x), block.up_proj(x))
-    with np.errstate(over="ignore"):  # exp(-gate) -> inf where silu(gate) is -0: fine
-        act = np.exp(-gate)
-    act += 1.0
-    np.divide(gate, act, out=act)
-    act *= up
-    return block.down_proj(mx.array(act).astype(x.dtype))
+    return block.down_proj(mx.array(_silu_mul(gate, up)).astype(x.dtype))

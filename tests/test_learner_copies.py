@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
+from run_notebook import error_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 COPIES = sorted((ROOT / "notebooks" / "learner").glob("*.ipynb"))
@@ -34,20 +34,7 @@ def course_folder(tmp_path_factory):
 def test_learner_copy_runs_without_an_error_cell(course_folder, name):
     path = course_folder / name
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(
-        nb,
-        timeout=900,
-        kernel_name="python3",
-        allow_errors=True,
-        resources={"metadata": {"path": str(course_folder)}},
-    ).execute()
-    errors = [
-        (i, o.get("ename"), o.get("evalue"))
-        for i, cell in enumerate(nb.cells)
-        if cell.cell_type == "code"
-        for o in cell.get("outputs", [])
-        if o.get("output_type") == "error"
-    ]
+    errors = error_cells(nb, course_folder)
     assert not errors, f"{name}: error cells {errors}"
 
 

@@ -35,7 +35,7 @@ LESSONS = ["02_continuous_batching", "05b_one_fused_pass", "08_memory"]
 
 def test_real_model_tests_pass_on_the_gpu_path():
     run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *TESTS],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", *TESTS],
         cwd=ROOT,
         env={**os.environ, **SWITCH},
         capture_output=True,

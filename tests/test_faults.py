@@ -31,11 +31,11 @@ class FaultyRunner(ModelRunner):
     passes = 0
     fail_at: int | None = None
 
-    def forward(self, chunks):
+    def forward(self, chunks, head_rows=None):
         self.passes += 1
         if self.passes == self.fail_at:
             raise RuntimeError(f"injected fault in forward pass {self.passes}")
-        return super().forward(chunks)
+        return super().forward(chunks, head_rows)
 
 
 def read_stream(url: str, body: dict, out: dict, first_token: threading.Event | None = None):

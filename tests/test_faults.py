@@ -145,6 +145,27 @@ def test_a_failed_forward_pass_ends_its_requests_with_an_error_event_and_others_
         assert again.json()["choices"][0]["message"]["content"] == expected
 
 
+class BrokenRunner(ModelRunner):
+    """Every forward pass raises, as every masked pass did on the Mac path before its mask
+    took the queries' dtype."""
+
+    def forward(self, chunks, head_rows=None):
+        raise ValueError("[scaled_dot_product_attention] Mask type must promote to output type float16.")
+
+
+def test_a_server_whose_every_pass_fails_says_so_in_its_log_and_on_health(lm, caplog):
+    with caplog.at_level("ERROR", logger="batchlab"):
+        with serve_in_thread(lm, "stallfree", max_batch_size=2, runner=BrokenRunner) as srv:
+            assert httpx.get(srv.base_url + "/health").status_code == 200
+            for _ in range(2):  # each ends with an error, and the server still answers
+                r = httpx.post(srv.base_url + "/v1/chat/completions", json=chat("Hi", 4), timeout=60)
+                assert r.status_code == 500, r.text
+            health = httpx.get(srv.base_url + "/health")
+            assert health.status_code == 503 and "bug in the engine" in health.text, health.text
+    said = [r.getMessage() for r in caplog.records if "the engine is failing" in r.getMessage()]
+    assert len(said) == 1, said
+
+
 def test_a_request_the_engine_reports_as_error_gets_an_error_event_or_a_500(lm):
     """The server's side of the agreed contract, whatever the engine does today: when
     poll reports finish reason "error", a stream gets an error event (then [DONE]) after

@@ -540,7 +540,7 @@ def test_openblas_is_what_mlx_uses():
 def test_numpy_rope_matches_mlx_rope(traditional):
     import mlx.nn as nn
 
-    from batchlab.model_runner import _rope
+    from batchlab.cpu_llama import rope as _rope
 
     rope = nn.RoPE(64, traditional=traditional, base=100000.0)
     rng = np.random.default_rng(0)

@@ -1,26 +1,14 @@
 """Attention for the runner: on the CPU in numpy, exact to float32 rounding; on Metal,
 MLX's fused kernel.
 
-MLX's CPU backend is slow at attention, and not in its matrix multiplies: its
-elementwise kernels are compiled for the x86-64 baseline (SSE2), ``mx.exp`` is a scalar
-loop, each of max, subtract, exp, sum and divide is a separate pass over the scores, and
-its batched matmul of small matrices runs at half the rate numpy's reaches. Measured
-here on one layer of a 64-token chunk at context 1k (9 query heads x 64 x 1,024
-scores): ``mx.fast.scaled_dot_product_attention`` 11 ms, ``mx.exp`` alone 7.4 ms, the
-two matmuls in MLX 1.3 ms and in numpy 0.8 ms, numpy's whole softmax 1 ms (its float32
-``exp`` uses the CPU's widest vector unit, AVX-512 here).
-
-So on the CPU the runner hands this layer's queries, keys and values to numpy
-(``np.asarray`` evaluates them and shares their memory) and gets the ``[N, H * D]``
-result back as one small MLX array. Attention is then two batched matmuls, one per KV
-head with its group of query heads stacked as rows (``[KH, G*L, D] @ [KH, D, S]``: GQA
-without copying keys), an additive float mask, and a softmax done in place, on one
-thread. numpy's own OpenBLAS is held to one thread, because its idle threads spin on the
-cores MLX's OpenBLAS is about to use (measured: a 64-token chunk went from 0.19 s to
-0.68 s). Splitting the rows over the cores in Python threads loses for the same reason:
-after each linear layer MLX's OpenBLAS worker spins on the second core, and a second
-attention thread competes with it (measured in the runner, 2026-12-03: one thread took
-0.94-0.98 of the time of two for chunks of 64-256 tokens at context 0 and 960).
+MLX's CPU backend is slow at attention, and not in its matrix multiplies (its element-wise
+kernels are scalar loops off Apple). So on the CPU the runner hands this layer's queries, keys
+and values to numpy (``np.asarray`` evaluates them and shares their memory) and gets the
+``[N, H * D]`` result back as one small MLX array. Attention is then two batched matmuls, one
+per KV head with its group of query heads stacked as rows (``[KH, G*L, D] @ [KH, D, S]``: GQA
+without copying keys), an additive float mask, and a softmax done in place, on one thread,
+with numpy's own OpenBLAS held to one thread beside MLX's. Why each of these, with the
+measurements: ``docs/results/cpu_path_measurements.md``.
 
 On Metal, ``mx.fast.scaled_dot_product_attention`` is the fast one: ``decode_rows`` and
 ``prefill_chunk`` call it on the GPU path (``backend.gpu_path``: the GPU, or
@@ -159,10 +147,8 @@ def decode_rows_views(
     keys and values ``contexts[r]`` (each ``[S_r, KH, D]``, typically views of the KV pool:
     nothing gathered, no mask). Each row's scores go into one ``[R, KH, G, max S_r]``
     array whose unused tail stays -inf, so the softmax is one pass over all rows, and each
-    row costs two matrix multiplies. In the runner at 16 rows of 257 keys it takes 0.93-0.95
-    of the time of a softmax per row (``benchmarks/decode_attention_ab.py``, 2026-12-03: 33 ms
-    a step for the 30 layers); gathering the padded contexts into one array
-    (``decode_rows_np``) costs 0.5 ms a layer more."""
+    row costs two matrix multiplies (measured against a softmax per row and against
+    ``decode_rows_np``: ``docs/results/cpu_path_measurements.md``)."""
     R, H, D = q.shape
     KH = contexts[0][0].shape[1] if R else 1
     G = H // KH

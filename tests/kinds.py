@@ -1,6 +1,6 @@
 """The engine configurations the tests run every kind with, from the registry: each
 shipped kind (``scheduler.KINDS``) with every combination of its options' ``examples``.
-A new kind declared in ``scheduler.py`` is tested by these tests with no edit here."""
+A new kind registered in ``batchlab.scheduler`` is tested by these tests with no edit here."""
 
 from __future__ import annotations
 

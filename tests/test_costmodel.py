@@ -30,11 +30,11 @@ class TimedRunner(ModelRunner):
         super().__init__(lm, num_blocks, block_size)
         self.timed: list[tuple[list, float]] = []
 
-    def forward(self, chunks):
+    def forward(self, chunks, head_rows=None):
         best, logits = np.inf, None
         for _ in range(3):
             start = time.perf_counter()
-            out = super().forward(chunks)
+            out = super().forward(chunks, head_rows)
             best = min(best, time.perf_counter() - start)
             logits = out if logits is None else logits
         self.timed.append((list(chunks), best))

@@ -14,7 +14,7 @@ import pytest
 
 from batchlab import generate, make_engine
 from batchlab.fake import FakeModel, FakeRunner, reference_output
-from batchlab.scheduler import ContinuousScheduler, Scheduler
+from batchlab.scheduler import ContinuousScheduler, OnDemandKV, Scheduler
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PROMPTS = {"long": list(range(1, 41)), "short": [3, 4, 5], "mid": list(range(7, 22)), "tiny": [9, 8]}
@@ -78,12 +78,12 @@ def test_readme_scheduler_on_the_real_model(lm):
     assert first_prefill_order(engine)[0] == "tiny"
 
 
-class Threshold(Scheduler):
-    """A minimal scheduler of its own: prefill whole prompts one at a time, decode everyone
-    together, but admit only prompts up to ``max_prompt`` tokens long at once."""
+class Threshold(OnDemandKV, Scheduler):
+    """A minimal scheduler of its own on the base and the on-demand KV mixin: prefill whole
+    prompts one at a time, decode everyone together, but admit only prompts up to
+    ``max_prompt`` tokens long at once."""
 
     kind = "threshold"
-    kv_on_demand = True
 
     def __init__(self, blocks, clock, max_batch_size: int = 2, max_prompt: int = 16):
         super().__init__(blocks, clock, max_batch_size)
@@ -124,3 +124,20 @@ def test_options_come_from_the_constructor():
     with pytest.raises(ValueError, match="enable_prefix_cache does not apply to the static"):
         make_engine("static", FakeModel(), runner=FakeRunner, enable_prefix_cache=True)
     assert make_engine(ContinuousScheduler, FakeModel(), runner=FakeRunner).trace.kind == "continuous"
+
+
+def test_a_scheduler_that_only_calls_super_is_told_which_method_to_write():
+    """The base decides nothing: a kind whose planning only delegates to it gets an error that
+    names the method to write, not a schedule borrowed from a reference."""
+
+    class Lazy(OnDemandKV, Scheduler):
+        kind = "lazy"
+
+        def batches(self):
+            yield from super().batches()
+
+    engine = make_engine(Lazy, FakeModel(), runner=FakeRunner, max_batch_size=2)
+    engine.submit([1, 2, 3], max_new_tokens=2)
+    with pytest.raises(NotImplementedError, match=r"Lazy must write batches\(\)"):
+        engine.step()
+    assert not any(hasattr(Scheduler, m) for m in ("admit", "place", "plan", "fits", "make_room"))

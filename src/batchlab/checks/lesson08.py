@@ -10,7 +10,7 @@ from ..kv import BlockManager
 from ..policies import PriorityPolicy
 from ..request import State
 from ..runner import Chunk
-from ..scheduler import Scheduler
+from ..scheduler import OnDemandKV
 from ..workloads import Workload, WorkloadRequest as _W
 from ._core import Case, Verdict, answer_compare, run_cases, show, table
 from ._pieces import VOCAB, piece_case, run_piece
@@ -138,7 +138,7 @@ SCENARIOS = {  # name: (in words, requests arriving at once, (engine options, pr
 
 
 def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
-    """The likely mistake when the learner's fits disagrees with ``Scheduler.fits``, from the situation."""
+    """The likely mistake when the learner's fits disagrees with ``OnDemandKV.fits``, from the situation."""
     hits, _, _ = sched.first_chunk(req, max_tokens)
     decoding = len(sched.in_state(State.DECODING))
     situation = f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, {len(hits)} cached block(s), "
@@ -160,7 +160,7 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
     class Probe(scheduler_cls):
         def fits(self, req, max_tokens):
             got = super().fits(req, max_tokens)
-            if bool(got) != Scheduler.fits(self, req, max_tokens) and "fits" not in notes:
+            if bool(got) != OnDemandKV.fits(self, req, max_tokens) and "fits" not in notes:
                 notes["fits"] = f"fits: {_why_fits_differs(self, req, max_tokens, bool(got))}"
             return got
 
@@ -193,7 +193,7 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
 
 
 def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
-    """Check ``MyMemoryScheduler.fits(req, max_tokens)`` and ``MyVictimPolicy.victim(running)``."""
+    """Check ``MyMemoryOnDemandKV.fits(req, max_tokens)`` and ``MyVictimPolicy.victim(running)``."""
     missing = next((p for p in (scheduler_cls, policy_cls) if getattr(p, "missing_reason", None)), None)
 
     def victim_case(label, *running):

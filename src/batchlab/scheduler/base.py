@@ -1,0 +1,244 @@
+"""The scheduler base: what every kind shares and nothing a kind decides. A queue, B decode
+slots, the KV blocks, and the flow of a pass: ``prepare`` before the runner, ``postprocess``
+after it, ``remove`` / ``release`` when a request leaves, ``fail`` when a pass raises."""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from ..batch import Batch
+from ..kv import BlockManager
+from ..policies import PriorityPolicy
+from ..request import Request, State
+from ..runner import Chunk
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option of a scheduler kind, as a command line offers it. ``examples``: values
+    the tests run every kind with (edge cases first), so a new kind is tested by declaring
+    it."""
+
+    type: type
+    help: str
+    examples: tuple = ()
+
+
+class Scheduler:
+    """What every policy shares: a queue, B decode slots, the KV blocks, and the flow of
+    a pass (``prepare`` before the runner, ``postprocess`` after it).
+
+    It decides nothing: planning (``batches``) is each kind's own code, and a kind that
+    does not write it is told so. Static and sequential batching reserve a request's whole
+    KV memory up front (``reserve``); continuous and stall-free take blocks on demand with
+    ``OnDemandKV`` (``fits``, ``start``, ``make_room``) and preempt when the pool runs dry.
+    ``running`` lists every admitted request (it holds KV blocks), in admission order.
+    """
+
+    kind = "base"
+    description = ""  # one line: what this kind does (the CLI, ``batchlab demo``, the README)
+    options: dict[str, Option] = {
+        "max_batch_size": Option(
+            int, "decode slots: at most this many requests decode together (B)", (1, 3, 8)
+        ),
+    }
+    bench_variants: dict[str, dict] = {}  # engines of this kind in ``batchlab bench``: name -> options
+    kv_on_demand = False  # blocks taken as requests grow (so prefix caching can share them)
+    prefill_lane = False  # prefilling requests hold no decode slot (pictures draw a lane)
+    rectangular = False  # a finished request keeps its row (slot, KV) until its whole batch ends
+
+    def __init__(
+        self,
+        blocks: BlockManager,
+        clock: Callable[[], float],
+        max_batch_size: int = 8,
+        policy: PriorityPolicy | None = None,
+    ):
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
+        self.max_batch_size = max_batch_size
+        self.blocks, self.clock = blocks, clock
+        self.policy = policy or PriorityPolicy()
+        self.queue: deque[Request] = deque()
+        self.slots: list[Request | None] = [None] * max_batch_size
+        self.running: list[Request] = []  # admitted, holding KV blocks, in admission order
+        self.preempted: list[str] = []  # preempted during the current step
+        self.num_preemptions = 0
+
+    @classmethod
+    def option_defaults(cls) -> dict:
+        """The options this kind takes, with their defaults: its constructor's keyword
+        arguments after ``(blocks, clock)``."""
+        params = list(inspect.signature(cls.__init__).parameters.values())[3:]
+        return {p.name: p.default for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+    @classmethod
+    def option_specs(cls) -> dict[str, tuple[object, Option | None]]:
+        """Each option with its default and its ``Option`` (None where no class in the
+        kind's lineage describes it, e.g. ``policy``: an object, not a command-line value)."""
+        described: dict[str, Option] = {}
+        for klass in reversed(cls.__mro__):
+            described.update(getattr(klass, "options", {}) or {})
+        return {name: (default, described.get(name)) for name, default in cls.option_defaults().items()}
+
+    # -- bookkeeping shared by all policies --------------------------------------------
+    def add(self, req: Request) -> None:
+        self.queue.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or bool(self.running)
+
+    def in_state(self, *states: State) -> list[Request]:
+        """The admitted requests in any of ``states``, in admission order."""
+        return [r for r in self.running if r.state in states]
+
+    def free_slot(self) -> int | None:
+        return next((i for i, r in enumerate(self.slots) if r is None), None)
+
+    def take_slot(self, req: Request) -> None:
+        slot = self.free_slot()
+        if slot is None:
+            raise RuntimeError(
+                f"take_slot({req.id}): every decode slot is taken; check "
+                f"free_slot() is not None first (or free finished requests)"
+            )
+        req.slot = slot
+        self.slots[slot] = req
+
+    def reserve(self, req: Request) -> bool:
+        """Reserve KV blocks for the whole request (prompt + every token it may generate);
+        False if the pool cannot promise them now."""
+        if not self.blocks.can_reserve(req.prompt_len + req.max_new_tokens):
+            return False
+        self.blocks.reserve(req.id, req.prompt_len + req.max_new_tokens)
+        return True
+
+    def begin(self, req: Request) -> None:
+        """``req`` leaves the queue and starts prefilling: it joins ``running``."""
+        if req in self.queue:
+            self.queue.remove(req)
+        self.running.append(req)
+        req.set_state(State.PREFILLING, self.clock())
+
+    def remove(self, req: Request) -> None:
+        """A request leaves (finished, cancelled): free everything it held -- except, in a
+        ``rectangular`` batch, a row that still runs: it stays as padding until its batch
+        ends and the kind's planning releases it."""
+        if self.rectangular and req in self.running:
+            return
+        self.release(req)
+
+    def release(self, req: Request) -> None:
+        """Forget ``req`` and free its slot and KV blocks."""
+        if req in self.queue:
+            self.queue.remove(req)
+        if req.slot is not None and self.slots[req.slot] is req:
+            self.slots[req.slot] = None
+        if req in self.running:
+            self.running.remove(req)
+        req.slot = None
+        self.blocks.release(req.id)
+
+    def check_pool_holds(self, num_tokens: int) -> None:
+        """Refuse (ValueError) a request that could never fit the KV pool."""
+        need = self.blocks.blocks_for(num_tokens)
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"prompt + max_new_tokens = {num_tokens} tokens needs {need} KV blocks, but the "
+                f"engine has {self.blocks.num_blocks} blocks of {self.blocks.block_size} tokens; "
+                f"raise num_kv_blocks"
+            )
+
+    def passes(self) -> Iterator[Batch]:
+        """This step's passes: what the engine iterates. Starts the step's bookkeeping,
+        then runs the kind's own planning, ``batches()``."""
+        self.preempted = []
+        yield from self.batches()
+
+    def batches(self) -> Iterator[Batch]:
+        """Planning: yield this step's passes, one ``Batch`` each (the kind's own code)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must write batches(): the base class plans nothing (it holds "
+            f"the queue, the slots, the KV blocks and the flow of a pass, and decides no admission, "
+            f"chunk or placement). Yield one Batch per forward pass of the step."
+        )
+
+    # -- one pass: before and after the runner --------------------------------------------
+    def prepare(self, batch: Batch) -> list[Chunk]:
+        """Take the KV blocks ``batch`` writes and describe it to the runner: one chunk per
+        request, in ``batch.requests`` order. (On-demand kinds took them while planning,
+        with ``make_room``; for up-front kinds this is where reserved blocks are taken.)"""
+        chunks = [self._chunk(r, r.next_input(), sample=True) for r in batch.decode]
+        for req, n in batch.prefill:  # the prompt (+ generated tokens, recomputed after preemption)
+            end = req.num_computed + n
+            chunks.append(
+                self._chunk(req, req.token_ids(req.num_computed, end), sample=end == req.prefill_len)
+            )
+        # static: a finished row's last position is recomputed and the result thrown away
+        chunks += [self._chunk(r, r.next_input(), sample=False) for r in batch.padding]
+        return chunks
+
+    def _chunk(self, req: Request, tokens: list[int], sample: bool) -> Chunk:
+        start, end = req.num_computed, req.num_computed + len(tokens)
+        table = self.blocks.ensure(req.id, end)
+        self.blocks.check_writable(req.id, start, end)
+        return Chunk(req.id, tokens, start, list(table), req.sampler if sample else None)
+
+    def postprocess(
+        self, batch: Batch, tokens: list[int | None], now: float
+    ) -> list[tuple[Request, int, str | None]]:
+        """The one result hook, after every pass of every kind: advance each request by
+        what it computed, name full blocks for the prefix cache, hand out the new tokens
+        (one per ``batch.requests`` entry, None where none was sampled), free the
+        requests that finished, and move a request whose prompt is done on to decoding
+        (it holds a slot) or to await a slot. Returns ``(request, token, finish reason or
+        None)`` for every token handed out."""
+        for req in batch.decode:
+            req.num_computed += 1
+        for req, n in batch.prefill:
+            req.num_computed += n
+        for req in batch.requests[: len(batch.decode) + len(batch.prefill)]:
+            if not req.finished:  # full blocks join the prefix cache
+                self.blocks.cache_full_blocks(req.id, req.num_computed, req.token_ids)
+        events = []
+        for req, token in zip(batch.requests, tokens):
+            if token is None or req.finished:  # nothing sampled, or cancelled during the pass
+                continue
+            reason = req.add_token(token, now)
+            if reason is not None:
+                req.finish(reason, now)
+                self.remove(req)
+            events.append((req, token, reason))
+        for req, _ in batch.prefill:  # a finished prompt moves on: decode in its slot, or await one
+            if req.prefill_left == 0 and req.state is State.PREFILLING:
+                req.set_state(State.DECODING if req.slot is not None else State.AWAITING_SLOT, self.clock())
+        return events
+
+    def fail(self, batch: Batch, cause: BaseException, now: float) -> list[Request]:
+        """The pass of ``batch`` raised ``cause``: its requests finish with reason "error"
+        and give back everything they hold. Returns the requests it finished."""
+        ended = []
+        for req in batch.requests:
+            if not req.finished:
+                req.finish("error", now)
+                req.error = cause
+                ended.append(req)
+            self.remove(req)
+        return ended
+
+    def kv_usage(self) -> dict:
+        """What KV memory looks like now (for the trace and ``stats``)."""
+        b = self.blocks
+        return {
+            "num_kv_blocks": b.num_blocks,
+            "free_kv_blocks": b.num_free,
+            "kv_blocks_used": b.num_blocks - b.num_free,
+            "block_tables": {rid: list(t) for rid, t in b.tables.items()},
+            "cached_blocks": list(b.evictable),
+            "preemptions": self.num_preemptions,
+            "prefix_cache_hits": b.hit_blocks,
+            "prefix_cache_hit_tokens": b.hit_tokens,
+        }

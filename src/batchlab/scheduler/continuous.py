@@ -1,0 +1,100 @@
+"""The continuous kind (lesson 2; chunked prefill, lesson 4): iteration-level scheduling
+in five phases."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+from ..batch import Batch
+from ..kv import BlockManager
+from ..policies import PriorityPolicy
+from ..request import State
+from .base import Option, Scheduler
+from .on_demand import OnDemandKV
+
+
+class ContinuousScheduler(OnDemandKV, Scheduler):
+    """Continuous (iteration-level) batching. Each step:
+
+    1. (engine) sweep cancelled requests out;
+    2. ``admit``: the next queued request starts prefilling;
+    3. ``prefill_chunk``: its prefill advances by ``prefill_step`` tokens (a separate pass);
+    4. ``place``: fully prefilled requests move into free decode slots, or keep waiting;
+    5. ``decode_rows``: one batched decode pass over every occupied slot.
+
+    ``prefill_step=None`` prefills a whole prompt at once: the naive variant whose long
+    prompts stall everybody's decoding (lesson 3). KV blocks are taken on demand; when a
+    chunk or a decode row finds none free, the policy's victim is preempted (lesson 8).
+    """
+
+    kind = "continuous"
+    description = (
+        "iteration-level: one admission a step, its prefill as a pass of its own "
+        "(whole, or prefill_step tokens at a time), then one decode pass over every slot"
+    )
+    options = {
+        "prefill_step": Option(
+            int,
+            "prefill at most this many prompt tokens a step "
+            "(chunked prefill; default: the whole prompt at once)",
+            (1, 7, 128, None),
+        )
+    }
+    bench_variants = {"continuous": {}, "chunked": {"prefill_step": 128}}
+    prefill_lane = True
+
+    def __init__(
+        self,
+        blocks: BlockManager,
+        clock,
+        max_batch_size: int = 8,
+        prefill_step: int | None = None,
+        policy: PriorityPolicy | None = None,
+    ):
+        super().__init__(blocks, clock, max_batch_size, policy)
+        if prefill_step is not None and (
+            isinstance(prefill_step, bool) or not isinstance(prefill_step, int) or prefill_step < 1
+        ):
+            raise ValueError(f"prefill_step must be an integer >= 1, got {prefill_step!r}")
+        self.prefill_step = prefill_step or math.inf
+
+    def batches(self):
+        self.admit()
+        yield from self.prefill_chunk()
+        self.place()
+        yield from self.decode_rows()
+
+    def admit(self) -> None:
+        """2. Admit one request at a time, and none while another prefills or waits for a
+        slot; only if the free blocks hold its first chunk."""
+        if self.queue and not self.in_state(State.PREFILLING, State.AWAITING_SLOT):
+            req = self.policy.next_queued(self.queue)
+            if self.fits(req, self.prefill_step):
+                self.start(req, self.prefill_step)
+
+    def prefill_chunk(self) -> Iterator[Batch]:
+        """3. One chunk of the prefilling request, a pass of its own; the chunk that ends
+        the prompt samples its first token (then it awaits a slot)."""
+        for req in self.in_state(State.PREFILLING)[:1]:
+            n = min(self.prefill_step, req.prefill_left)
+            if self.make_room(req, n):
+                yield Batch(prefill=[(req, n)])
+
+    def place(self) -> None:
+        """4. Move prefilled requests into free slots, first come first placed."""
+        for req in self.in_state(State.AWAITING_SLOT):
+            if self.free_slot() is None:
+                break
+            self.take_slot(req)
+            req.set_state(State.DECODING, self.clock())
+
+    def decode_rows(self) -> Iterator[Batch]:
+        """5. One decode step for every occupied slot. Blocks go to the most important
+        rows first, so if the pool is short the least important give way."""
+        for req in sorted((r for r in self.slots if r is not None), key=self.policy.importance):
+            if req.slot is not None:  # not preempted for a more important row
+                self.make_room(req, 1)
+        rows = [r for r in self.slots if r is not None]
+        if rows:
+            yield Batch(decode=rows)

@@ -1,0 +1,64 @@
+"""KV memory on demand, for the kinds that let requests grow (continuous, stall-free):
+admission by free blocks (``fits``), starting a request on its cached prefix (``start``),
+taking blocks as it grows and preempting by recompute when the pool runs dry
+(``make_room``, ``preempt``). A mixin: ``class Kind(OnDemandKV, Scheduler)``."""
+
+from __future__ import annotations
+
+from ..request import Request, State
+
+
+class OnDemandKV:
+    """Blocks taken as requests grow, so prefix caching can share them (mixed into a
+    ``Scheduler``: it uses its queue, ``running``, ``blocks``, ``policy`` and ``release``)."""
+
+    kv_on_demand = True
+
+    def first_chunk(self, req: Request, max_tokens: float) -> tuple[list[int], int, int]:
+        """(cached blocks it can share, their tokens, its first chunk's length)."""
+        hits = self.blocks.lookup(req.token_ids(0, req.prefill_len))
+        cached = len(hits) * self.blocks.block_size
+        return hits, cached, min(max_tokens, req.prefill_len - cached)
+
+    def fits(self, req: Request, max_tokens: float) -> bool:
+        """Admission by free blocks: the pool must hold the first chunk (at most
+        ``max_tokens``, after any cached prefix) and still keep one block of headroom for
+        every decoding request, so that admitting does not at once force a preemption."""
+        hits, cached, n = self.first_chunk(req, max_tokens)
+        taken = (
+            self.blocks.blocks_for(cached + n) - len(hits) + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        )  # evictable hits leave the free pool
+        headroom = sum(r.state is State.DECODING for r in self.running)
+        return taken + headroom <= self.blocks.num_free
+
+    def start(self, req: Request, max_tokens: float) -> int:
+        """Admit ``req`` (checked with ``fits``) into prefilling: share its cached prefix,
+        take blocks for its first chunk; return that chunk's length."""
+        hits, cached, n = self.first_chunk(req, max_tokens)
+        self.blocks.share(req.id, hits)
+        req.num_computed = cached
+        self.blocks.ensure(req.id, cached + n)
+        self.begin(req)
+        return n
+
+    def make_room(self, req: Request, num_tokens: int) -> bool:
+        """Take the blocks ``req`` needs for ``num_tokens`` more tokens, preempting the
+        policy's victims while the pool is short. False if ``req`` itself gave way."""
+        while self.blocks.blocks_to_grow(req.id, req.num_computed + num_tokens) > self.blocks.num_free:
+            victim = self.policy.victim(self.running)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        self.blocks.ensure(req.id, req.num_computed + num_tokens)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Preemption by recompute: free all of ``req``'s blocks and put it back at the
+        front of the queue; it keeps its generated tokens."""
+        self.release(req)
+        if req.finished:  # cancelled meanwhile: nothing to come back for
+            return
+        req.preempt(self.clock())
+        self.queue.appendleft(req)
+        self.preempted.append(req.id)
+        self.num_preemptions += 1

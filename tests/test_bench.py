@@ -15,6 +15,7 @@ from pathlib import Path
 
 from batchlab import bench
 from batchlab.bench import engines, format_table, run_bench
+from batchlab.costmodel import CostModel, token_budget_for_slo
 from batchlab.fake import FakeModel, FakeRunner
 from batchlab.workloads import Workload, WorkloadRequest
 
@@ -71,8 +72,7 @@ def test_stallfree_gets_the_budget_its_target_implies():
     cost = CostModel.load()
     for b in (8, 16):
         assert "token_budget" not in engines(b)["stallfree"]  # no hand rule
-        assert bench.stallfree_token_budget(b) == costmodel.token_budget_for_slo(cost, b)
-        assert bench.stallfree_token_budget(b, 10.0) > bench.stallfree_token_budget(b) > b
+        assert costmodel.token_budget_for_slo(cost, b, 10.0) > costmodel.token_budget_for_slo(cost, b) > b
     args = bench.engine_args(engines(8)["stallfree"], tbt_slo=0.5)
     if "tbt_slo" in args:  # the scheduler picks its budget from the target itself
         assert args["tbt_slo"] == 0.5 and "token_budget" not in args
@@ -281,7 +281,10 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     assert figures["decode_b16_over_roofline_with_kv"] == pytest.approx(0.2 / 0.1)
     assert "decode_b8_over_roofline_with_kv" not in figures  # no KV bytes measured for it
     assert figures["batch_sizes"] == {"chat": 16, "high_variance": 16, "interference": 8}
-    assert figures["stallfree_token_budget"] == {str(b): bench.stallfree_token_budget(b) for b in (8, 16)}
+    # the budgets the stall-free scheduler chose from its target, read from its traces
+    assert figures["stallfree_token_budget"] == {
+        str(b): token_budget_for_slo(CostModel.load(), b) for b in (8, 16)
+    }
     assert figures["sgemm_gflops"] == 100.0 and figures["copy_gbps"] == 10.0
     assert figures["prefill_fraction_of_sgemm_bound"] == pytest.approx(128 / 0.512 / 500.0)
     assert figures["decode_fraction_of_bandwidth_bound"] == pytest.approx(0.05 / 0.1)

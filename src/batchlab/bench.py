@@ -25,7 +25,6 @@ from pathlib import Path
 from mlx.utils import tree_flatten
 
 from . import driver, metrics, microbench, workloads
-from .costmodel import CostModel, token_budget_for_slo
 from .engine import make_engine, scheduler_class
 from .scheduler import KINDS, ContinuousScheduler
 from .model import LoadedModel
@@ -39,7 +38,7 @@ PREFILL_HEAVY = "high_variance"  # the workload whose figures keep their old, un
 def engines(batch_size: int) -> dict[str, dict]:
     """Our engine configurations at one batch size (name -> make_engine arguments), from
     the registry: every kind's ``bench_variants``. The stall-free engine gets no token
-    budget: it takes the one its TBT target implies (``stallfree_token_budget``)."""
+    budget: it takes the one its TBT target implies, and its trace records it."""
     return {
         name: dict(kind=kind, max_batch_size=batch_size, **options)
         for kind, cls in KINDS.items()
@@ -47,24 +46,14 @@ def engines(batch_size: int) -> dict[str, dict]:
     }
 
 
-def stallfree_token_budget(batch_size: int, tbt_slo: float | None = None) -> int:
-    """The stall-free engine's budget at this batch size: the largest whose step the packaged
-    cost model predicts within ``tbt_slo`` (None: the default target, a stated multiple of
-    a decode step; ``costmodel.DEFAULT_SLO_DECODE_STEPS``)."""
-    return token_budget_for_slo(CostModel.load(), batch_size, tbt_slo)
-
-
 def engine_args(config: dict, tbt_slo: float | None = None) -> dict:
     """make_engine arguments for one configuration: ``tbt_slo`` goes to every scheduler that
-    takes it; a stall-free scheduler that takes no target but needs a budget gets the
-    budget the target implies."""
+    takes it."""
     args = dict(config)
     options = scheduler_class(args["kind"]).option_defaults()
     if "tbt_slo" in options:
         if tbt_slo is not None:
             args.setdefault("tbt_slo", tbt_slo)
-    elif "token_budget" in options and args.get("token_budget") is None and args["kind"] == "stallfree":
-        args["token_budget"] = stallfree_token_budget(args["max_batch_size"], tbt_slo)
     return args
 
 
@@ -331,9 +320,10 @@ def run_bench(
             }
         )
     machine = measure(lm)
-    budgets = {
-        str(b): stallfree_token_budget(b, tbt_slo)
-        for b in sorted({b for _, _, bs in experiments for b in bs})
+    budgets = {  # as the stall-free scheduler chose them (from its TBT target)
+        str(b): trace.token_budget
+        for (_, b, engine_name), trace in sorted(traces[0].items())
+        if engine_name == "stallfree"
     }
     per_rep = [headline_figures(t, experiments, machine, list(extra_engines)) for t in traces]
     figures, spreads = {}, {}

@@ -63,6 +63,7 @@ class Engine:
             scheduler.max_batch_size,
             num_kv_blocks=scheduler.kv_usage()["num_kv_blocks"],
             prefill_lane=scheduler.prefill_lane,
+            token_budget=getattr(scheduler, "token_budget", None),  # as the kind chose it
         )
         # A long-running server keeps only the last `trace_limit` steps, and forgets a
         # request's record once poll has reported it done, so memory stays bounded.

@@ -65,6 +65,7 @@ class Trace:
     requests: dict[str, RequestRecord] = field(default_factory=dict)
     num_kv_blocks: int | None = None  # the size of the KV pool, for pictures of blocks
     prefill_lane: bool = False  # prefilling requests hold no decode slot: pictures draw a lane
+    token_budget: int | None = None  # tokens a step may run, where the kind has a budget (stall-free)
 
     def to_json(self) -> str:
         # steps may be a bounded deque (a server's trace): store it as a list
@@ -88,4 +89,5 @@ class Trace:
             requests,
             data.get("num_kv_blocks"),
             data.get("prefill_lane", False),
+            data.get("token_budget"),
         )

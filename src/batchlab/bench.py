@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 
 from . import driver, metrics, microbench, workloads
 from .engine import make_engine, scheduler_class
-from .scheduler import KINDS, ContinuousScheduler
+from .scheduler import KINDS, ContinuousScheduler, StallFreeScheduler, StaticScheduler
 from .model import LoadedModel
 from .peers import run_mlxlm_workload
 from .trace import Trace
@@ -276,6 +276,38 @@ def machine_limits(lm: LoadedModel) -> dict:
     }
 
 
+def run_experiments(lm, experiments, repetitions, run, progress, runner, tbt_slo, extra_engines):
+    """Every (workload, batch size, engine) run ``repetitions`` times in the interleaved order
+    of ``schedule``: one summary row per run (with the machine's load around it), and each
+    repetition's traces by (workload, batch size, engine)."""
+    by_name = {name: wl for name, wl, _ in experiments}
+    runs: list[dict] = []
+    traces: list[dict[tuple[str, int, str], Trace]] = [{} for _ in range(repetitions)]
+    for rep, name, b, engine_name in schedule(experiments, repetitions, list(extra_engines)):
+        trace, load = watched(
+            run, lm, by_name[name], b, engine_name, progress, runner, tbt_slo, extra_engines
+        )
+        traces[rep][(name, b, engine_name)] = trace
+        summary = {"workload": name, "batch_size": b, "engine": engine_name, "repetition": rep}
+        runs.append({**summary, **load, **metrics.summarize(trace)})
+    return runs, traces
+
+
+def median_figures(per_rep: list[dict]) -> tuple[dict, dict]:
+    """Each figure's median over the repetitions, with its range where it varies; a name or
+    a setting takes its most common value."""
+    figures, spreads = {}, {}
+    for key, value in per_rep[0].items():
+        if isinstance(value, float) or value is None:
+            figures[key], *spread = median_spread([f[key] for f in per_rep])
+            if spread[0] is not None:
+                spreads[key] = spread
+        else:
+            values = [json.dumps(f[key]) for f in per_rep]
+            figures[key] = json.loads(max(set(values), key=values.count))
+    return figures, spreads
+
+
 def run_bench(
     lm: LoadedModel,
     quick: bool = False,
@@ -301,41 +333,17 @@ def run_bench(
     if clash:
         raise ValueError(f"extra engine names must differ from ours: {', '.join(sorted(clash))}")
     experiments = plan(lm, quick)
-    by_name = {name: wl for name, wl, _ in experiments}
-    runs: list[dict] = []
-    traces: list[dict[tuple[str, int, str], Trace]] = [{} for _ in range(repetitions)]
-    for rep, name, b, engine_name in schedule(experiments, repetitions, list(extra_engines)):
-        trace, load = watched(
-            run, lm, by_name[name], b, engine_name, progress, runner, tbt_slo, extra_engines
-        )
-        traces[rep][(name, b, engine_name)] = trace
-        runs.append(
-            {
-                "workload": name,
-                "batch_size": b,
-                "engine": engine_name,
-                "repetition": rep,
-                **load,
-                **metrics.summarize(trace),
-            }
-        )
+    runs, traces = run_experiments(
+        lm, experiments, repetitions, run, progress, runner, tbt_slo, extra_engines
+    )
     machine = measure(lm)
-    budgets = {  # as the stall-free scheduler chose them (from its TBT target)
+    per_rep = [headline_figures(t, experiments, machine, list(extra_engines)) for t in traces]
+    figures, spreads = median_figures(per_rep)
+    figures["stallfree_token_budget"] = {  # as the stall-free scheduler chose them (from its TBT target)
         str(b): trace.token_budget
         for (_, b, engine_name), trace in sorted(traces[0].items())
-        if engine_name == "stallfree"
+        if engine_name == STALLFREE
     }
-    per_rep = [headline_figures(t, experiments, machine, list(extra_engines)) for t in traces]
-    figures, spreads = {}, {}
-    for key, value in per_rep[0].items():
-        if isinstance(value, float) or value is None:
-            figures[key], *spread = median_spread([f[key] for f in per_rep])
-            if spread[0] is not None:
-                spreads[key] = spread
-        else:  # a name or a setting: the most common one
-            values = [json.dumps(f[key]) for f in per_rep]
-            figures[key] = json.loads(max(set(values), key=values.count))
-    figures["stallfree_token_budget"] = budgets
     records = runs + list(machine.get("microbench_loads", {}).values())
     shares = [r["others_cpu_share"] for r in records if r.get("others_cpu_share") is not None]
     result = {
@@ -369,104 +377,132 @@ def run_bench(
     return result
 
 
+STATIC, CONTINUOUS, STALLFREE = StaticScheduler.kind, ContinuousScheduler.kind, StallFreeScheduler.kind
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
 def headline_figures(traces, experiments, machine: dict, extra: list[str] = ()) -> dict:
     """The ratios the README quotes, from one repetition's runs and the micro-benchmarks
-    (``measure_machine``) of this same invocation. The batching figures come for every
-    workload that is not the interference one, named by workload (``chat_...``), except the
-    prefill-heavy workload's, which keep their old, unprefixed names."""
-    fused, scaling, limits = machine["fused_step"], machine["decode_scaling"], machine["limits"]
-    scaling = {int(b): v for b, v in scaling.items()}
-    roofline = {int(b): v for b, v in limits.get("decode_roofline_s", {}).items()}
-
-    def tokps(key):
-        return metrics.output_tokens_per_s(traces[key]) if key in traces else None
-
-    def ratio(a, b):
-        return a / b if a is not None and b else None
-
+    (``measure_machine``) of this same invocation: batching figures for every workload but
+    the interference one, the interference workload's latency figures, the machine's limits,
+    and each decode step against its roofline."""
     figures = {}
     for name, wl, batch_sizes in experiments:
-        if name.startswith("interference"):
-            continue
-        prefix = "" if name == PREFILL_HEAVY else f"{name}_"
-        b = max(batch_sizes)
-        ours = {e: tokps((name, b, e)) for e in engines(b)}
-        best = max(ours, key=lambda e: ours[e] or 0)
-        # What an engine with no padding and every slot full would reach: each prompt token
-        # at the measured prefill rate, then full-batch decode steps. An estimate of the
-        # ceiling for any batching engine (a fused step's decode rows ride a little
-        # cheaper), so every engine can be read as a fraction of it.
-        summary = wl.summary()
-        full_step = scaling.get(b, {}).get("step_s")
-        no_waste_s = (
-            summary["prompt_tokens"] * fused["chunk_alone_s"] / fused["chunk"]
-            + math.ceil((summary["output_tokens"] - summary["requests"]) / b) * full_step
-            if full_step
-            else None
-        )
-        no_waste = ratio(summary["output_tokens"], no_waste_s)
-        figures[f"{prefix}continuous_over_static_tokps"] = ratio(ours["continuous"], ours["static"])
-        figures[f"{prefix}no_waste_over_static_tokps"] = ratio(no_waste, ours["static"])
-        figures[f"{prefix}ours_over_mlxlm_tokps"] = ratio(ours[best], tokps((name, b, "mlx-lm")))
-        figures[f"{prefix}ours_best_engine"] = best
-        for e in list(engines(b)) + list(extra) + ["mlx-lm"]:
-            figures[f"{name}_fraction_of_no_waste_{e.replace('-', '_')}"] = ratio(
-                tokps((name, b, e)), no_waste
-            )
+        if not name.startswith("interference"):
+            figures.update(batching_figures(traces, name, wl, max(batch_sizes), machine, extra))
+    figures.update(interference_figures(traces, experiments))
+    figures.update(machine_figures(machine))
+    figures["scheduler_overhead_share"] = metrics.scheduler_share(
+        traces[(PREFILL_HEAVY, max(next(bs for n, _, bs in experiments if n == PREFILL_HEAVY)), STALLFREE)]
+    )
+    figures.update(roofline_figures(machine))
+    figures["batch_sizes"] = {name: max(bs) for name, _, bs in experiments}
+    return figures
 
-    name_if, _, (b_if, *_) = next(x for x in experiments if x[0].startswith("interference"))
-    naive = traces[(name_if, b_if, "continuous")]
+
+def no_waste_tokps(wl: workloads.Workload, b: int, machine: dict) -> float | None:
+    """What an engine with no padding and every slot full would reach: each prompt token at
+    the measured prefill rate, then full-batch decode steps. An estimate of the ceiling for
+    any batching engine (a fused step's decode rows ride a little cheaper), so every engine
+    can be read as a fraction of it."""
+    fused, summary = machine["fused_step"], wl.summary()
+    full_step = {int(k): v for k, v in machine["decode_scaling"].items()}.get(b, {}).get("step_s")
+    if not full_step:
+        return None
+    seconds = (
+        summary["prompt_tokens"] * fused["chunk_alone_s"] / fused["chunk"]
+        + math.ceil((summary["output_tokens"] - summary["requests"]) / b) * full_step
+    )
+    return summary["output_tokens"] / seconds
+
+
+def batching_figures(traces, name: str, wl: workloads.Workload, b: int, machine: dict, extra) -> dict:
+    """One workload's throughput figures at its largest batch size, named by workload
+    (``chat_...``); the prefill-heavy workload's keep their old, unprefixed names."""
+
+    def tokps(engine):
+        key = (name, b, engine)
+        return metrics.output_tokens_per_s(traces[key]) if key in traces else None
+
+    prefix = "" if name == PREFILL_HEAVY else f"{name}_"
+    ours = {e: tokps(e) for e in engines(b)}
+    best = max(ours, key=lambda e: ours[e] or 0)
+    no_waste = no_waste_tokps(wl, b, machine)
+    figures = {
+        f"{prefix}continuous_over_static_tokps": _ratio(ours[CONTINUOUS], ours[STATIC]),
+        f"{prefix}no_waste_over_static_tokps": _ratio(no_waste, ours[STATIC]),
+        f"{prefix}ours_over_mlxlm_tokps": _ratio(ours[best], tokps("mlx-lm")),
+        f"{prefix}ours_best_engine": best,
+    }
+    for e in list(engines(b)) + list(extra) + ["mlx-lm"]:
+        figures[f"{name}_fraction_of_no_waste_{e.replace('-', '_')}"] = _ratio(tokps(e), no_waste)
+    return figures
+
+
+def interference_figures(traces, experiments) -> dict:
+    """The interference workload: p99 time between tokens of the naive (continuous),
+    stall-free and mlx-lm engines in decode steps, and what stall-free costs in throughput."""
+    name, _, (b, *_) = next(x for x in experiments if x[0].startswith("interference"))
     # decode step: median decode-only step of the naive engine with every short request decoding
-    step = metrics.decode_step_s(naive, b_if - 1)
+    step = metrics.decode_step_s(traces[(name, b, CONTINUOUS)], b - 1)
 
     def p99_over_step(engine):
-        return ratio(metrics.percentile(metrics.tbt_values(traces[(name_if, b_if, engine)]), 99), step)
+        return _ratio(metrics.percentile(metrics.tbt_values(traces[(name, b, engine)]), 99), step)
 
-    figures.update(
-        {
-            "stallfree_p99_tbt_over_decode_step": p99_over_step("stallfree"),
-            "naive_p99_tbt_over_decode_step": p99_over_step("continuous"),
-            "mlxlm_p99_tbt_over_decode_step": p99_over_step("mlx-lm"),
-            "stallfree_tokps_over_naive": ratio(
-                tokps((name_if, b_if, "stallfree")), tokps((name_if, b_if, "continuous"))
-            ),
-            "fused_over_chunk_alone": fused["fused_over_chunk_alone"],
-            "b16_over_b1_decode": ratio(scaling[16]["tokens_per_s"], scaling[1]["tokens_per_s"]),
-            "chunk_1k_over_chunk_0": machine["chunk_context"]["chunk_1k_over_chunk_0"],
-            "sgemm_gflops": limits["sgemm_gflops"],
-            "copy_gbps": limits["copy_gbps"],
-            # prefill tokens/s (the fused benchmark's chunk alone) over the sgemm-bound rate
-            "prefill_fraction_of_sgemm_bound": ratio(
-                fused["chunk"] / fused["chunk_alone_s"], limits["prefill_bound_tokens_per_s"]
-            ),
-            "decode_fraction_of_bandwidth_bound": ratio(limits["decode_bound_step_s"], scaling[1]["step_s"]),
-            # why B=1 decode is far from the bound: its share in MLX's one-row matmuls, and
-            # how much slower those are than numpy's GEMV on the same weights
-            "one_row_linears_share_of_decode_step": ratio(
-                machine["one_row_linears"]["mlx_s"], scaling[1]["step_s"]
-            ),
-            "one_row_linears_mlx_over_numpy": machine["one_row_linears"]["mlx_over_numpy"],
-            "scheduler_overhead_share": metrics.scheduler_share(
-                traces[
-                    (
-                        PREFILL_HEAVY,
-                        max(next(bs for n, _, bs in experiments if n == PREFILL_HEAVY)),
-                        "stallfree",
-                    )
-                ]
-            ),
-            "decode_step_s": step,
-        }
-    )
-    for b in sorted(roofline):  # each decode step of our runner as a multiple of its roofline
+    return {
+        "stallfree_p99_tbt_over_decode_step": p99_over_step(STALLFREE),
+        "naive_p99_tbt_over_decode_step": p99_over_step(CONTINUOUS),
+        "mlxlm_p99_tbt_over_decode_step": p99_over_step("mlx-lm"),
+        "stallfree_tokps_over_naive": _ratio(
+            metrics.output_tokens_per_s(traces[(name, b, STALLFREE)]),
+            metrics.output_tokens_per_s(traces[(name, b, CONTINUOUS)]),
+        ),
+        "decode_step_s": step,
+    }
+
+
+def machine_figures(machine: dict) -> dict:
+    """The machine's limits and how far our passes are from them."""
+    fused, limits = machine["fused_step"], machine["limits"]
+    scaling = {int(b): v for b, v in machine["decode_scaling"].items()}
+    return {
+        "fused_over_chunk_alone": fused["fused_over_chunk_alone"],
+        "b16_over_b1_decode": _ratio(scaling[16]["tokens_per_s"], scaling[1]["tokens_per_s"]),
+        "chunk_1k_over_chunk_0": machine["chunk_context"]["chunk_1k_over_chunk_0"],
+        "sgemm_gflops": limits["sgemm_gflops"],
+        "copy_gbps": limits["copy_gbps"],
+        # prefill tokens/s (the fused benchmark's chunk alone) over the sgemm-bound rate
+        "prefill_fraction_of_sgemm_bound": _ratio(
+            fused["chunk"] / fused["chunk_alone_s"], limits["prefill_bound_tokens_per_s"]
+        ),
+        "decode_fraction_of_bandwidth_bound": _ratio(limits["decode_bound_step_s"], scaling[1]["step_s"]),
+        # why B=1 decode is far from the bound: its share in MLX's one-row matmuls, and
+        # how much slower those are than numpy's GEMV on the same weights
+        "one_row_linears_share_of_decode_step": _ratio(
+            machine["one_row_linears"]["mlx_s"], scaling[1]["step_s"]
+        ),
+        "one_row_linears_mlx_over_numpy": machine["one_row_linears"]["mlx_over_numpy"],
+    }
+
+
+def roofline_figures(machine: dict) -> dict:
+    """Each decode step of our runner as a multiple of its roofline, and of the roofline once
+    the rows' KV reads count too."""
+    limits = machine["limits"]
+    scaling = {int(b): v for b, v in machine["decode_scaling"].items()}
+    roofline = {int(b): v for b, v in limits.get("decode_roofline_s", {}).items()}
+    figures = {}
+    for b in sorted(roofline):
         if b in scaling:
-            figures[f"decode_b{b}_over_roofline"] = ratio(scaling[b]["step_s"], roofline[b])
-            if "kv_bytes_read" in scaling[b]:  # the roofline once the rows' KV reads count too
+            figures[f"decode_b{b}_over_roofline"] = _ratio(scaling[b]["step_s"], roofline[b])
+            if "kv_bytes_read" in scaling[b]:
                 with_kv = (limits["weight_bytes"] + scaling[b]["kv_bytes_read"]) / (limits["copy_gbps"] * 1e9)
-                figures[f"decode_b{b}_over_roofline_with_kv"] = ratio(
+                figures[f"decode_b{b}_over_roofline_with_kv"] = _ratio(
                     scaling[b]["step_s"], max(roofline[b], with_kv)
                 )
-    figures["batch_sizes"] = {name: max(bs) for name, _, bs in experiments}
     return figures
 
 

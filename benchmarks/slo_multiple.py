@@ -37,7 +37,7 @@ def main() -> None:
     lm = load_model()
     wl = workloads.interference(lm.tokenizer, batch_size=BATCH, num_long=2, long_range=(512, 1024))
     cost = costmodel.CostModel.load()
-    step = costmodel.decode_step_s(cost, BATCH)
+    step = costmodel.predicted_decode_step_s(cost, BATCH)
     budgets = {m: costmodel.token_budget_for_slo(cost, BATCH, m * step) for m in args.multiples}
     engines = {f"x{m}": dict(kind="stallfree", token_budget=b) for m, b in budgets.items()}
     runs = {name: [] for name in ["continuous", *engines]}

@@ -166,7 +166,7 @@ def test_default_target_is_the_stated_multiple_of_a_decode_step():
     cost = fake_cost()
     B = 16
     step = 1 / 64 + B / 1024  # one decode step of a full batch
-    assert costmodel.decode_step_s(cost, B) == step
+    assert costmodel.predicted_decode_step_s(cost, B) == step
     assert costmodel.default_tbt_slo(cost, B) == costmodel.DEFAULT_SLO_DECODE_STEPS * step
     # the default budget: decodes plus the prompt tokens that the rest of the target buys
     extra = (costmodel.DEFAULT_SLO_DECODE_STEPS - 1) * step  # seconds left for the chunk

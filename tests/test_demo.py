@@ -86,10 +86,10 @@ def test_an_answer_cut_inside_a_character_drops_the_half_character(gguf_meta):
     tok = Tokenizer.from_gguf_metadata(gguf_meta)
     ids = tok.encode("Hola! 😊")
     assert tok.decode(ids[:-1]).endswith("\ufffd"), "the emoji spans two tokens"
-    r = demo.Request("A", "Say hello in Spanish.", tok.detokenizer(), tok.eos_token_ids)
+    r = demo.ShownRequest("A", "Say hello in Spanish.", tok.detokenizer(), tok.eos_token_ids)
     r.add(ids[:-1])  # the token limit cut the emoji in half
     assert r.answer == "Hola!"
-    r = demo.Request("A", "Say hello in Spanish.", tok.detokenizer(), tok.eos_token_ids)
+    r = demo.ShownRequest("A", "Say hello in Spanish.", tok.detokenizer(), tok.eos_token_ids)
     r.add(ids + sorted(tok.eos_token_ids)[:1])
     assert r.answer == "Hola! 😊" and r.tokens == len(ids) + 1
 

@@ -104,7 +104,7 @@ TYPICAL_CONTEXT = 256  # tokens each decode row has in its KV cache, for budget 
 DEFAULT_SLO_DECODE_STEPS = 1.75
 
 
-def decode_step_s(cost: CostModel, batch_size: int, context: int = TYPICAL_CONTEXT) -> float:
+def predicted_decode_step_s(cost: CostModel, batch_size: int, context: int = TYPICAL_CONTEXT) -> float:
     """Predicted seconds of one decode step of ``batch_size`` rows at ``context`` tokens each."""
     return cost.predict([Chunk(f"d{i}", [0], context) for i in range(batch_size)])
 
@@ -122,7 +122,7 @@ def hybrid_step_s(
 
 def default_tbt_slo(cost: CostModel, batch_size: int, context: int = TYPICAL_CONTEXT) -> float:
     """The default TBT target: ``DEFAULT_SLO_DECODE_STEPS`` predicted decode steps."""
-    return DEFAULT_SLO_DECODE_STEPS * decode_step_s(cost, batch_size, context)
+    return DEFAULT_SLO_DECODE_STEPS * predicted_decode_step_s(cost, batch_size, context)
 
 
 def token_budget_for_slo(

@@ -97,7 +97,7 @@ def explain(rectangular: bool, idle: int, waiting: int, slots: int) -> str:
     return f"All {slots} slots busy and nobody waiting: the engine is fully used."
 
 
-class Request:
+class ShownRequest:
     """What the screen shows of one request: its question and its answer so far."""
 
     def __init__(self, letter: str, question: str, detokenizer, eos: frozenset[int]):
@@ -115,7 +115,13 @@ class Request:
 
 
 def frame(
-    title: str, model: str, record, requests: dict[str, Request], rectangular: bool, slots: int, finished: int
+    title: str,
+    model: str,
+    record,
+    requests: dict[str, ShownRequest],
+    rectangular: bool,
+    slots: int,
+    finished: int,
 ) -> list[str]:
     """The whole screen after one step: at most ``HEIGHT`` lines of at most ``WIDTH`` columns."""
     letters = {rid: r.letter for rid, r in requests.items()}
@@ -183,7 +189,7 @@ def play(lm, kind, requests: int = 10, out: TextIO = sys.stdout, **options) -> s
     slots = engine.scheduler.max_batch_size
     live = out.isatty()
     work = [QUESTIONS[i % len(QUESTIONS)] for i in range(requests)]
-    shown: dict[str, Request] = {}
+    shown: dict[str, ShownRequest] = {}
     finished, screen, step = 0, [], 0
     if live:
         out.write("\x1b[2J")
@@ -193,7 +199,7 @@ def play(lm, kind, requests: int = 10, out: TextIO = sys.stdout, **options) -> s
                 rid = engine.submit(
                     lm.tokenizer.encode_chat([{"role": "user", "content": question}]), max_new_tokens=max_new
                 )
-                shown[rid] = Request(
+                shown[rid] = ShownRequest(
                     string.ascii_uppercase[len(shown)],
                     question,
                     lm.tokenizer.detokenizer(),

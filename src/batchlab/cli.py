@@ -151,7 +151,7 @@ def _cmd_generate(args) -> int:
 
     lm = load_model(args.model)
     requests = read_requests(Path(args.input), lm)
-    engine = make_engine(args.engine_class, lm, **engine_options(args))
+    engine = make_engine(args.scheduler_cls, lm, **engine_options(args))
     ids = [
         engine.submit(
             r["prompt_ids"],
@@ -186,7 +186,7 @@ def _cmd_generate(args) -> int:
     print(
         f"wrote {len(requests)} results to {args.output}: {stats['output_tokens']} tokens in "
         f"{stats['elapsed_s']:.1f} s ({stats['output_tokens_per_s']:.1f} tokens/s, "
-        f"{args.engine_class.kind})",
+        f"{args.scheduler_cls.kind})",
         file=sys.stderr,
     )
     if engine.failing:
@@ -198,7 +198,7 @@ def _cmd_generate(args) -> int:
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
-    return run_demo(args.engine_class, args.model, requests=args.requests, **engine_options(args))
+    return run_demo(args.scheduler_cls, args.model, requests=args.requests, **engine_options(args))
 
 
 def _cmd_serve(args) -> int:
@@ -209,7 +209,7 @@ def _cmd_serve(args) -> int:
     options = engine_options(args)  # a bad --policy fails before the model loads, too
     serve(
         load_model(args.model),
-        args.engine_class,
+        args.scheduler_cls,
         host=args.host,
         port=args.port,
         max_queue=args.max_queue,
@@ -330,12 +330,12 @@ def _add_engine_options(parser, default: str, extra=None):
     )
     classes = [*KINDS.values(), *([extra] if extra is not None and extra not in KINDS.values() else [])]
     flags = scheduler_flags(classes)
-    for name, (kind, text) in flags.items():
+    for name, (value_type, text) in flags.items():
         parser.add_argument(
             f"--{name.replace('_', '-')}",
             *ENGINE_FLAG_ALIASES.get(name, ()),
             dest=name,
-            type=kind,
+            type=value_type,
             default=None,
             help=text,
         )
@@ -374,6 +374,18 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
     sub.add_parser("info", help="versions, backend, BLAS in use, and the model")
     sub.add_parser("kinds", help="the engine kinds, their options and what each does (Markdown)")
 
+    _generate_parser(sub, extra)
+    _demo_parser(sub, extra)
+    _serve_parser(sub, extra)
+    _loadgen_parser(sub)
+    _bench_parser(sub)
+    _fit_cost_parser(sub)
+    _export_parser(sub)
+    return parser
+
+
+def _generate_parser(sub, extra) -> None:
+    """``batchlab generate``: every request of a JSONL file through one engine."""
     gen = sub.add_parser("generate", help="generate for every request of a JSONL file")
     _add_engine_options(gen, "sequential", extra)
     gen.add_argument("--max-new-tokens", type=int, required=True)
@@ -384,10 +396,16 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
     gen.add_argument("--input", required=True, help='JSONL: {"id", "prompt_ids"|"prompt"|"messages"}')
     gen.add_argument("--output", required=True, help="JSONL results, one line per request")
 
+
+def _demo_parser(sub, extra) -> None:
+    """``batchlab demo``: an engine batching requests live in the terminal."""
     demo = sub.add_parser("demo", help="watch an engine (default: stall-free) batch requests live, in 80x24")
     _add_engine_options(demo, "stallfree", extra)
     demo.add_argument("--requests", type=int, default=10)
 
+
+def _serve_parser(sub, extra) -> None:
+    """``batchlab serve``: the OpenAI-compatible streaming server."""
     srv = sub.add_parser("serve", help="an OpenAI-compatible streaming server")
     _add_engine_options(srv, "stallfree", extra)
     srv.add_argument("--host", default="127.0.0.1")
@@ -419,6 +437,9 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
         help="show the end of each prompt on /dashboard (default: no prompt text)",
     )
 
+
+def _loadgen_parser(sub) -> None:
+    """``batchlab loadgen``: a workload against any OpenAI-compatible server."""
     load = sub.add_parser("loadgen", help="measure any OpenAI-compatible server with a workload")
     load.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     load.add_argument(
@@ -462,6 +483,9 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
         help="the server's API key (default: $BATCHLAB_API_KEY)",
     )
 
+
+def _bench_parser(sub) -> None:
+    """``batchlab bench``: every engine side by side, against the machine's limits."""
     bench = sub.add_parser(
         "bench",
         help="every engine and mlx-lm's BatchGenerator, side by "
@@ -493,6 +517,9 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="a smoke run: small workloads, each engine once")
     bench.add_argument("--json", metavar="OUT", help="write results here, plots beside it")
 
+
+def _fit_cost_parser(sub) -> None:
+    """``batchlab fit-cost``: the simulator's cost model, fitted to the real model."""
     fit = sub.add_parser(
         "fit-cost", help="time the real model on designed batches; fit the simulator's cost model"
     )
@@ -502,9 +529,11 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
     fit.add_argument("--quick", action="store_true", help="a third of the designed passes")
     fit.add_argument("--reps", type=int, default=3, help="timed runs per pass (the fastest is kept)")
 
+
+def _export_parser(sub) -> None:
+    """``batchlab export-mlx``: the model as an mlx-lm folder."""
     exp = sub.add_parser("export-mlx", help="write the model as an mlx-lm folder (for mlx_lm.server)")
     exp.add_argument("dir")
-    return parser
 
 
 def _engine_spec(argv: list[str]) -> str | None:
@@ -524,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser(extra).parse_args(argv)
         args.command_line = "batchlab " + " ".join(argv)
         if isinstance(getattr(args, "engine", None), str):
-            args.engine_class = scheduler_class(args.engine)
+            args.scheduler_cls = scheduler_class(args.engine)
         if getattr(args, "engines", None):  # bench: name -> class (module:Class by its kind)
             classes = [scheduler_class(e) for e in args.engines]
             args.engines = {cls.kind if ":" in e else e: cls for e, cls in zip(args.engines, classes)}

@@ -83,10 +83,7 @@ def test_stallfree_gets_the_budget_its_target_implies():
     assert bench.engine_args(engines(8)["continuous"], tbt_slo=0.5) == engines(8)["continuous"]
 
 
-def test_median_spread_and_aggregate():
-    assert bench.median_spread([3.0, 1.0, 2.0, None]) == (2.0, 1.0, 3.0)
-    assert bench.median_spread([4.0, 1.0]) == (2.5, 1.0, 4.0)
-    assert bench.median_spread([None]) == (None, None, None)
+def test_aggregate_gives_medians_and_ranges():
     runs = [
         {
             "workload": "w",

@@ -18,7 +18,6 @@ import math
 import os
 import platform
 import resource
-import statistics
 import time
 from pathlib import Path
 
@@ -109,12 +108,8 @@ def schedule(experiments, repetitions: int, extra: list[str] = ()) -> list[tuple
     return order
 
 
-def median_spread(values: list[float]) -> tuple[float | None, float | None, float | None]:
-    """(median, min, max) of the values that exist; Nones if none does."""
-    values = [v for v in values if v is not None]
-    if not values:
-        return None, None, None
-    return statistics.median(values), min(values), max(values)
+def _itself(value):
+    return value
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
@@ -134,10 +129,9 @@ def aggregate(runs: list[dict]) -> list[dict]:
                 or not isinstance(value, (int, float, type(None)))
             ):
                 continue
-            med, low, high = median_spread([r.get(key) for r in group])
-            row[key] = med
-            if low is not None:
-                row["spread"][key] = [low, high]
+            row[key], span = metrics.median_range([r.get(key) for r in group], _itself)
+            if span is not None:
+                row["spread"][key] = list(span)
         rows.append(row)
     return rows
 
@@ -299,9 +293,9 @@ def median_figures(per_rep: list[dict]) -> tuple[dict, dict]:
     figures, spreads = {}, {}
     for key, value in per_rep[0].items():
         if isinstance(value, float) or value is None:
-            figures[key], *spread = median_spread([f[key] for f in per_rep])
-            if spread[0] is not None:
-                spreads[key] = spread
+            figures[key], span = metrics.median_range([f[key] for f in per_rep], _itself)
+            if span is not None:
+                spreads[key] = list(span)
         else:
             values = [json.dumps(f[key]) for f in per_rep]
             figures[key] = json.loads(max(set(values), key=values.count))

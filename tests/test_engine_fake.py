@@ -483,3 +483,51 @@ def test_generate_exits_nonzero_when_its_engine_is_failing(tmp_path, monkeypatch
     assert status == 1
     assert "bug in the engine" in capsys.readouterr().err
     assert len(out.read_text().splitlines()) == 4, "every answer is written before the error"
+
+
+def _prompt_ending_early(within: int):
+    """A prompt whose fake answer ends on EOS within ``within`` tokens."""
+    rng = random.Random(5)
+    while True:
+        prompt = [rng.randrange(1, LM.vocab_size) for _ in range(6)]
+        answer = reference_output(prompt, within, LM.vocab_size, EOS)
+        if answer[-1] == LM.eos_id and len(answer) >= 2:
+            return prompt, answer
+
+
+@pytest.mark.parametrize("kind", ["sequential", "continuous", "stallfree"])
+def test_min_new_tokens_keeps_stop_tokens_out_until_it_is_reached(kind):
+    prompt, answer = _prompt_ending_early(6)
+    engine = fake_engine(kind)
+    rid = engine.submit(prompt, max_new_tokens=30, min_new_tokens=len(answer) + 4)
+    engine.run_until_idle()
+    tokens, status, reason = engine.poll(rid)
+    assert tokens[: len(answer) - 1] == answer[:-1], "the same answer up to where EOS came"
+    assert len(tokens) >= len(answer) + 4 and LM.eos_id not in tokens[: len(answer) + 4]
+    assert reason == ("stop" if tokens[-1] == LM.eos_id else "length")
+
+
+def test_stop_token_ids_end_a_request_also_past_eos():
+    prompt, answer = _prompt_ending_early(6)
+    longer = reference_output(prompt, 20, LM.vocab_size, frozenset())
+    stop = longer[len(answer) + 2]
+    engine = fake_engine("continuous")
+    rid = engine.submit(prompt, max_new_tokens=20, ignore_eos=True, stop_token_ids=[stop])
+    engine.run_until_idle()
+    assert engine.poll(rid) == (longer[: longer.index(stop) + 1], "done", "stop")
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ({"min_new_tokens": -1}, "min_new_tokens"),
+        ({"min_new_tokens": 2.5}, "min_new_tokens"),
+        ({"stop_token_ids": [LM.vocab_size]}, "stop_token_ids"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+    ],
+)
+def test_bad_stop_settings_are_refused_and_change_nothing(bad, says):
+    engine = fake_engine("continuous")
+    with pytest.raises(ValueError, match=says):
+        engine.submit([1, 2, 3], max_new_tokens=4, **bad)
+    assert engine.queue_depth() == 0 and not engine.step()

@@ -164,6 +164,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
         ("/v1/completions", {"prompt": [5] * 9000}, None),
         ("/v1/completions", {}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
+        ("/v1/completions", {"prompt": "hi", "top_k": -1}, "top_k"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [999999]}, None),
     ],
 )
 def test_bad_bodies_get_400_with_an_openai_error(server, path, body, param):
@@ -328,6 +331,12 @@ HI = {"role": "user", "content": "hi"}
         ({"messages": [HI], "logprobs": True}, "logprobs", ["logprobs are not supported"]),
         ({"messages": [HI], "logprobs": True, "top_logprobs": 3}, "logprobs", ["not supported"]),
         ({"messages": [HI], "top_logprobs": 3}, "top_logprobs", ["not supported"]),
+        ({"messages": [HI], "presence_penalty": 0.5}, "presence_penalty", ["not supported"]),
+        ({"messages": [HI], "frequency_penalty": 1.0}, "frequency_penalty", ["not supported"]),
+        ({"messages": [HI], "repetition_penalty": 1.2}, "repetition_penalty", ["not supported"]),
+        ({"messages": [HI], "min_p": 0.1}, "min_p", ["not supported"]),
+        ({"messages": [HI], "best_of": 3}, "best_of", ["not supported"]),
+        ({"messages": [HI], "response_format": {"type": "json_object"}}, "response_format", ["plain text"]),
     ],
 )
 def test_what_the_model_cannot_do_gets_a_400_saying_so(server, body, param, says):
@@ -421,3 +430,41 @@ def test_langchain_chat_openai_invokes_and_streams(lm, server):
     assert [body["stream"] for body in sent] == [False, True]
     assert sent[0]["messages"][1]["content"] == [{"type": "text", "text": "What is the capital of France?"}]
     assert sent[0]["max_completion_tokens"] == 24
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_vllm_length_extensions_fix_the_answer_length(lm, server, path, stream):
+    """What benchmark clients send to fix output lengths: ``ignore_eos`` runs to
+    ``max_tokens`` past EOS; ``min_tokens`` keeps the answer from stopping early without
+    putting a stop token inside it; ``stop_token_ids`` end it at a token of the client's
+    choosing. The usage the server reports counts exactly those tokens."""
+    ids = lm.tokenizer.encode_chat([HI])
+    hi = {"prompt": ids} if path == "/v1/completions" else {"messages": [HI]}
+    greedy = generate(lm, ids, 40, ignore_eos=True).token_ids  # the reference, past its EOS
+    natural = next(i for i, t in enumerate(greedy) if t in lm.tokenizer.eos_token_ids) + 1
+
+    def ask(**extra):
+        body = {**hi, "max_tokens": 40, "temperature": 0, "stream": stream, **extra}
+        if not stream:
+            r = httpx.post(server.url + path, json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]
+        body["stream_options"] = {"include_usage": True}
+        usage = finish = None
+        with httpx.stream("POST", server.url + path, json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    usage = event.get("usage") or usage
+                    if event.get("choices"):
+                        finish = event["choices"][0]["finish_reason"] or finish
+        return usage["completion_tokens"], finish
+
+    assert natural < 30 and ask() == (natural, "stop"), "the question ends on EOS by itself"
+    assert ask(ignore_eos=True) == (40, "length")
+    longer, finish = ask(min_tokens=natural + 5)
+    assert longer >= natural + 5 and (finish == "stop" or longer == 40)
+    stop = greedy[natural + 2]  # a token past the natural end: only ignore_eos reaches it
+    assert ask(ignore_eos=True, stop_token_ids=[stop]) == (greedy.index(stop) + 1, "stop")

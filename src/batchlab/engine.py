@@ -100,6 +100,8 @@ class Engine:
         request_id: str | None = None,
         priority: int = 0,
         arrival_s: float | None = None,
+        min_new_tokens: int = 0,
+        stop_token_ids: Sequence[int] = (),
     ) -> str:
         """Queue a request; return its id. Bad arguments raise ValueError and change nothing;
         a full queue (see ``policies.Admission``) raises ``QueueFull``.
@@ -107,7 +109,9 @@ class Engine:
         ``priority``: lower is more important (as in vLLM); continuous and stall-free
         engines serve the queue by it and preempt the least important first. Static and
         sequential engines serve first come, first served. ``arrival_s`` (default: now)
-        lets a driver that submits between steps give the time the request was due."""
+        lets a driver that submits between steps give the time the request was due.
+        ``stop_token_ids`` end the request too (also with ``ignore_eos``, as in vLLM), and no
+        stop token is sampled before it has ``min_new_tokens`` tokens (vLLM's ``min_tokens``)."""
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
             raise ValueError("submit takes a list of token ids; encode text with the tokenizer first")
         prompt_ids = list(prompt_ids)
@@ -116,16 +120,32 @@ class Engine:
         sampling = SamplingParams(temperature, top_p, top_k, seed)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer (lower is more important), got {priority!r}")
+        if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
+        extra_stops = list(stop_token_ids or ())
+        vocab = self.lm.tokenizer.vocab_size
+        bad = [t for t in extra_stops if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:3]!r}")
         with self._lock:
             self.scheduler.check_pool_holds(len(prompt_ids) + max_new)
             rid = request_id if request_id is not None else f"req-{next(self._ids)}"
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             self.admission.check_room(self._queue_depth)
-            stop = frozenset() if ignore_eos else self.lm.tokenizer.eos_token_ids
+            stop = (frozenset() if ignore_eos else self.lm.tokenizer.eos_token_ids) | frozenset(extra_stops)
             now = self.clock()
             arrived = now if arrival_s is None else min(float(arrival_s), now)
-            req = Request(rid, prompt_ids, max_new, sampling, stop, arrived, priority=priority)
+            req = Request(
+                rid,
+                prompt_ids,
+                max_new,
+                sampling,
+                stop,
+                arrived,
+                priority=priority,
+                min_new_tokens=min_new_tokens,
+            )
             self._requests[rid] = req
             self._inbox.append(req)
             self.trace.requests[rid] = req.record

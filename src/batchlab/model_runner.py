@@ -69,11 +69,10 @@ class KVPool:
 def sample(logits, samplers: list[Sampler]) -> list[int]:
     """One token per row of ``logits`` [N, vocab] (MLX or numpy). All greedy: one argmax;
     otherwise the rows go to numpy and each request's own sampler."""
+    plain = all(s.params.greedy and not s.banned for s in samplers)
     if isinstance(logits, np.ndarray):
-        if all(s.params.greedy for s in samplers):
-            return np.argmax(logits, axis=-1).tolist()
-        return sample_rows(logits, samplers)
-    if all(s.params.greedy for s in samplers):
+        return np.argmax(logits, axis=-1).tolist() if plain else sample_rows(logits, samplers)
+    if plain:
         return greedy_mx(logits).tolist()
     return sample_rows(np.array(logits.astype(mx.float32)), samplers)
 

@@ -45,6 +45,7 @@ class Request:
     finish_reason: str | None = None
     slot: int | None = None  # decode slot while it holds one
     priority: int = 0  # lower is more important (as in vLLM)
+    min_new_tokens: int = 0  # its stop tokens are not sampled before it has this many
     error: BaseException | None = None  # why it finished with reason "error"
     prefill_len: int = field(init=False)  # tokens to prefill: the prompt (+ outputs after preemption)
     sampler: Sampler = field(init=False)
@@ -52,6 +53,7 @@ class Request:
 
     def __post_init__(self):
         self.sampler = Sampler(self.sampling)
+        self._ban_stops_until_min()
         self.prefill_len = self.prompt_len
         self.record = RequestRecord(
             self.id,
@@ -108,8 +110,14 @@ class Request:
         self.record.token_times_s.append(now)
         if self.record.first_token_s is None:
             self.record.first_token_s = now
+        self._ban_stops_until_min()
         if token in self.stop_ids:
             return "stop"
         if len(self.output_ids) >= self.max_new_tokens:
             return "length"
         return None
+
+    def _ban_stops_until_min(self) -> None:
+        """vLLM's ``min_tokens``: until the request has that many tokens, its sampler may not
+        pick a stop token (it picks the best other one)."""
+        self.sampler.banned = self.stop_ids if len(self.output_ids) < self.min_new_tokens else frozenset()

@@ -48,6 +48,9 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
+        # ids this request may not take now: its stop tokens until it has ``min_tokens``
+        # (set by the request as it grows)
+        self.banned: frozenset[int] = frozenset()
 
     def sample(self, logits: np.ndarray) -> int:
         """Pick a token from one row of float32 logits (not used for greedy rows)."""
@@ -67,9 +70,14 @@ class Sampler:
 
 def sample_rows(logits: np.ndarray, samplers: list[Sampler]) -> list[int]:
     """One token per row of ``logits`` [N, vocab]: argmax for greedy rows, the row's own
-    sampler for the others."""
+    sampler for the others; a row's ``banned`` ids get no weight."""
     picks = np.argmax(logits, axis=-1).tolist()
     for i, s in enumerate(samplers):
+        row = logits[i]
+        if s.banned:
+            row = row.copy()
+            row[list(s.banned)] = -np.inf
+            picks[i] = int(np.argmax(row))
         if not s.params.greedy:
-            picks[i] = s.sample(logits[i])
+            picks[i] = s.sample(row)
     return picks

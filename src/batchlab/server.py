@@ -76,6 +76,19 @@ class SamplingFields(BaseModel):
     user: str | None = Field(None, max_length=256)  # who sent it: the dashboard's label, per-user limits
     logprobs: bool | int | None = None  # refused (see refusal), never silently ignored
     top_logprobs: int | None = None
+    # vLLM's extensions that benchmark clients send (vllm bench serve, GuideLLM, aiperf):
+    ignore_eos: bool = False  # keep going past EOS (fixed output lengths)
+    min_tokens: int = Field(0, ge=0)  # no stop token before this many tokens
+    stop_token_ids: list[int] | None = None  # more tokens that end the answer
+    top_k: int = Field(0, ge=0)  # sample among the k most likely (0: all)
+    # fields that would change the answer and that this server does not do: refused unless
+    # they ask for nothing (see refusal)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    best_of: int | None = None
+    response_format: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -103,6 +116,14 @@ class Unsupported(ValueError):
 
 
 NO_TOOLS = "tool calls are not supported: this server only generates text"
+# Known fields this server does not implement, with the values that ask for nothing
+UNSUPPORTED_UNLESS = {
+    "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,),
+    "min_p": (0.0,),
+    "best_of": (None, 1),
+}
 
 
 def refusal(req: SamplingFields) -> Unsupported | None:
@@ -112,6 +133,11 @@ def refusal(req: SamplingFields) -> Unsupported | None:
         return Unsupported("logprobs are not supported by this server", "logprobs")
     if req.top_logprobs:
         return Unsupported("top_logprobs are not supported by this server", "top_logprobs")
+    for field, neutral in UNSUPPORTED_UNLESS.items():
+        if getattr(req, field) not in neutral:
+            return Unsupported(f"{field} is not supported by this server (only {neutral[0]!r})", field)
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        return Unsupported("response_format: this server writes plain text only", "response_format")
     if isinstance(req, ChatRequest):
         for field in ("tools", "functions"):
             if getattr(req, field):
@@ -120,6 +146,17 @@ def refusal(req: SamplingFields) -> Unsupported | None:
             if getattr(req, field) not in (None, "none"):
                 return Unsupported(NO_TOOLS, field)
     return None
+
+
+def vllm_extensions(req: SamplingFields, max_new: int) -> dict:
+    """The engine's arguments for vLLM's ``ignore_eos``, ``min_tokens`` and ``stop_token_ids``,
+    only those the request sets (an engine of a learner's may not know them)."""
+    given = {
+        "ignore_eos": req.ignore_eos,
+        "min_new_tokens": min(req.min_tokens, max_new),
+        "stop_token_ids": list(req.stop_token_ids or ()),
+    }
+    return {k: v for k, v in given.items() if v}
 
 
 def chat_turns(messages: list[ChatMessage]) -> list[dict]:
@@ -314,8 +351,10 @@ class Server:
             max_new_tokens=max_new,
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=req.top_k,
             seed=req.seed,
             priority=req.priority,
+            **vllm_extensions(req, max_new),
         )
         client = self.clients[rid] = Client(req.user, prompt_ids, self.loop.engine.trace.requests[rid])
         for listener in self.on_submit:

@@ -1,0 +1,86 @@
+"""The sampler against an independent reference: a few lines of numpy that write down what
+temperature, top-k and top-p mean, and a chi-square test over many seeded draws. An
+off-by-one in the top-k or top-p cut moves a token in or out of the support, which either
+draws a token the reference never would or starves one it needs: both fail by far."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from batchlab.sampling import Sampler, SamplingParams
+
+DRAWS = 20_000
+LOGITS = np.array([2.0, 1.2, 3.1, -0.5, 0.7, 2.6, 0.1, 1.9, -2.0, 1.5], dtype=np.float32)
+
+
+def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """Softmax of logits / temperature; keep the k most likely; then the smallest set of the
+    most likely whose probability reaches top_p; renormalise."""
+    p = np.exp((logits - logits.max()) / temperature)
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = order[:top_k] if top_k else order
+    q = np.zeros_like(p)
+    q[keep] = p[keep] / p[keep].sum()
+    cumulative = np.cumsum(q[keep])
+    kept = keep[: int(np.argmax(cumulative >= top_p - 1e-12)) + 1]
+    out = np.zeros_like(p)
+    out[kept] = q[kept] / q[kept].sum()
+    return out
+
+
+def disagreement(draw, logits, temperature, top_k, top_p) -> str | None:
+    """None if ``DRAWS`` samples of ``draw()`` follow the reference distribution, else what
+    is wrong: a token outside its support, or a chi-square far beyond chance (p < 1e-6)."""
+    want = reference_distribution(logits.astype(np.float64), temperature, top_k, top_p)
+    counts = np.bincount([draw() for _ in range(DRAWS)], minlength=logits.size)
+    outside = [int(t) for t in np.flatnonzero((want == 0) & (counts > 0))]
+    if outside:
+        return f"drew tokens {outside}, which the reference gives no probability"
+    support = want > 0
+    expected = want[support] * DRAWS
+    chi2 = float((((counts[support] - expected) ** 2) / expected).sum())
+    dof = int(support.sum()) - 1
+    if dof and chi2 > dof + 12 * np.sqrt(2 * dof) + 30:  # far beyond chance (about p < 1e-6 here)
+        return f"chi-square {chi2:.1f} over {dof} degrees of freedom: not the reference's distribution"
+    return None
+
+
+CASES = [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 4, 1.0), (1.0, 0, 0.8), (0.9, 6, 0.7), (1.0, 3, 0.95)]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", CASES)
+def test_the_sampler_draws_the_reference_distribution(temperature, top_k, top_p):
+    sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=11))
+    assert disagreement(lambda: sampler.sample(LOGITS), LOGITS, temperature, top_k, top_p) is None
+
+
+class OffByOneTopP(Sampler):
+    """Keeps one token fewer than the top-p set: the mistake the reference must catch."""
+
+    def sample(self, logits):
+        p = self.params
+        scaled = logits.astype(np.float64) / p.temperature
+        order = np.argsort(-scaled, kind="stable")
+        probs = np.exp(scaled[order] - scaled[order[0]])
+        probs /= probs.sum()
+        keep = max(1, int(np.searchsorted(np.cumsum(probs), p.top_p)))  # should be + 1
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+        return int(order[self.rng.choice(order.size, p=probs)])
+
+
+class OffByOneTopK(Sampler):
+    """Keeps k + 1 tokens."""
+
+    def sample(self, logits):
+        inner = Sampler(SamplingParams(self.params.temperature, self.params.top_p, self.params.top_k + 1))
+        inner.rng = self.rng
+        return inner.sample(logits)
+
+
+@pytest.mark.parametrize("wrong, case", [(OffByOneTopP, (1.0, 0, 0.8)), (OffByOneTopK, (1.3, 4, 1.0))])
+def test_the_reference_catches_an_off_by_one_cut(wrong, case):
+    temperature, top_k, top_p = case
+    sampler = wrong(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=11))
+    assert disagreement(lambda: sampler.sample(LOGITS), LOGITS, *case) is not None

@@ -2,7 +2,10 @@
 
 A short real workload runs on the stall-free engine; every forward pass the engine asks
 for is timed, and the cost model's prediction for the same chunks is compared with it.
-The median relative error must stay within what ``fit-cost`` reported, with a margin.
+The relative error is printed beside the held-out error ``fit-cost`` reported: on a shared
+machine it is a measurement, not a bound a test may assert. What is asserted: every kind of
+pass (decode, prefill, hybrid) is predicted, finite and positive, and a pass that computes
+more of everything is predicted to take longer.
 The model is fitted here, on this machine, by the same function as ``batchlab fit-cost``:
 the committed ``data/cost_model.json`` describes the machine the lessons were run on, and a
 faster or slower machine would make its absolute times wrong (that is not the model's error).

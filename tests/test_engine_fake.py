@@ -457,20 +457,48 @@ def test_one_failed_pass_among_many_is_not_a_failing_engine():
     assert engine.passes_failed == 1 and engine.failing is None
 
 
+class Words(FakeModel):
+    """The fake model, with a tokenizer that can write its answers (for the command line)."""
+
+    @property
+    def tokenizer(self):
+        return SimpleNamespace(
+            vocab_size=self.vocab_size,
+            eos_token_ids=frozenset({self.eos_id}),
+            decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)),
+        )
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--input", "{missing}"], "No such file"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--temperature", "nan"], "temperature"),
+        (["--max-new-tokens", "0"], "max_new_tokens"),
+    ],
+)
+def test_generate_refuses_bad_input_with_a_message_and_writes_nothing(tmp_path, monkeypatch, flags, says):
+    from batchlab import cli
+
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text('{"id": "q", "prompt_ids": [1, 2, 3]}\n')
+    monkeypatch.setattr("batchlab.model.load_model", lambda model=None: Words())
+    out = tmp_path / "out.jsonl"
+    argv = ["generate", "--input", str(inputs), "--output", str(out), "--max-new-tokens", "4"]
+    argv += [f.format(missing=tmp_path / "missing.jsonl") for f in flags]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert says in str(stopped.value) and "batchlab generate" in str(stopped.value)
+    assert not out.exists()
+
+
 def test_generate_exits_nonzero_when_its_engine_is_failing(tmp_path, monkeypatch, capsys):
     from batchlab import cli, engine as engine_module
 
     inputs = tmp_path / "in.jsonl"
     inputs.write_text("".join(f'{{"id": "q{i}", "prompt_ids": [{i + 1}, 2, 3]}}\n' for i in range(4)))
-
-    class Words(FakeModel):  # the fake model, with a tokenizer that can write its answers
-        @property
-        def tokenizer(self):
-            return SimpleNamespace(
-                vocab_size=self.vocab_size,
-                eos_token_ids=frozenset({self.eos_id}),
-                decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)),
-            )
 
     monkeypatch.setattr("batchlab.model.load_model", lambda model=None: Words())
     real = engine_module.make_engine
@@ -531,3 +559,26 @@ def test_bad_stop_settings_are_refused_and_change_nothing(bad, says):
     with pytest.raises(ValueError, match=says):
         engine.submit([1, 2, 3], max_new_tokens=4, **bad)
     assert engine.queue_depth() == 0 and not engine.step()
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ({"max_new_tokens": 2.0}, "max_new_tokens"),
+        ({"max_new_tokens": "8"}, "max_new_tokens"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"request_id": "taken"}, "already in use"),
+    ],
+)
+def test_bad_requests_are_refused_and_the_engine_serves_the_others(bad, says):
+    engine = fake_engine("continuous", max_batch_size=2)
+    kept = engine.submit([4, 5, 6], max_new_tokens=5, ignore_eos=True, request_id="taken")
+    with pytest.raises(ValueError, match=says):
+        engine.submit([1, 2, 3], **{"max_new_tokens": 4, **bad})
+    engine.run_until_idle()
+    assert engine.poll(kept) == (reference_output([4, 5, 6], 5, LM.vocab_size, frozenset()), "done", "length")
+    assert engine.stats()["finished"] == {"length": 1}, "the refused request left nothing behind"

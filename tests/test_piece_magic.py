@@ -120,3 +120,18 @@ def test_not_written_yet_names_the_lesson_and_the_file(folder):
     missing = course.piece("chunked", "MyChunkedScheduler")
     assert "my_engine/chunked.py" in missing.missing_reason
     assert "lesson 4" in missing.missing_reason
+
+
+@pytest.mark.parametrize(
+    "target", ["../elsewhere.py", "my_engine/../outside.py", "my_engine/sub/deep.py", "my_engine/notes.txt"]
+)
+def test_a_piece_path_outside_my_engine_is_refused_and_nothing_is_written(folder, target):
+    before = sorted(p.relative_to(folder.parent) for p in folder.parent.rglob("*"))
+    with pytest.raises(ValueError, match="nothing was written"):
+        course.write_piece(target, WRITTEN)
+    assert sorted(p.relative_to(folder.parent) for p in folder.parent.rglob("*")) == before
+
+
+def test_an_absolute_path_into_my_engine_is_accepted(folder):
+    said = course.write_piece(folder / "my_engine" / "continuous.py", WRITTEN)
+    assert said == "Saved my_engine/continuous.py."

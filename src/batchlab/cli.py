@@ -148,7 +148,13 @@ def policy_from(spec: str):
 def _cmd_generate(args) -> int:
     from .engine import make_engine
     from .model import load_model
+    from .sampling import SamplingParams
 
+    SamplingParams(args.temperature, args.top_p, 0, args.seed)  # bad flags: said before the model loads
+    if args.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {args.max_new_tokens}")
+    if not Path(args.input).is_file():
+        raise FileNotFoundError(f"No such file: {args.input}")
     lm = load_model(args.model)
     requests = read_requests(Path(args.input), lm)
     engine = make_engine(args.scheduler_cls, lm, **engine_options(args))

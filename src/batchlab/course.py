@@ -82,7 +82,10 @@ def _register_magic() -> None:
         if len(paths) != 1:
             print(f"usage: %%piece [--force] {PACKAGE}/<piece>.py")
             return
-        print(write_piece(paths[0], cell, force=force))
+        try:
+            print(write_piece(paths[0], cell, force=force))
+        except ValueError as e:  # a path outside my_engine/: said, not a traceback
+            print(e)
 
     shell.register_magic_function(piece_magic, magic_kind="cell", magic_name="piece")
 
@@ -107,8 +110,14 @@ def write_piece(target: str | Path, source: str, force: bool = False) -> str:
     if _root is None:
         setup()
     path = Path(target)
-    path = path if path.is_absolute() else _root / path
-    rel = path.relative_to(_root).as_posix() if path.is_relative_to(_root) else str(path)
+    path = (path if path.is_absolute() else _root / path).resolve()
+    package = (_root / PACKAGE).resolve()
+    if path.parent != package or path.suffix != ".py":
+        raise ValueError(
+            f"%%piece writes one file of {PACKAGE}/ in the course folder ({package}), e.g. "
+            f"{PACKAGE}/static.py; {target} is not one, so nothing was written"
+        )
+    rel = path.relative_to(_root.resolve()).as_posix()
     if not source.endswith("\n"):
         source += "\n"
     if path.exists():

@@ -21,12 +21,12 @@ import textwrap
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from learner_pieces import MyMemoryScheduler, MyVictimPolicy
+from near_tie import NEAR_TIE_F16, parting_problem
 
 import batchlab
-from batchlab import generate, make_engine
+from batchlab import make_engine
 from batchlab import backend, microbench
 from batchlab.backend import GPU_PATH_ENV
 
@@ -34,8 +34,6 @@ pytestmark = pytest.mark.slow
 
 SRC = Path(batchlab.__file__).parent
 NEW_TOKENS = 12
-NEAR_TIE = 0.1  # logits: float16 weights move SmolLM2's logits by ~0.01-0.05 (test_float16.py)
-MAX_PARTINGS = 2  # near-ties in one answer, each followed by the reference continued from ours
 # Called only on the GPU path: every line must run (with the bodies of ``if gpu_path():``).
 GPU_ONLY = {
     "model_runner.py": ["greedy_mx", "ModelRunner._attention", "ModelRunner._row_context"],
@@ -135,36 +133,11 @@ def test_every_gpu_branch_ran(gpu_runs):
     assert not missed, f"GPU-path lines no run reached (file: lines): {missed}"
 
 
-def agrees_with_reference(lm32, prompt, ours, n):
-    """None if ``ours`` equals the float32 reference's greedy answer, except at near-ties:
-    where they part, our token must be within ``NEAR_TIE`` of the reference's best, and
-    the rest must equal the reference continued from our token. Else what is wrong."""
-    done = []
-    for _ in range(MAX_PARTINGS + 1):
-        ref = generate(lm32, prompt + done, n - len(done)).token_ids
-        rest = ours[len(done) :]
-        part = next((i for i, (a, b) in enumerate(zip(ref, rest)) if a != b), None)
-        if part is None:
-            return (
-                None if len(rest) == len(ref) else f"{len(ours)} tokens, the reference {len(done) + len(ref)}"
-            )
-        at = len(done) + part
-        logits = np.array(lm32.model(mx.array([prompt + ours[:at]]))[0, -1])
-        margin = float(logits[ref[part]] - logits[rest[part]])
-        print(f"parts at token {at}: float32 margin {margin:.4f}")
-        if not 0 <= margin < NEAR_TIE:
-            return (
-                f"token {at} is {rest[part]}, the reference's {ref[part]} led it by {margin:.3f}: no near-tie"
-            )
-        done = ours[: at + 1]
-    return f"more than {MAX_PARTINGS} near-ties"
-
-
 @pytest.mark.parametrize("label", CONFIGS)
 def test_every_kind_on_the_gpu_path_gives_the_float32_answers(lm, workload, gpu_runs, label):
     for prompt, (tokens, status) in zip(workload, gpu_runs[1][label]):
         assert status == "done"
-        wrong = agrees_with_reference(lm, prompt, tokens, NEW_TOKENS)
+        wrong = parting_problem(lm, prompt, tokens, NEW_TOKENS, NEAR_TIE_F16)
         assert wrong is None, f"{label}: {wrong}"
 
 

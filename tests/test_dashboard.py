@@ -21,6 +21,7 @@ from batchlab.trace import Trace
 from batchlab.workloads import Workload, WorkloadRequest
 
 from jupyterlab_driver import CHROMIUM, CHROMIUM_ARGS, missing
+from waiting import wait_for
 
 MISSING = missing()
 
@@ -50,11 +51,14 @@ def ask(base_url, user, question, max_tokens, key=KEY):
     return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
 
-def read_events(base_url, seconds, stop=None):
-    """(name, data) of every event the dashboard stream sends within ``seconds`` (or until
-    ``stop`` is set), reconnecting when the server ends a stream, as EventSource does."""
-    events, deadline = [], time.monotonic() + seconds
-    while time.monotonic() < deadline and not (stop and stop.is_set()):
+def read_events(base_url, until, seconds=60, into=None):
+    """(name, data) of every event the dashboard stream sends until ``until(events)`` holds,
+    reconnecting when the server ends a stream, as EventSource does; fails if that takes
+    over ``seconds``. ``into``: the list to append the events to as they come."""
+    events = [] if into is None else into
+    deadline = time.monotonic() + seconds
+    while not until(events):
+        assert time.monotonic() < deadline, f"the awaited dashboard events did not come within {seconds} s"
         with httpx.stream("GET", base_url + "/dashboard/events", timeout=30) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
             name = None
@@ -63,9 +67,19 @@ def read_events(base_url, seconds, stop=None):
                     name = line[7:]
                 elif line.startswith("data: "):
                     events.append((name, json.loads(line[6:])))
-                if time.monotonic() > deadline or (stop and stop.is_set()):
+                if until(events) or time.monotonic() > deadline:
                     break
     return events
+
+
+def an_update(events):
+    return any(name == "update" for name, _ in events)
+
+
+def tracked(base_url):
+    """How many requests the dashboard has seen submitted (running or finished)."""
+    summary = httpx.get(base_url + "/dashboard/summary", timeout=30).json()
+    return summary["running"] + summary["finished"]
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +109,11 @@ def test_the_event_stream_follows_the_engine_step_by_step(server):
     users = ["ann", "ben", "cat"]
     done = threading.Event()
     collected = []
-    reader = threading.Thread(target=lambda: collected.extend(read_events(server.base_url, 120, done)))
+    reader = threading.Thread(
+        target=read_events, args=(server.base_url, lambda _: done.is_set(), 180, collected), daemon=True
+    )
     reader.start()
-    time.sleep(0.5)
+    wait_for(lambda: collected, 60, "the dashboard stream's hello")  # connected before anyone asks
     clients = [
         threading.Thread(target=ask, args=(server.base_url, u, f"Name two {SECRET}.", 8)) for u in users
     ]
@@ -105,9 +121,21 @@ def test_the_event_stream_follows_the_engine_step_by_step(server):
         c.start()
     for c in clients:
         c.join()
-    time.sleep(1.5)  # the last steps' events, and an idle one
+
+    def caught_up():  # the stream has shown the engine's last step and the finished table
+        updates = [d for name, d in list(collected) if name == "update"]
+        shown = max((c["step"] for u in updates for c in u["columns"]), default=-1)
+        table = updates[-1]["table"] if updates else []
+        return (
+            shown >= server.engine.trace.steps[-1].index
+            and {row["user"] for row in table} >= set(users)
+            and all(row["state"] in ("stop", "length") for row in table)
+        )
+
+    wait_for(caught_up, 60, "the stream showing the last step and every request finished", poll_s=0.05)
     done.set()
-    reader.join()
+    reader.join(timeout=60)
+    assert not reader.is_alive(), "the stream reader hangs"
 
     hello = [d for name, d in collected if name == "hello"]
     assert hello and hello[0]["slots"] == 4 and hello[0]["lanes"] == [f"slot {i}" for i in range(4)]
@@ -170,9 +198,13 @@ def test_the_summary_gives_the_class_latencies(lm):
     with serve_in_thread(lm, "stallfree", max_batch_size=2) as handle:
         for user in ("dee", "eli", "flo"):
             timed(handle.base_url, user)
-        time.sleep(0.5)
-        summary = httpx.get(handle.base_url + "/dashboard/summary", timeout=30).json()
-        table = [d for name, d in read_events(handle.base_url, 2) if name == "update"][-1]["table"]
+
+        def settled():  # the last request's end has reached the numbers
+            summary = httpx.get(handle.base_url + "/dashboard/summary", timeout=30).json()
+            return summary if summary["finished"] == 3 and summary["slots_busy"] == 0 else None
+
+        summary = wait_for(settled, 30, "the dashboard counting three finished requests", poll_s=0.05)
+        table = [d for name, d in read_events(handle.base_url, an_update) if name == "update"][-1]["table"]
     assert summary["finished"] == 3 and summary["finished_users"] == 3
     assert summary["running"] == summary["slots_busy"] == summary["queued"] == 0
     assert {row["user"] for row in table} == set(client_ttft)
@@ -189,7 +221,7 @@ def test_loadgen_sends_as_its_user(lm, server):
     workload = Workload("student", "", [WorkloadRequest(f"r{i}", ids, 4, 0.0, question) for i in range(2)])
     result = run_loadgen(server.base_url, workload, progress=False, api_key=KEY, user="fay")
     assert result.summary()["completed"] == 2 and result.settings["user"] == "fay"
-    hello, update = read_events(server.base_url, 3)[:2]
+    hello, update = read_events(server.base_url, an_update)[:2]
     assert [row["user"] for row in update[1]["table"][:2]] == ["fay", "fay"]
     refused = run_loadgen(server.base_url, workload, model="any", progress=False, api_key="wrong")
     assert refused.summary()["failures"] == {"HTTP 401": 2}
@@ -198,7 +230,7 @@ def test_loadgen_sends_as_its_user(lm, server):
 def test_prompts_show_only_when_asked(lm):
     with serve_in_thread(lm, "stallfree", max_batch_size=2, show_prompts=True) as handle:
         ask(handle.base_url, "gus", f"Two {SECRET}, please.", 3, key="none")
-        events = read_events(handle.base_url, 2)
+        events = read_events(handle.base_url, an_update)
     rows = [row for name, d in events if name == "update" for row in d["table"]]
     assert rows and rows[0]["user"] == "gus" and SECRET in rows[0]["prompt"]
 
@@ -259,8 +291,8 @@ def test_the_dashboard_in_a_browser_while_a_class_streams(lm):
             for i, user in enumerate(CLASS):
                 question = f"In two sentences, why do {SECRET} have stripes? ({i})"
                 students.append(threading.Thread(target=ask, args=(srv.base_url, user, question, 40)))
-                students[-1].start()
-                time.sleep(0.1)
+                students[-1].start()  # one after another: each once the last has reached the engine
+                wait_for(lambda: tracked(srv.base_url) > i, 60, f"{user}'s request arriving", poll_s=0.02)
             page.wait_for_function(
                 "document.querySelectorAll('.row[data-slot] .bl-cell[data-kind=decode]').length > 0",
                 timeout=120_000,
@@ -268,11 +300,12 @@ def test_the_dashboard_in_a_browser_while_a_class_streams(lm):
             first = int(page.locator("body").get_attribute("data-step"))
             page.wait_for_function("s => +document.body.dataset.step > s + 3", arg=first, timeout=60_000)
             seen = set()
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and len(seen) < 8:
+
+            def eight_names():
                 seen.update(t for t in page.locator(".row[data-slot] .who").all_inner_texts() if t)
-                time.sleep(0.2)
-            assert len(seen & set(CLASS)) >= 8, seen
+                return len(seen & set(CLASS)) >= 8
+
+            wait_for(eight_names, 120, "eight students' names on their lanes", poll_s=0.2)
             assert page.locator(".who i, #recent i").count() == 0  # a name is text, never markup
             page.wait_for_function(
                 "+document.getElementById('slots').textContent.split('/')[0] >= 10", timeout=60_000

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 from kinds import kind_configs
+from waiting import happens_within, wait_for
 
 from batchlab import EngineLoop, make_engine
 from batchlab.engine import EngineFailing
@@ -152,7 +153,8 @@ def test_cancel_in_every_state_frees_everything_and_spares_the_others(kind, opti
     engine.step()
     target = None
     for _ in range(100):
-        target = next((r for r in victims if engine._requests[r].state is state), None)
+        states = {r.id: r.state for r in [*engine.scheduler.queue, *engine.scheduler.running]}
+        target = next((r for r in victims if states.get(r) is state), None)
         if target or not engine.step():
             break
     assert target is not None, f"no request ever reached {state.value}"
@@ -249,14 +251,6 @@ def test_requests_wait_for_kv_blocks_instead_of_failing():
 def test_make_engine_rejects_options_that_do_not_apply(kind, options, message):
     with pytest.raises(ValueError, match=message):
         fake_engine(kind, **options)
-
-
-def _wait(condition, seconds: float, what: str) -> None:
-    """Await ``condition()`` with a deadline; fail naming ``what`` if it never holds."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {seconds:.0f} s"
-        time.sleep(0.001)
 
 
 def _client(
@@ -368,17 +362,24 @@ def test_stress_readers_while_the_loop_serves_preempts_and_cancels(kind, options
 
 def test_engine_loop_sleeps_when_idle_and_stops_cleanly():
     engine = fake_engine("continuous", max_batch_size=2)
+    calls = []  # the thread of each call to step: a loop that polls an idle engine calls it on and on
+    real_step = engine.step
+    engine.step = lambda: calls.append(threading.current_thread()) or real_step()
     loop = EngineLoop(engine).start()
-    time.sleep(0.1)
-    steps_idle = engine._step_index
-    time.sleep(0.2)
-    assert engine._step_index == steps_idle, "an idle loop must not step"
+    wait_for(lambda: calls, 30, "the loop's first step")
+    thread = calls[0]
+    assert thread is not threading.current_thread() and thread.is_alive()
+    # Nothing to do: the loop must now wait to be woken. Showing that nothing happens takes a
+    # bounded wait; a loop that spins calls step again within microseconds and fails at once.
+    assert not happens_within(lambda: len(calls) > 1, 0.2), "an idle loop must not call step again"
+    assert not engine.trace.steps, "an idle engine records no step"
     rid = loop.submit([1, 2], max_new_tokens=3, ignore_eos=True)
     done = []
-    _wait(lambda: done.append(loop.poll(rid)) or done[-1][1] == "done", 30, "the request finishing")
-    assert done[-1][2] == "length"
+    wait_for(lambda: done.append(loop.poll(rid)) or done[-1][1] == "done", 30, "the request finishing")
+    assert done[-1][2] == "length" and len(engine.trace.steps) >= 1
+    assert set(calls) == {thread}, "every step ran in the loop's thread"
     loop.stop()
-    assert not loop._thread
+    assert not thread.is_alive(), "stop returns once the loop's thread has ended"
     assert loop.error is None
 
 

@@ -22,6 +22,7 @@ import pytest
 from batchlab import generate
 from batchlab.model_runner import ModelRunner
 from batchlab.server import serve_in_thread
+from waiting import wait_for
 
 
 class FaultyRunner(ModelRunner):
@@ -62,14 +63,6 @@ def read_stream(url: str, body: dict, out: dict, first_token: threading.Event | 
     except Exception as e:  # surfaced by the test
         out["exception"] = repr(e)
     out["ended"] = time.monotonic()
-
-
-def wait_for(condition, seconds: float, what: str) -> None:
-    """Await ``condition()`` with a deadline; fail naming ``what`` if it never holds."""
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {seconds:.0f} s"
-        time.sleep(0.01)
 
 
 def start_stream(url, body, first_token=None):

@@ -430,3 +430,16 @@ def test_chat_is_deterministic_real_prompts_and_long_high_variance_outputs(tok):
     assert np.mean(a.output_lens) >= 64  # the bench's seed: answers average >= 64 tokens
     with pytest.raises(ValueError, match="size"):
         W.chat(tok, size="huge")
+
+
+def test_the_driver_admits_a_request_due_at_a_rounded_virtual_time():
+    """A virtual clock that starts at 0.7 and waits until 0.7 + 0.1 reads 0.8, and
+    0.8 - 0.7 < 0.1 in floating point: the driver must still see the request as due (it
+    once waited for that time forever)."""
+    from batchlab.fake import FakeModel, FakeRunner
+
+    clock = VirtualClock(0.7)
+    engine = batchlab.make_engine("continuous", FakeModel(), runner=FakeRunner, clock=clock)
+    wl = W.Workload("rounded", "one request due at 0.1 s", [W.WorkloadRequest("r", [1, 2, 3], 2, 0.1)])
+    trace = D.run_workload(engine, wl, progress=False, max_idle_steps=5)
+    assert trace.requests["r"].finish_reason == "length"

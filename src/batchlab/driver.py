@@ -69,14 +69,17 @@ def run_workload(
     )
     try:
         while True:
-            now = clock() - t0
+            wall = clock()
+            now = wall - t0
             if timeout_s is not None and now > timeout_s:
                 for rid, rec in records.items():
                     if rec.finished_s is None:
                         engine.cancel(rid)
                 engine.step()  # sweeps the cancelled requests out
                 break
-            while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
+            # due times compared as the idle wait sets them (t0 + arrival), so a virtual
+            # clock's rounding cannot leave a request forever just short of due
+            while nxt < len(reqs) and t0 + reqs[nxt].arrival_s <= wall:
                 r, due = reqs[nxt], t0 + reqs[nxt].arrival_s
                 nxt += 1
                 extra = {} if priorities is None else {"priority": priorities[r.id]}

@@ -148,6 +148,27 @@ def test_cli_writes_the_json_round_trip(lm, server, tmp_path, capsys, session_mo
         assert len(row["itl_s"]) == row["chunks"] - 1
 
 
+def test_ignore_eos_in_the_body_runs_every_answer_to_its_max_tokens(lm, server, tmp_path, session_model):
+    """``extra_body={"ignore_eos": True}`` (``batchlab loadgen --ignore-eos``): a question that
+    ends on EOS by itself runs on to exactly its ``max_tokens``, counted by the server."""
+    hi = [{"role": "user", "content": "hi"}]
+    ids = lm.tokenizer.encode_chat(hi)
+    short = Workload("hi", "", [WorkloadRequest("hi", ids, 30, messages=hi)])
+    natural = len(generate(lm, ids, 30).token_ids)
+    assert natural < 30, "the reference ends on EOS before max_tokens"
+    plain = run_loadgen(server.base_url, short, progress=False).requests[0]
+    assert (plain.output_tokens, plain.finish_reason) == (natural, "stop")
+    fixed = run_loadgen(server.base_url, short, progress=False, extra_body={"ignore_eos": True})
+    assert (fixed.requests[0].output_tokens, fixed.requests[0].finish_reason) == (30, "length")
+    assert fixed.settings["extra_body"] == {"ignore_eos": True}
+    out = tmp_path / "load.json"
+    argv = ["loadgen", "--base-url", server.base_url, "--requests", "1", "--ignore-eos", "--json", str(out)]
+    assert cli.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["settings"]["extra_body"] == {"ignore_eos": True}
+    assert [r["output_tokens"] for r in data["requests"]] == [r["max_tokens"] for r in data["requests"]]
+
+
 def test_cli_refuses_more_requests_than_the_workload_has(session_model):
     with pytest.raises(SystemExit, match="--requests must be between 1 and"):
         cli.main(

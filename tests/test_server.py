@@ -337,6 +337,7 @@ HI = {"role": "user", "content": "hi"}
         ({"messages": [HI], "min_p": 0.1}, "min_p", ["not supported"]),
         ({"messages": [HI], "best_of": 3}, "best_of", ["not supported"]),
         ({"messages": [HI], "response_format": {"type": "json_object"}}, "response_format", ["plain text"]),
+        ({"messages": [HI], "logit_bias": {"2": -100}}, "logit_bias", ["not supported"]),
     ],
 )
 def test_what_the_model_cannot_do_gets_a_400_saying_so(server, body, param, says):
@@ -468,3 +469,44 @@ def test_vllm_length_extensions_fix_the_answer_length(lm, server, path, stream):
     assert longer >= natural + 5 and (finish == "stop" or longer == 40)
     stop = greedy[natural + 2]  # a token past the natural end: only ignore_eos reaches it
     assert ask(ignore_eos=True, stop_token_ids=[stop]) == (greedy.index(stop) + 1, "stop")
+
+
+def sse_events(url, body):
+    """The JSON events of a streamed answer, in order (the ``[DONE]`` line left out)."""
+    events = []
+    with httpx.stream("POST", url, json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    return events
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_count_the_tokens_behind_every_chunk(lm, server, path):
+    """vLLM's ``stream_options.continuous_usage_stats`` (GuideLLM always sends it, aiperf
+    with ``--per-chunk-usage``): with ``include_usage``, every chunk carries the usage so
+    far, and its count is exactly the tokens whose text has been sent by then (checked
+    against the reference's tokens, EOS included, since the answer runs past it with
+    ``ignore_eos``). Without it only the last chunk has usage."""
+    ids = lm.tokenizer.encode_chat([HI])
+    reference = generate(lm, ids, 24, ignore_eos=True).token_ids
+    assert set(reference) & lm.tokenizer.eos_token_ids, "the count must run across an EOS"
+    hi = {"prompt": ids} if path == "/v1/completions" else {"messages": [HI]}
+    body = {**hi, "max_tokens": 24, "temperature": 0, "stream": True, "ignore_eos": True}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = sse_events(server.url + path, {**body, "stream_options": options})
+    text, counts = "", []
+    for event in events[:-1]:
+        usage = event["usage"]
+        assert usage["prompt_tokens"] == len(ids)
+        assert usage["total_tokens"] == len(ids) + usage["completion_tokens"]
+        choice = event["choices"][0]
+        text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+        counts.append(usage["completion_tokens"])
+        assert text == expected_text(lm, reference, counts[-1]), (counts[-1], text)
+    assert counts == sorted(counts) and counts[-1] == 24
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 24
+    plain = sse_events(server.url + path, {**body, "stream_options": {"include_usage": True}})
+    assert [e for e in plain if "usage" in e] == [plain[-1]]
+    assert [e for e in sse_events(server.url + path, body) if "usage" in e] == []

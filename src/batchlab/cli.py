@@ -265,6 +265,7 @@ def _cmd_loadgen(args) -> int:
         usage=not args.no_usage,
         api_key=args.api_key,
         user=args.user,
+        extra_body={"ignore_eos": True} if args.ignore_eos else None,
     )
     print(result.table())
     if args.json:
@@ -474,6 +475,11 @@ def _loadgen_parser(sub) -> None:
         "--no-usage",
         action="store_true",
         help="do not ask for usage (for servers that refuse stream_options)",
+    )
+    load.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send vLLM's ignore_eos: every answer runs to its max_tokens (where the server honours it)",
     )
     load.add_argument("--json", metavar="OUT", help="write the summary and every request here")
     load.add_argument(

@@ -195,12 +195,16 @@ def _failure(e: BaseException) -> tuple[str, str]:
     return type(e).__name__, str(e)
 
 
-async def _one(client, model: str, req, t0: float, usage: bool, user: str | None) -> RequestResult:
+async def _one(
+    client, model: str, req, t0: float, usage: bool, user: str | None, extra_body: dict | None
+) -> RequestResult:
     start = time.perf_counter()
     out = RequestResult(req.id, req.prompt_len, req.max_new_tokens, start - t0)
     extra = {"stream_options": {"include_usage": True}} if usage else {}
     if user is not None:
         extra["user"] = user
+    if extra_body:
+        extra["extra_body"] = extra_body
     last = None
     try:
         stream = await client.chat.completions.create(
@@ -251,7 +255,7 @@ def first_model(base_url: str, api_key: str = "unused") -> str:
 
 
 async def _run(
-    base_url, workload: Workload, model, concurrency, usage, timeout_s, progress, api_key, user
+    base_url, workload: Workload, model, concurrency, usage, timeout_s, progress, api_key, user, extra_body
 ) -> tuple[float, list[RequestResult]]:
     from openai import AsyncOpenAI
     from tqdm.auto import tqdm
@@ -268,10 +272,10 @@ async def _run(
     async def send(req):
         await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
         if gate is None:
-            result = await _one(client, model, req, t0, usage, user)
+            result = await _one(client, model, req, t0, usage, user, extra_body)
         else:
             async with gate:
-                result = await _one(client, model, req, t0, usage, user)
+                result = await _one(client, model, req, t0, usage, user, extra_body)
         bar.update(1)
         return result
 
@@ -309,6 +313,7 @@ def run_loadgen(
     progress: bool = True,
     api_key: str = "unused",
     user: str | None = None,
+    extra_body: dict | None = None,
 ) -> LoadgenResult:
     """Send every request of ``workload`` to the server at ``base_url`` and measure.
 
@@ -317,7 +322,9 @@ def run_loadgen(
     limit). ``model``: default the first one the server lists. ``usage=False`` for a server
     that refuses ``stream_options``. ``api_key``: the server's key (``batchlab serve --api-key``);
     ``user``: the OpenAI ``user`` field sent with every request, which a shared server's
-    dashboard shows and its per-user limit counts. Works in a notebook too (whose asyncio loop is busy:
+    dashboard shows and its per-user limit counts. ``extra_body``: more fields for every
+    request's body, e.g. vLLM's ``{"ignore_eos": True}`` for answers of exactly
+    ``max_tokens`` (``batchlab loadgen --ignore-eos``). Works in a notebook too (whose asyncio loop is busy:
     the run then gets a thread of its own)."""
     if concurrency is not None and concurrency < 1:
         raise ValueError("concurrency must be at least 1")
@@ -328,7 +335,7 @@ def run_loadgen(
     workload = workload.with_arrivals("poisson" if rate else "all", rate=rate, seed=seed)
     model = model or first_model(base_url, api_key)
     duration, results = _run_to_end(
-        _run(base_url, workload, model, concurrency, usage, timeout_s, progress, api_key, user)
+        _run(base_url, workload, model, concurrency, usage, timeout_s, progress, api_key, user, extra_body)
     )
     settings = {
         "requests": len(results),
@@ -339,6 +346,7 @@ def run_loadgen(
         "slo_ttft_s": slo_ttft_s,
         "slo_tpot_s": slo_tpot_s,
         "usage": usage,
+        "extra_body": extra_body,
         "max_tokens_total": sum(r.max_new_tokens for r in workload.requests),
     }
     return LoadgenResult(base_url, model, workload.name, settings, duration, results)

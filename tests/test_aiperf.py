@@ -1,0 +1,101 @@
+"""An independent benchmark client against ``batchlab serve``: NVIDIA's aiperf (the bench
+extra), offline with the folder ``batchlab export-mlx`` writes as its tokenizer.
+
+aiperf sends vLLM's ``ignore_eos`` to fix output lengths, as serving benchmarks do; every
+answer must then be exactly the asked length by the server's own count, on both endpoints,
+streamed and not. A run without ``ignore_eos`` shows that these prompts do end early by
+themselves, so the exact lengths are the extension's doing. The aiperf command line is the
+one ``benchmarks/aiperf_side_by_side.py`` runs (imported from there).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from batchlab.export import export_mlx
+from batchlab.serverprocs import batchlab_spec, running
+
+ROOT = Path(__file__).resolve().parents[1]
+AIPERF = shutil.which("aiperf", path=str(Path(sys.executable).parent)) or shutil.which("aiperf")
+# Skipped where the bench extra is missing, but never in CI: there it must fail, not hide.
+pytestmark = [
+    pytest.mark.slow,  # a server process and aiperf's own processes
+    pytest.mark.skipif(
+        AIPERF is None and os.environ.get("CI") != "true",
+        reason="aiperf is not installed (pip install -e .[bench])",
+    ),
+]
+
+REQUESTS, OSL = 16, 24
+SETTINGS = SimpleNamespace(requests=REQUESTS, concurrency=8, isl=32, osl=OSL, seed=0)
+
+
+def side_by_side():
+    spec = importlib.util.spec_from_file_location(
+        "aiperf_side_by_side", ROOT / "benchmarks/aiperf_side_by_side.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return side_by_side()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(lm, tmp_path_factory):
+    return export_mlx(lm, tmp_path_factory.mktemp("smollm2-mlx"))
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running(batchlab_spec(8)) as handle:
+        yield handle
+
+
+def aiperf(bench, server, tokenizer_dir, tmp_path, endpoint, streaming, body):
+    out = tmp_path / "aiperf"
+    settings = SimpleNamespace(**vars(SETTINGS), streaming=streaming)
+    command = bench.aiperf_args(server.base_url, "smollm2", tokenizer_dir, out, body, settings, endpoint)
+    summary = bench.run_aiperf(command, out, timeout_s=600)
+    assert len(summary["inputs"]) == REQUESTS
+    for session in summary["inputs"]:  # what went over the wire
+        (payload,) = session["payloads"]
+        assert payload["stream"] is streaming
+        assert all(payload[k] == v for k, v in body.items())
+    return summary
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "whole"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_ignore_eos_gives_aiperf_exactly_the_asked_length(
+    bench, server, tokenizer_dir, tmp_path, endpoint, streaming
+):
+    body = {"ignore_eos": True, "temperature": 0}
+    summary = aiperf(bench, server, tokenizer_dir, tmp_path, endpoint, streaming, body)
+    figures = bench.aiperf_figures(summary, OSL)
+    assert (figures["completed"], figures["failed"]) == (REQUESTS, 0), summary["error_summary"]
+    assert figures["output_lengths"] == [OSL] and figures["fixed_lengths"]
+    usage = [bench.record_value(r, "usage_completion_tokens") for r in summary["records"]]
+    assert usage == [OSL] * REQUESTS
+    assert summary["osl_mismatch_count"]["avg"] == 0
+    if streaming:
+        assert figures["ttft_ms_p50"] > 0 and figures["tpot_ms_p50"] > 0
+
+
+def test_without_ignore_eos_some_answers_end_early(bench, server, tokenizer_dir, tmp_path):
+    """The control: the same chat prompts, EOS allowed, end before the asked length."""
+    summary = aiperf(bench, server, tokenizer_dir, tmp_path, "chat", False, {"temperature": 0})
+    figures = bench.aiperf_figures(summary, OSL)
+    assert (figures["completed"], figures["failed"]) == (REQUESTS, 0), summary["error_summary"]
+    assert min(figures["output_lengths"]) < OSL, figures["output_lengths"]
+    assert not figures["fixed_lengths"]

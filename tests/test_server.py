@@ -340,6 +340,7 @@ HI = {"role": "user", "content": "hi"}
         ({"messages": [HI], "best_of": 3}, "best_of", ["not supported"]),
         ({"messages": [HI], "response_format": {"type": "json_object"}}, "response_format", ["plain text"]),
         ({"messages": [HI], "logit_bias": {"2": -100}}, "logit_bias", ["not supported"]),
+        ({"messages": [HI], "stream_options": {"include_usage": True}}, "stream_options", ["stream: true"]),
     ],
 )
 def test_what_the_model_cannot_do_gets_a_400_saying_so(server, body, param, says):

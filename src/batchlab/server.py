@@ -142,6 +142,8 @@ def refusal(req: SamplingFields) -> Unsupported | None:
             return Unsupported(f"{field} is not supported by this server (only {neutral[0]!r})", field)
     if req.response_format is not None and req.response_format.get("type") != "text":
         return Unsupported("response_format: this server writes plain text only", "response_format")
+    if req.stream_options is not None and not req.stream:  # as vLLM: it would be silently unused
+        return Unsupported("stream_options can only be given with stream: true", "stream_options")
     if req.logit_bias:  # {} and null ask for nothing
         return Unsupported("logit_bias is not supported by this server", "logit_bias")
     if isinstance(req, CompletionRequest):

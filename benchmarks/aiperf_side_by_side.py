@@ -9,7 +9,7 @@ servers, with the same prompts and settings.
 
 Both servers serve the same weights: ``batchlab serve`` (stall-free, ``--batch-size`` slots)
 and ``mlx_lm.server`` on the folder ``batchlab export-mlx`` writes (the same number of
-decode and prefill slots, OpenBLAS preloaded: see ``batchlab.serverprocs``), on free
+decode and prefill slots, OpenBLAS preloaded: see ``batchlab.serving.serverprocs``), on free
 127.0.0.1 ports. aiperf makes ``--requests`` synthetic chat prompts of exactly ``--isl``
 tokens (its tokenizer is the exported folder, so it runs offline) from ``--seed`` and asks
 for exactly ``--osl`` tokens each, ``--concurrency`` in flight, streamed, greedy
@@ -48,11 +48,11 @@ import time
 from pathlib import Path
 
 import batchlab  # first: makes MLX use OpenBLAS on Linux
-from batchlab.export import export_mlx
-from batchlab.loadgen import LoadgenResult, first_model, run_loadgen
-from batchlab.metrics import median_range, ranges_overlap
-from batchlab.serverprocs import ServerSpec, batchlab_spec, mlx_lm_spec, running
-from batchlab.workloads import Workload, WorkloadRequest
+from batchlab.model.export import export_mlx
+from batchlab.serving.loadgen import LoadgenResult, first_model, run_loadgen
+from batchlab.core.metrics import median_range, ranges_overlap
+from batchlab.serving.serverprocs import ServerSpec, batchlab_spec, mlx_lm_spec, running
+from batchlab.measurement.workloads import Workload, WorkloadRequest
 
 # (our summary key, aiperf's metric and statistic, label, format)
 FIGURES = [

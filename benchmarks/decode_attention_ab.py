@@ -21,10 +21,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import step_profile  # noqa: E402  (imports batchlab first: OpenBLAS before MLX)
 
-from batchlab import attention  # noqa: E402
-from batchlab.kv import BlockManager  # noqa: E402
-from batchlab.model import load_model  # noqa: E402
-from batchlab.model_runner import ModelRunner  # noqa: E402
+from batchlab.model import attention  # noqa: E402
+from batchlab.core.kv import BlockManager  # noqa: E402
+from batchlab.model.load import load_model  # noqa: E402
+from batchlab.model.model_runner import ModelRunner  # noqa: E402
 
 
 def softmax_per_row(q, contexts, scale):

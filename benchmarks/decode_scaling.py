@@ -1,6 +1,6 @@
 """Decode throughput against batch size on the real model (not a test: timings vary by machine).
 
-For each batch size B (``batchlab.microbench.decode_scaling``): B prompts of the same
+For each batch size B (``batchlab.measurement.microbench.decode_scaling``): B prompts of the same
 length with differing rows, one prefill pass over all of them with mlx-lm's own model and
 KV cache, a few warm-up decode steps, then ``--steps`` timed decode steps of one token per
 row. A decode step reads every weight once whatever B is, so while it is
@@ -24,7 +24,7 @@ import batchlab  # first: makes MLX use OpenBLAS on Linux
 
 import mlx.core as mx
 
-from batchlab.microbench import decode_scaling
+from batchlab.measurement.microbench import decode_scaling
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/engine_kinds.py [--json OUT]
 
 Prints throughput, TTFT and TBT (p50, p99) per kind; same configurations as
-``batchlab bench`` (``batchlab.bench.engines``), sequential as the baseline.
+``batchlab bench`` (``batchlab.measurement.bench.engines``), sequential as the baseline.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import json
 import sys
 
 import batchlab  # first: makes MLX use OpenBLAS on Linux
-from batchlab import driver, metrics, workloads
-from batchlab.bench import engines
+from batchlab.measurement import driver, workloads
+from batchlab.core import metrics
+from batchlab.measurement.bench import engines
 
 
 def main(argv: list[str] | None = None) -> int:

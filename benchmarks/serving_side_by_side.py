@@ -6,9 +6,9 @@
 
 Both servers serve the same weights (``batchlab export-mlx`` writes them as an mlx-lm
 folder, float32) on free 127.0.0.1 ports, started as subprocesses by
-``batchlab.serverprocs`` (which also explains how ``mlx_lm.server`` gets OpenBLAS and which
+``batchlab.serving.serverprocs`` (which also explains how ``mlx_lm.server`` gets OpenBLAS and which
 batching flags it gets), warmed up with one short request, measured by
-``batchlab.loadgen`` with the same workload and settings, and always stopped. They run in
+``batchlab.serving.loadgen`` with the same workload and settings, and always stopped. They run in
 turn, so each has both cores.
 
 Each of the ``--repetitions`` rounds (3 by default) starts and measures each server in turn
@@ -31,10 +31,10 @@ from pathlib import Path
 
 import batchlab  # first: makes MLX use OpenBLAS on Linux
 from batchlab.cli import loadgen_workload
-from batchlab.export import export_mlx
-from batchlab.loadgen import LoadgenResult, run_loadgen
-from batchlab.serverprocs import batchlab_spec, mlx_lm_spec, running
-from batchlab.workloads import WORKLOADS
+from batchlab.model.export import export_mlx
+from batchlab.serving.loadgen import LoadgenResult, run_loadgen
+from batchlab.serving.serverprocs import batchlab_spec, mlx_lm_spec, running
+from batchlab.measurement.workloads import WORKLOADS
 
 CHOICES = [w for w in ("mixed", "chat", "high_variance", "sharegpt", "interference") if w in WORKLOADS]
 

@@ -21,8 +21,9 @@ import statistics
 import time
 
 import batchlab  # noqa: F401  (OpenBLAS before MLX)
-from batchlab import bench, costmodel, metrics, workloads
-from batchlab.model import load_model
+from batchlab.measurement import bench, workloads
+from batchlab.core import costmodel, metrics
+from batchlab.model.load import load_model
 
 BATCH = 8
 

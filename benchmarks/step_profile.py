@@ -22,12 +22,12 @@ import time
 import batchlab  # noqa: F401  (OpenBLAS before MLX)
 from mlx.utils import tree_flatten
 
-from batchlab import microbench
-from batchlab.bench import linear_flops_per_token
-from batchlab.kv import BlockManager
-from batchlab.model import load_model
-from batchlab.model_runner import ModelRunner
-from batchlab.runner import Chunk
+from batchlab.measurement import microbench
+from batchlab.measurement.bench import linear_flops_per_token
+from batchlab.core.kv import BlockManager
+from batchlab.model.load import load_model
+from batchlab.model.model_runner import ModelRunner
+from batchlab.core.runner import Chunk
 
 CONTEXT = 256
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up batchlab on a fresh machine. Idempotent: run it as often as you like.
 #   bash scripts/setup.sh          the course (JupyterLab, the engine, the embedded model);
-#                                  then `.venv/bin/python -m batchlab.lessons` opens the lessons
+#                                  then `.venv/bin/python -m batchlab.course.lessons` opens the lessons
 #   bash scripts/setup.sh --test   the same, plus what the test suite needs (and the bench extra)
 # Linux: installs Debian/Ubuntu packages (OpenBLAS; Chromium for the browser tests) with apt.
 # macOS: nothing from the system is needed (MLX uses Metal and Accelerate).
@@ -40,4 +40,4 @@ if [ $with_tests = 1 ]; then "${pip[@]}" -e ".[test,bench]"; else "${pip[@]}" -e
 # overrides.d file of this environment: a learner's own settings still win.
 settings=.venv/share/jupyter/lab/settings/overrides.d
 mkdir -p "$settings" && cp scripts/jupyterlab-settings.json "$settings/batchlab.json"
-.venv/bin/python -c 'import batchlab.model as m; print("batchlab ready; model at", m.gguf_path())'
+.venv/bin/python -c 'import batchlab.model.load as m; print("batchlab ready; model at", m.gguf_path())'

@@ -11,7 +11,7 @@ import batchlab  # first: loads OpenBLAS before anything imports mlx
 
 import pytest
 
-from batchlab.model import gguf_path
+from batchlab.model.load import gguf_path
 
 
 @pytest.fixture(scope="session")
@@ -86,6 +86,6 @@ def hf_model(hf_gguf):
 
 def pytest_report_header(config):
     """Which path the model runs (``BATCHLAB_GPU_PATH`` can force the GPU path on the CPU)."""
-    from batchlab.backend import describe
+    from batchlab.model.backend import describe
 
     return f"path: {describe()}"

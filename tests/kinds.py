@@ -1,13 +1,13 @@
 """The engine configurations the tests run every kind with, from the registry: each
 shipped kind (``scheduler.KINDS``) with every combination of its options' ``examples``.
-A new kind registered in ``batchlab.scheduler`` is tested by these tests with no edit here."""
+A new kind registered in ``batchlab.core.scheduler`` is tested by these tests with no edit here."""
 
 from __future__ import annotations
 
 import itertools
 import math
 
-from batchlab.scheduler import KINDS
+from batchlab.core.scheduler import KINDS
 
 
 def kind_configs(exclude: tuple[str, ...] = (), per_kind: int | None = None) -> list[tuple[str, dict]]:

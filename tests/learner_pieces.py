@@ -4,10 +4,10 @@ their simplest right form: what the checkers must accept. The wrong pieces of
 
 from __future__ import annotations
 
-from batchlab.batch import Batch
-from batchlab.policies import PriorityPolicy
-from batchlab.request import State
-from batchlab.scheduler import ContinuousScheduler, StaticScheduler
+from batchlab.core.batch import Batch
+from batchlab.core.policies import PriorityPolicy
+from batchlab.core.request import State
+from batchlab.core.scheduler import ContinuousScheduler, StaticScheduler
 
 
 class MyStaticScheduler(StaticScheduler):

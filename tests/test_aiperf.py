@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchlab.export import export_mlx
-from batchlab.serverprocs import batchlab_spec, running
+from batchlab.model.export import export_mlx
+from batchlab.serving.serverprocs import batchlab_spec, running
 
 ROOT = Path(__file__).resolve().parents[1]
 AIPERF = shutil.which("aiperf", path=str(Path(sys.executable).parent)) or shutil.which("aiperf")

@@ -1,4 +1,4 @@
-"""``batchlab.attention`` (the CPU attention the runner uses) against float64 numpy
+"""``batchlab.model.attention`` (the CPU attention the runner uses) against float64 numpy
 references written independently: plain per-head softmax attention with GQA by
 ``h // G`` and explicit causal / padding rules, and ``mx.fast``'s own attention."""
 
@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchlab import attention
+from batchlab.model import attention
 
 H, KH, D = 9, 3, 64
 SCALE = D**-0.5

@@ -10,7 +10,7 @@ import pytest
 from openai import OpenAI
 
 from batchlab import cli
-from batchlab.server import check_exposure, serve_in_thread
+from batchlab.serving.server import check_exposure, serve_in_thread
 
 KEY = "class-key-7f3a"
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 3, "temperature": 0}
@@ -156,12 +156,12 @@ def test_serve_in_thread_refuses_before_binding(lm):
 
 
 def test_batchlab_serve_refuses_before_loading_the_model(monkeypatch):
-    import batchlab.model
+    import batchlab.model.load
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was loaded before the host was checked")
 
-    monkeypatch.setattr(batchlab.model, "load_model", no_model)
+    monkeypatch.setattr(batchlab.model.load, "load_model", no_model)
     monkeypatch.delenv("BATCHLAB_API_KEY", raising=False)
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", "--host", "0.0.0.0"])

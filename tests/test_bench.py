@@ -13,11 +13,11 @@ import time
 import pytest
 from pathlib import Path
 
-from batchlab import bench
-from batchlab.bench import engines, format_table, run_bench
-from batchlab.costmodel import CostModel, token_budget_for_slo
-from batchlab.fake import FakeModel, FakeRunner
-from batchlab.workloads import Workload, WorkloadRequest
+from batchlab.measurement import bench
+from batchlab.measurement.bench import engines, format_table, run_bench
+from batchlab.core.costmodel import CostModel, token_budget_for_slo
+from batchlab.core.fake import FakeModel, FakeRunner
+from batchlab.measurement.workloads import Workload, WorkloadRequest
 
 NEW_FIGURES = (
     "sgemm_gflops",
@@ -66,8 +66,8 @@ def test_schedule_interleaves_the_engines_within_each_repetition():
 
 
 def test_stallfree_gets_the_budget_its_target_implies():
-    from batchlab import costmodel
-    from batchlab.costmodel import CostModel
+    from batchlab.core import costmodel
+    from batchlab.core.costmodel import CostModel
 
     cost = CostModel.load()
     for b in (8, 16):
@@ -309,7 +309,7 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
 
 
 def test_a_learners_engine_runs_beside_ours(monkeypatch):
-    from batchlab.scheduler import ContinuousScheduler
+    from batchlab.core.scheduler import ContinuousScheduler
 
     class Mine(ContinuousScheduler):
         kind = "mine"
@@ -409,7 +409,7 @@ def test_quick_bench_runs_every_engine_and_reports_the_figures(lm, tmp_path):
 
 def test_one_row_linears_times_every_weight_matrix(lm):
     """Every layer's 7 linear maps plus the LM head, both timings positive and finite."""
-    from batchlab import microbench
+    from batchlab.measurement import microbench
 
     out = microbench.one_row_linears(lm, repeats=1)
     assert out["matrices"] == 7 * len(lm.model.model.layers) + 1
@@ -422,7 +422,7 @@ def test_a_pools_token_bytes_agree_with_the_formula_for_either_backing():
     layer, whether the pool is numpy (the CPU path) or MLX (Metal)."""
     import mlx.core as mx
 
-    from batchlab.model_runner import KVPool
+    from batchlab.model.model_runner import KVPool
 
     for numpy in (True, False):
         pool = KVPool(30, 4, 16, 3, 64, mx.float32, numpy=numpy)

@@ -199,7 +199,7 @@ def test_import_batchlab_keeps_the_users_coretype(tmp_path):
 def test_info_shows_the_kernel_and_why(capsys, monkeypatch, lm):
     from batchlab.cli import main
 
-    monkeypatch.setattr(batchlab.model, "load_model", lambda path=None, dtype=None: lm)
+    monkeypatch.setattr(batchlab.model.load, "load_model", lambda path=None, dtype=None: lm)
     assert main(["info"]) == 0
     lines = {
         line.split()[0]: line

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from batchlab.batch import Batch
-from batchlab.checks import _pieces
-from batchlab.scheduler import ContinuousScheduler, StallFreeScheduler, StaticScheduler
+from batchlab.core.batch import Batch
+from batchlab.course.checks import _pieces
+from batchlab.core.scheduler import ContinuousScheduler, StallFreeScheduler, StaticScheduler
 
 
 class EmptyPassesForever(ContinuousScheduler):

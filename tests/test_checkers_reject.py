@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchlab import checks as check
+from batchlab.course import checks as check
 
 
 def assert_rejected(verdict, first_case: str, *says: str) -> None:
@@ -474,7 +474,7 @@ def test_checker_rejects_a_wrong_solution_naming_the_mistake(checker, wrong, fir
 
 
 def test_every_checker_of_lessons_0_3_7_has_a_wrong_solution_here():
-    from batchlab.checks import lesson00, lesson03, lesson07
+    from batchlab.course.checks import lesson00, lesson03, lesson07
 
     checkers = {getattr(module, name) for module in (lesson00, lesson03, lesson07) for name in module.__all__}
     tried = {c for c, *_ in WRONG} | {check.greedy_generate}  # greedy_generate: below

@@ -7,9 +7,9 @@ import io
 
 import pytest
 
-from batchlab import checks
-from batchlab.batch import Batch
-from batchlab.scheduler import StaticScheduler
+from batchlab.course import checks
+from batchlab.core.batch import Batch
+from batchlab.core.scheduler import StaticScheduler
 
 import learner_pieces
 
@@ -200,8 +200,8 @@ def test_a_piece_that_never_reserves_passes_every_case_but_the_small_pool():
 
 def test_static_scheduler_whole_workload_checks_the_rules():
     """The invariants on a whole trace name a request that joined a running batch."""
-    from batchlab.checks._pieces import fake_workload, run_piece
-    from batchlab.checks.lesson01 import static_invariants
+    from batchlab.course.checks._pieces import fake_workload, run_piece
+    from batchlab.course.checks.lesson01 import static_invariants
 
     wl = fake_workload("w", [(5, o) for o in [3, 9, 2, 5, 4, 7]], 1)
     trace = run_piece(JoinsMidBatch, wl, max_batch_size=3).trace

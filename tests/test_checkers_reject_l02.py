@@ -7,9 +7,9 @@ import io
 
 import pytest
 
-from batchlab import checks
-from batchlab.request import State
-from batchlab.scheduler import ContinuousScheduler
+from batchlab.course import checks
+from batchlab.core.request import State
+from batchlab.core.scheduler import ContinuousScheduler
 from learner_pieces import MyContinuousScheduler
 
 
@@ -122,8 +122,8 @@ def test_admitting_without_fits_is_caught_only_by_the_small_pools():
 def test_two_awaiting_requests_are_caught_on_the_trace():
     """Two requests can await a slot only if one was admitted while the other awaited: the
     invariants name that admission (the first rule broken), on a whole trace."""
-    from batchlab.checks._pieces import fake_workload, run_piece
-    from batchlab.checks.lesson02 import continuous_invariants
+    from batchlab.course.checks._pieces import fake_workload, run_piece
+    from batchlab.course.checks.lesson02 import continuous_invariants
 
     wl = fake_workload("req", [(5, o) for o in [9, 9, 4, 4, 4, 4]], 7)
     trace = run_piece(PlacesLastPrefilledFirst, wl, max_batch_size=2).trace
@@ -138,7 +138,7 @@ def test_continuous_scheduler_asks_for_a_class():
 
 
 def test_continuous_steps_rejects_the_static_count():
-    from batchlab.checks.lesson01 import static_step_count
+    from batchlab.course.checks.lesson01 import static_step_count
 
     verdict = checker_quiet("continuous_steps", static_step_count)
     assert not verdict and "count for static batching" in verdict.message

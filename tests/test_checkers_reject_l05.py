@@ -7,11 +7,11 @@ from __future__ import annotations
 import batchlab  # noqa: F401  (first: OpenBLAS before mlx)
 import pytest
 
-from batchlab import checks as check
+from batchlab.course import checks as check
 from batchlab import course
-from batchlab.batch import Batch
-from batchlab.request import State
-from batchlab.scheduler import StallFreeScheduler
+from batchlab.core.batch import Batch
+from batchlab.core.request import State
+from batchlab.core.scheduler import StallFreeScheduler
 from learner_pieces import MyStallFreeScheduler
 
 

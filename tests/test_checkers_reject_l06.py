@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from batchlab import checks
-from batchlab.engine import Engine
+from batchlab.course import checks
+from batchlab.core.engine import Engine
 
 
 class DrainThenStatus(Engine):
@@ -100,7 +100,7 @@ def test_a_cancel_that_returns_true_twice_is_rejected():
 
 
 def test_a_missing_piece_is_not_written_yet():
-    from batchlab.course import Missing
+    from batchlab.course.my_engine import Missing
 
     verdict = checks.engine_front(Missing("MyEngine", "my_engine/front.py does not exist yet"))
     assert not verdict and verdict.not_written and "not written yet" in verdict.message

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from batchlab import checks
-from batchlab.policies import PriorityPolicy
-from batchlab.request import State
-from batchlab.scheduler import StallFreeScheduler
+from batchlab.course import checks
+from batchlab.core.policies import PriorityPolicy
+from batchlab.core.request import State
+from batchlab.core.scheduler import StallFreeScheduler
 
 
 def _headroom(scheduler):
@@ -88,7 +88,7 @@ def test_a_victim_that_picks_the_most_important_is_rejected():
 
 
 def test_a_missing_piece_is_not_written_yet():
-    from batchlab.course import Missing
+    from batchlab.course.my_engine import Missing
 
     verdict = checks.memory_scheduler(RightFits, Missing("MyVictimPolicy", "no such class"))
     assert not verdict and verdict.not_written
@@ -102,7 +102,7 @@ def test_kv_slots_that_forget_the_block_size_are_rejected():
 
 
 def test_a_prefix_lookup_that_shares_the_last_block_is_rejected():
-    from batchlab.kv import BlockManager
+    from batchlab.core.kv import BlockManager
 
     def greedy(token_ids, cached, block_size):
         found, key = [], b""

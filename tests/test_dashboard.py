@@ -15,10 +15,10 @@ import pytest
 from openai import OpenAI
 
 from batchlab import viz
-from batchlab.loadgen import run_loadgen
-from batchlab.server import serve_in_thread
-from batchlab.trace import Trace
-from batchlab.workloads import Workload, WorkloadRequest
+from batchlab.serving.loadgen import run_loadgen
+from batchlab.serving.server import serve_in_thread
+from batchlab.core.trace import Trace
+from batchlab.measurement.workloads import Workload, WorkloadRequest
 
 from jupyterlab_driver import CHROMIUM, CHROMIUM_ARGS, missing
 from waiting import wait_for

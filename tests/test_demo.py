@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from batchlab import Tokenizer, demo
-from batchlab.fake import FakeRunner
+from batchlab.core.fake import FakeRunner
 
 
 class CharTokenizer:

@@ -3,11 +3,12 @@ fake model (instant; the schedules are exact)."""
 
 import pytest
 
-from batchlab import make_engine, metrics
-from batchlab.driver import run_interleaved, run_workload
-from batchlab.fake import FakeModel, FakeRunner
-from batchlab.trace import Trace
-from batchlab.workloads import Workload, WorkloadRequest
+from batchlab import make_engine
+from batchlab.core import metrics
+from batchlab.measurement.driver import run_interleaved, run_workload
+from batchlab.core.fake import FakeModel, FakeRunner
+from batchlab.core.trace import Trace
+from batchlab.measurement.workloads import Workload, WorkloadRequest
 
 LM = FakeModel()
 

@@ -10,9 +10,9 @@ from kinds import kind_configs
 from waiting import happens_within, wait_for
 
 from batchlab import EngineLoop, make_engine
-from batchlab.engine import EngineFailing
-from batchlab.fake import FakeModel, FakeRunner, reference_output
-from batchlab.request import State
+from batchlab.core.engine import EngineFailing
+from batchlab.core.fake import FakeModel, FakeRunner, reference_output
+from batchlab.core.request import State
 
 LM = FakeModel()
 EOS = frozenset({LM.eos_id})
@@ -485,7 +485,7 @@ def test_generate_refuses_bad_input_with_a_message_and_writes_nothing(tmp_path, 
 
     inputs = tmp_path / "in.jsonl"
     inputs.write_text('{"id": "q", "prompt_ids": [1, 2, 3]}\n')
-    monkeypatch.setattr("batchlab.model.load_model", lambda model=None: Words())
+    monkeypatch.setattr("batchlab.model.load.load_model", lambda model=None: Words())
     out = tmp_path / "out.jsonl"
     argv = ["generate", "--input", str(inputs), "--output", str(out), "--max-new-tokens", "4"]
     argv += [f.format(missing=tmp_path / "missing.jsonl") for f in flags]
@@ -496,12 +496,13 @@ def test_generate_refuses_bad_input_with_a_message_and_writes_nothing(tmp_path, 
 
 
 def test_generate_exits_nonzero_when_its_engine_is_failing(tmp_path, monkeypatch, capsys):
-    from batchlab import cli, engine as engine_module
+    from batchlab import cli
+    from batchlab.core import engine as engine_module
 
     inputs = tmp_path / "in.jsonl"
     inputs.write_text("".join(f'{{"id": "q{i}", "prompt_ids": [{i + 1}, 2, 3]}}\n' for i in range(4)))
 
-    monkeypatch.setattr("batchlab.model.load_model", lambda model=None: Words())
+    monkeypatch.setattr("batchlab.model.load.load_model", lambda model=None: Words())
     real = engine_module.make_engine
     monkeypatch.setattr(
         engine_module, "make_engine", lambda *a, **k: real(*a, runner=DecodeFailingRunner, **k)

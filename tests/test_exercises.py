@@ -21,8 +21,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from batchlab import checks, course, exercises
-from batchlab.checks import Verdict
+from batchlab.course import checks, exercises
+from batchlab import course
+from batchlab.course.checks import Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ROOT / "notebooks"
@@ -48,7 +49,7 @@ def run_cell(source: str, ns: dict):
 
 
 def exercise_namespace(lm, root: Path) -> dict:
-    """What exercise and checker cells may use (the convention in batchlab.exercises);
+    """What exercise and checker cells may use (the convention in batchlab.course.exercises);
     ``root`` is the course folder where ``%%piece my_engine/...`` cells write."""
     course.setup(root)
     return {
@@ -154,7 +155,7 @@ def test_committed_learner_copies_are_current():
     problems = exercises.stale_learner_copies(LESSONS, LEARNER)
     assert not problems, (
         "\n".join(problems) + "\nIf you changed or re-executed a lesson, regenerate the learner "
-        "copies: python -m batchlab.exercises notebooks notebooks/learner\n(If you did the "
+        "copies: python -m batchlab.course.exercises notebooks notebooks/learner\n(If you did the "
         "exercises inside notebooks/learner/, this failure is expected: `git stash` them or "
         "save your work under another name.)"
     )
@@ -369,7 +370,7 @@ def test_generator_is_idempotent_and_cli_checks_staleness(tmp_path):
     again = exercises.learner_notebook(clean, "01_synthetic.ipynb")
     assert nbformat.writes(again) == nbformat.writes(clean)
     # the command line: --check passes, then fails once the lesson changes, then regenerates
-    cmd = [sys.executable, "-m", "batchlab.exercises", str(src), str(out)]
+    cmd = [sys.executable, "-m", "batchlab.course.exercises", str(src), str(out)]
     assert subprocess.run(cmd + ["--check"], capture_output=True).returncode == 0
     nb = synthetic_lesson()
     nb.cells[0].source = "# A changed lesson"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from batchlab import generate, make_engine
-from batchlab.fake import FakeModel, FakeRunner, reference_output
-from batchlab.scheduler import ContinuousScheduler, OnDemandKV, Scheduler
+from batchlab.core.fake import FakeModel, FakeRunner, reference_output
+from batchlab.core.scheduler import ContinuousScheduler, OnDemandKV, Scheduler
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PROMPTS = {"long": list(range(1, 41)), "short": [3, 4, 5], "mid": list(range(7, 22)), "tiny": [9, 8]}
@@ -104,7 +104,7 @@ class Threshold(OnDemandKV, Scheduler):
             yield from self.one_pass(decode=rows)
 
     def one_pass(self, **work):
-        from batchlab.batch import Batch
+        from batchlab.core.batch import Batch
 
         yield Batch(**work)
 

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from batchlab import generate
-from batchlab.model_runner import ModelRunner
-from batchlab.server import serve_in_thread
+from batchlab.model.model_runner import ModelRunner
+from batchlab.serving.server import serve_in_thread
 from waiting import wait_for
 
 

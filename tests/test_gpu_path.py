@@ -2,7 +2,7 @@
 
 ``BATCHLAB_GPU_PATH=1`` makes the runner take the GPU path on MLX's CPU backend: MLX's own
 layers, ``mx.fast.scaled_dot_product_attention`` with its masks, float16 weights, greedy
-picks and sampling on MLX arrays (``batchlab.backend``). Here, in float16 as a Mac loads the
+picks and sampling on MLX arrays (``batchlab.model.backend``). Here, in float16 as a Mac loads the
 model, every engine kind and the learner's engine from the solved lessons must give the
 float32 reference's greedy answers, except at near-ties. The runs go under ``coverage``,
 and every line under an ``if gpu_path():`` anywhere in batchlab, and every line of the
@@ -27,8 +27,9 @@ from near_tie import NEAR_TIE_F16, parting_problem
 
 import batchlab
 from batchlab import make_engine
-from batchlab import backend, microbench
-from batchlab.backend import GPU_PATH_ENV
+from batchlab.model import backend
+from batchlab.measurement import microbench
+from batchlab.model.backend import GPU_PATH_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ import nbformat
 import pytest
 from run_notebook import error_cells
 
-from batchlab.backend import GPU_PATH_ENV
+from batchlab.model.backend import GPU_PATH_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,8 @@ def test_lesson_runs_on_the_gpu_path_without_an_error_cell(lesson, tmp_path, mon
     path = shutil.copy(ROOT / "notebooks" / f"{lesson}.ipynb", tmp_path)
     nb = nbformat.read(path, as_version=4)
     nb.cells.insert(
-        0, nbformat.v4.new_code_cell("import batchlab.backend\nprint(batchlab.backend.describe())")
+        0,
+        nbformat.v4.new_code_cell("import batchlab.model.backend\nprint(batchlab.model.backend.describe())"),
     )
     errors = error_cells(nb, tmp_path)
     assert "gpu path on the CPU" in nb.cells[0].outputs[0]["text"]

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from batchlab import make_engine
-from batchlab.fake import FakeModel, FakeRunner, reference_output
-from batchlab.kv import BlockManager
+from batchlab.core.fake import FakeModel, FakeRunner, reference_output
+from batchlab.core.kv import BlockManager
 
 LM = FakeModel()
 EOS = frozenset({LM.eos_id})
@@ -259,7 +259,7 @@ def test_thousand_random_requests_conserve_blocks(kind, options):
 
 
 def test_block_view_shows_owners_shared_and_cached_blocks_from_the_trace():
-    from batchlab.trace import Trace
+    from batchlab.core.trace import Trace
     from batchlab.viz import CACHED, FREE, OWNED, SHARED, BlockView, block_states, plot_block_map
 
     engine = fake_engine(

@@ -5,7 +5,7 @@ request its tokens); a prefix cache gives the same tokens as no cache."""
 import pytest
 
 from batchlab import make_engine
-from batchlab.workloads import corpus_paragraphs, shared_prefix
+from batchlab.measurement.workloads import corpus_paragraphs, shared_prefix
 from near_tie import near_tie_for, parting_problem
 
 

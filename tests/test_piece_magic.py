@@ -10,14 +10,14 @@ import pytest
 
 from batchlab import course
 
-WRITTEN = """from batchlab.scheduler import ContinuousScheduler
+WRITTEN = """from batchlab.core.scheduler import ContinuousScheduler
 
 
 class MyContinuousScheduler(ContinuousScheduler):
     def admit(self):
         return super().admit()
 """
-STUB = """from batchlab.scheduler import ContinuousScheduler
+STUB = """from batchlab.core.scheduler import ContinuousScheduler
 
 
 class MyContinuousScheduler(ContinuousScheduler):
@@ -105,7 +105,7 @@ def test_a_later_piece_builds_on_the_learners_earlier_one(folder, capsys):
 
 @pytest.mark.parametrize("source", [None, STUB, "this is not python ("])
 def test_a_missing_earlier_piece_is_the_reference_and_the_lesson_says_which(folder, capsys, source):
-    from batchlab.scheduler import ContinuousScheduler
+    from batchlab.core.scheduler import ContinuousScheduler
 
     if source is not None:
         (folder / "my_engine" / "continuous.py").write_text(source)

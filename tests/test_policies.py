@@ -4,11 +4,11 @@ shedding, and priorities. Nothing is lost, every request ends with a reason, the
 import pytest
 
 from batchlab import make_engine
-from batchlab.fake import FakeModel, FakeRunner, reference_output
-from batchlab.policies import Admission, QueueFull
-from batchlab.costmodel import CostModel
-from batchlab.simulator import make_sim_engine, simulate
-from batchlab.workloads import synthetic_workload
+from batchlab.core.fake import FakeModel, FakeRunner, reference_output
+from batchlab.core.policies import Admission, QueueFull
+from batchlab.core.costmodel import CostModel
+from batchlab.measurement.simulator import make_sim_engine, simulate
+from batchlab.measurement.workloads import synthetic_workload
 
 LM = FakeModel()
 EOS = frozenset({LM.eos_id})

@@ -11,7 +11,7 @@ import json
 import re
 from pathlib import Path
 
-from batchlab.bench import format_table
+from batchlab.measurement.bench import format_table
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -19,16 +19,16 @@ import pytest
 
 import batchlab
 from batchlab import cli, make_engine
-from batchlab.engine import scheduler_class
-from batchlab.fake import FakeModel, FakeRunner, reference_output
-from batchlab.scheduler import KINDS, Option
+from batchlab.core.engine import scheduler_class
+from batchlab.core.fake import FakeModel, FakeRunner, reference_output
+from batchlab.core.scheduler import KINDS, Option
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 NEW_KIND = '''
-from batchlab.policies import PriorityPolicy
-from batchlab.request import State
-from batchlab.scheduler import ContinuousScheduler, Option
+from batchlab.core.policies import PriorityPolicy
+from batchlab.core.request import State
+from batchlab.core.scheduler import ContinuousScheduler, Option
 
 
 class OldestGivesWay(PriorityPolicy):
@@ -176,8 +176,8 @@ def test_a_new_kind_in_the_demo(new_kind):
 def test_a_new_kind_in_the_bench_command(new_kind, monkeypatch):
     """``batchlab bench --engine mykinds:LongestFirst`` hands the class to the bench, which
     builds it like its own engines (the bench itself is run by tests/test_bench.py)."""
-    import batchlab.bench as bench
-    import batchlab.model as model
+    import batchlab.measurement.bench as bench
+    import batchlab.model.load as model
 
     seen = {}
 
@@ -205,7 +205,7 @@ def test_a_new_kind_serves_the_openai_client(new_kind, lm):
     from openai import OpenAI
 
     from batchlab import generate
-    from batchlab.serverprocs import batchlab_spec, running
+    from batchlab.serving.serverprocs import batchlab_spec, running
 
     spec = batchlab_spec(2, 16, "mykinds:LongestFirst", "--min-prompt", "4")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
@@ -224,7 +224,7 @@ def test_the_command_line_runs_a_learner_module_from_the_current_folder(tmp_path
     (tmp_path / "pkg" / "__init__.py").write_text("")
     (tmp_path / "pkg" / "mine.py").write_text(textwrap.dedent(NEW_KIND))
     code = (
-        "import sys; from batchlab.engine import scheduler_class; "
+        "import sys; from batchlab.core.engine import scheduler_class; "
         "print(scheduler_class('pkg.mine:LongestFirst').kind)"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batchlab.sampling import Sampler, SamplingParams
+from batchlab.core.sampling import Sampler, SamplingParams
 
 DRAWS = 20_000
 LOGITS = np.array([2.0, 1.2, 3.1, -0.5, 0.7, 2.6, 0.1, 1.9, -2.0, 1.5], dtype=np.float32)

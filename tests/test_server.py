@@ -15,8 +15,8 @@ import pytest
 from openai import OpenAI
 
 from batchlab import generate
-from batchlab.policies import QueueFull
-from batchlab.server import StopMatcher, serve_in_thread
+from batchlab.core.policies import QueueFull
+from batchlab.serving.server import StopMatcher, serve_in_thread
 
 PROMPTS = [
     "The capital of France is",
@@ -264,7 +264,7 @@ def test_export_mlx_round_trips_through_mlx_lm(lm, tmp_path):
     import mlx_lm
     from mlx_lm.generate import generate_step
 
-    from batchlab.export import export_mlx
+    from batchlab.model.export import export_mlx
 
     export_mlx(lm, tmp_path)
     model, wrapper = mlx_lm.load(str(tmp_path))

@@ -5,9 +5,15 @@ import time
 import numpy as np
 import pytest
 
-from batchlab.costmodel import CostModel
-from batchlab.simulator import VirtualClock, make_sim_engine, queue_timeline, service_rate, simulate
-from batchlab.workloads import synthetic_workload
+from batchlab.core.costmodel import CostModel
+from batchlab.measurement.simulator import (
+    VirtualClock,
+    make_sim_engine,
+    queue_timeline,
+    service_rate,
+    simulate,
+)
+from batchlab.measurement.workloads import synthetic_workload
 
 COST = CostModel.load()  # this machine's committed fit
 OPTIONS = dict(max_batch_size=16, token_budget=256)
@@ -17,7 +23,7 @@ def test_the_committed_cost_model_is_usable():
     assert COST.error["median"] < COST.error["p90"] <= COST.error["max"]
     one = COST.predict([])  # an empty pass costs the fixed overhead only
     assert one == pytest.approx(max(COST.coefficients["passes"], 0.0))
-    from batchlab.runner import Chunk
+    from batchlab.core.runner import Chunk
 
     small = COST.predict([Chunk("a", [1], 10, [])])
     big = COST.predict([Chunk(f"r{i}", [1], 500, []) for i in range(16)] + [Chunk("p", [1] * 256, 0, [])])

@@ -16,23 +16,14 @@ from pathlib import Path
 import batchlab
 
 PACKAGE = Path(batchlab.__file__).parent
-PURE = [
-    "batch",
-    "runner",
-    "request",
-    "scheduler",
-    "kv",
-    "policies",
-    "sampling",
-    "trace",
-    "fake",
-    "engine",
-    "simulator",
-    "workloads",
-    "metrics",
-    "costmodel",
-    "driver",
-]
+# The jobs, from the bottom up: a room imports only from rooms at or below its own.
+LAYERS = ["_blas", "core", "model", "viz", "measurement", "serving", "course", "demo", "cli"]
+CORE = sorted(
+    ".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__")
+    for p in (PACKAGE / "core").rglob("*.py")
+)
+# beyond the core, what also runs without MLX: the simulator and what it needs
+PURE = CORE + ["measurement.simulator", "measurement.workloads", "measurement.driver"]
 
 
 def test_policy_modules_run_without_mlx():
@@ -49,8 +40,8 @@ def test_policy_modules_run_without_mlx():
         for name in {PURE!r}:
             __import__("batchlab." + name)
         from batchlab import make_engine
-        from batchlab.fake import FakeModel, FakeRunner, reference_output
-        engine = make_engine("stallfree", FakeModel(), runner=FakeRunner, max_batch_size=2)
+        from batchlab.core.fake import FakeModel, reference_output
+        engine = make_engine("stallfree", FakeModel(), max_batch_size=2)  # its default runner
         rid = engine.submit([5, 6, 7], max_new_tokens=6, ignore_eos=True)
         engine.run_until_idle()
         tokens, status, reason = engine.poll(rid)
@@ -63,29 +54,99 @@ def test_policy_modules_run_without_mlx():
     assert done.stdout.strip() == "[]"
 
 
-def _imports(path: Path) -> set[str]:
-    """batchlab modules that ``path`` imports (relative imports, any depth of the file)."""
+def _module_of(path: Path) -> list[str]:
+    return ["batchlab", *path.relative_to(PACKAGE).with_suffix("").parts]
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Absolute names of everything ``path`` imports, at any depth of the file: relative
+    imports resolved (``from ..kv import X`` in ``core/scheduler/base.py`` is
+    ``batchlab.core.kv``), ``from . import x`` read as the module ``x``."""
+    here = _module_of(path)
+    package = here[:-1] if here[-1] != "__init__" else here[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - (node.level - 1)]
             if node.module:
-                found.add(node.module.split(".")[0])
+                found.add(".".join(base + [node.module]))
             else:
-                found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("batchlab."):
-            found.add(node.module.split(".")[1])
+                found.update(".".join(base + [a.name]) for a in node.names)
     return found
 
 
+def _room(module: str) -> str | None:
+    """The job a batchlab module belongs to: its first part under ``batchlab``."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "batchlab" and len(parts) > 1 else None
+
+
+def _imports(path: Path) -> set[str]:
+    """The rooms of batchlab that ``path`` imports."""
+    return {r for r in map(_room, _imported_modules(path)) if r}
+
+
 def _module_graph() -> dict[str, set[str]]:
+    """Module to the batchlab modules it imports, each module named by its path."""
     graph = {}
+    modules = {".".join(_module_of(p)).removesuffix(".__init__") for p in PACKAGE.rglob("*.py")}
     for path in PACKAGE.rglob("*.py"):
-        rel = path.relative_to(PACKAGE)
-        name = rel.parts[0].removesuffix(".py")
-        if name == "__init__" and len(rel.parts) == 1:
-            continue
-        graph.setdefault(name, set()).update(_imports(path) - {name})
+        name = ".".join(_module_of(path)).removesuffix(".__init__")
+        targets = set()
+        for imported in _imported_modules(path):
+            while imported not in modules and "." in imported:  # a name in a module
+                imported = imported.rsplit(".", 1)[0]
+            if imported.startswith("batchlab.") and imported != name:
+                targets.add(imported)
+        if name != "batchlab":
+            graph[name] = targets - {"batchlab"}
     return graph
+
+
+def test_every_room_is_in_the_layer_order():
+    rooms = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.glob("*")}
+    rooms -= {"__init__", "__pycache__", "data"}
+    assert rooms == set(LAYERS), f"rooms not in LAYERS, or gone: {rooms ^ set(LAYERS)}"
+
+
+def test_no_import_climbs_to_a_higher_room():
+    """core < model < viz < measurement < serving < course < demo < cli: following a request
+    down the code never climbs back up, and the core is the engine alone."""
+    for path in PACKAGE.rglob("*.py"):
+        room = _room(".".join(_module_of(path)))
+        if room in (None, "__init__"):
+            continue
+        for other in _imports(path):
+            assert LAYERS.index(other) <= LAYERS.index(room), (
+                f"{path.relative_to(PACKAGE)} ({room}) imports from {other}, a higher room"
+            )
+
+
+def test_the_core_imports_no_mlx_and_nothing_outside_itself():
+    """Read from the source (function-level imports included): the core's only batchlab
+    imports are the core, and it never names mlx or mlx_lm."""
+    for path in (PACKAGE / "core").rglob("*.py"):
+        for module in _imported_modules(path):
+            assert module.split(".")[0] not in ("mlx", "mlx_lm"), f"{path.name} imports {module}"
+            if module.startswith("batchlab"):
+                assert _room(module) == "core", f"{path.relative_to(PACKAGE)} imports {module}"
+
+
+def test_old_module_paths_import_the_same_modules():
+    """Paths from before the grouping still import, and name the very same module."""
+    import importlib
+
+    for old, new in batchlab.MOVED.items():
+        assert importlib.import_module(f"batchlab.{old}") is importlib.import_module(f"batchlab.{new}")
+    from batchlab.scheduler.base import Scheduler
+    from batchlab.core.scheduler.base import Scheduler as Same
+
+    assert Scheduler is Same
+    assert batchlab.moved_to("batchlab.nothing_here") is None
 
 
 def test_import_graph_has_no_cycle():
@@ -109,7 +170,7 @@ def test_import_graph_has_no_cycle():
 def test_engine_never_calls_the_block_manager():
     """KV blocks have one owner, the scheduler: the Engine class never reaches a block
     manager (``make_engine`` only builds one and hands it to the scheduler)."""
-    tree = ast.parse((PACKAGE / "engine.py").read_text())
+    tree = ast.parse((PACKAGE / "core" / "engine.py").read_text())
     engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
     names = {n.attr for n in ast.walk(engine) if isinstance(n, ast.Attribute)} | {
         n.id for n in ast.walk(engine) if isinstance(n, ast.Name)
@@ -123,36 +184,39 @@ def test_public_names_stay_what_they_name_after_every_submodule_is_imported():
     import importlib
     import types
 
-    for path in PACKAGE.glob("*.py"):
-        if path.stem != "__init__":
-            importlib.import_module(f"batchlab.{path.stem}")
+    for path in PACKAGE.rglob("*.py"):
+        importlib.import_module(".".join(_module_of(path)).removesuffix(".__init__"))
     for name in batchlab.__all__:
         assert not isinstance(getattr(batchlab, name), types.ModuleType), name
 
 
-def test_the_readme_code_map_lists_every_module_once():
-    """The README's "How the code is split" table names every module and package of
-    ``src/batchlab`` exactly once, and nothing that is not there."""
-    import re
+def test_the_readme_code_map_is_generated_from_the_tree():
+    """The README's code map is exactly what ``scripts/code_map.py`` makes of the tree today
+    (every room in the layer order, every module once), so it cannot drift from the code."""
+    import importlib.util
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme[readme.index("How the code is split") : readme.index("Engine kinds and their options")]
-    listed = re.findall(r"^\| `([\w/]+(?:\.py)?)` \|", table, re.M)
-    tree = {p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"} | {
-        p.name + "/" for p in PACKAGE.iterdir() if p.is_dir() and not p.name.startswith("__")
-    }
-    assert len(listed) == len(set(listed)), "a module is listed twice"
-    assert not tree - set(listed), f"not in the README's code map: {sorted(tree - set(listed))}"
-    assert not set(listed) - tree, f"in the code map but not in the tree: {sorted(set(listed) - tree)}"
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("code_map", root / "scripts" / "code_map.py")
+    code_map = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(code_map)
+    assert code_map.LAYERS == LAYERS
+    table = code_map.code_map()
+    assert table in (root / "README.md").read_text(), "run: .venv/bin/python scripts/code_map.py --write"
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE)
+        if len(rel.parts) == 2 and rel.name != "__init__.py":  # a room's module: its own row
+            assert f"| `{rel.as_posix()}` |" in table, rel
+        elif len(rel.parts) == 3 and rel.name != "__init__.py":  # in its subpackage's row
+            assert f"`{rel.stem}`" in table, rel
 
 
 def test_a_kind_writes_planning_only():
     """One flow: the shipped kinds override none of the shared steps of a pass (preparing
     it, its result, leaving), and keep no containers of requests of their own -- who is
     prefilling, awaiting or decoding is read from the requests."""
-    from batchlab.fake import TickClock
-    from batchlab.kv import BlockManager
-    from batchlab.scheduler import KINDS, Scheduler
+    from batchlab.core.fake import TickClock
+    from batchlab.core.kv import BlockManager
+    from batchlab.core.scheduler import KINDS, Scheduler
 
     shared = ("passes", "prepare", "postprocess", "fail", "remove", "release", "begin", "add", "has_work")
     base = set(vars(Scheduler(BlockManager(4, 4), TickClock())))

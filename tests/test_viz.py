@@ -25,8 +25,8 @@ from matplotlib import cbook
 
 import batchlab
 from batchlab import viz
-from batchlab.fake import FakeModel, FakeRunner, TickClock
-from batchlab.trace import RequestRecord, StepRecord, Trace
+from batchlab.core.fake import FakeModel, FakeRunner, TickClock
+from batchlab.core.trace import RequestRecord, StepRecord, Trace
 from batchlab.viz import Cell
 
 DATA = Path(__file__).parent / "data"

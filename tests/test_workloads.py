@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 import batchlab
-from batchlab import metrics as M
-from batchlab import driver as D
-from batchlab import workloads as W
-from batchlab.simulator import VirtualClock
-from batchlab.trace import RequestRecord, StepRecord, Trace
+from batchlab.core import metrics as M
+from batchlab.measurement import driver as D
+from batchlab.measurement import workloads as W
+from batchlab.measurement.simulator import VirtualClock
+from batchlab.core.trace import RequestRecord, StepRecord, Trace
 
 
 @pytest.fixture(scope="module")
@@ -395,8 +395,8 @@ def test_speeds_measure_on_the_real_model(lm, monkeypatch):
 @pytest.mark.parametrize("length", [256, 520])
 def test_speeds_measure_times_prefill_at_the_length_asked(tok, monkeypatch, length):
     # the fake model keeps this instant; what is checked is which prompt the rate comes from
-    from batchlab import engine as E
-    from batchlab.fake import FakeModel, FakeRunner
+    from batchlab.core import engine as E
+    from batchlab.core.fake import FakeModel, FakeRunner
 
     fake = FakeModel(vocab_size=tok.vocab_size)
     real_make, real_run = E.make_engine, D.run_workload
@@ -436,7 +436,7 @@ def test_the_driver_admits_a_request_due_at_a_rounded_virtual_time():
     """A virtual clock that starts at 0.7 and waits until 0.7 + 0.1 reads 0.8, and
     0.8 - 0.7 < 0.1 in floating point: the driver must still see the request as due (it
     once waited for that time forever)."""
-    from batchlab.fake import FakeModel, FakeRunner
+    from batchlab.core.fake import FakeModel, FakeRunner
 
     clock = VirtualClock(0.7)
     engine = batchlab.make_engine("continuous", FakeModel(), runner=FakeRunner, clock=clock)

@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from .engine import KINDS, EngineFailing, scheduler_class
-from .scheduler import Option
+from .core.engine import KINDS, EngineFailing, scheduler_class
+from .core.scheduler import Option
 
 
 def _cmd_info(args) -> int:
@@ -18,9 +18,9 @@ def _cmd_info(args) -> int:
 
     from . import _blas
     import mlx.core as mx
-    from .microbench import copy_gbps, sgemm_gflops
-    from .backend import describe as describe_path
-    from .model import backend, load_model
+    from .measurement.microbench import copy_gbps, sgemm_gflops
+    from .model.backend import describe as describe_path
+    from .model.load import backend, load_model
 
     def version(name):
         try:
@@ -55,7 +55,7 @@ def _cmd_info(args) -> int:
 
 def read_requests(path: Path, lm) -> list[dict]:
     """Parse an input JSONL file into [{'id', 'prompt_ids'}]; errors name the line."""
-    from .prompts import prompt_ids
+    from .model.prompts import prompt_ids
 
     requests = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -136,8 +136,8 @@ def engine_options(args) -> dict:
 def policy_from(spec: str):
     """A ``PriorityPolicy`` subclass named as module:Class (e.g. the learner's
     ``my_engine.memory:MyVictimPolicy``), made with no arguments."""
-    from .engine import import_from_here
-    from .policies import PriorityPolicy
+    from .core.engine import import_from_here
+    from .core.policies import PriorityPolicy
 
     found = import_from_here(spec, "--policy")
     if not (isinstance(found, type) and issubclass(found, PriorityPolicy)):
@@ -146,9 +146,9 @@ def policy_from(spec: str):
 
 
 def _cmd_generate(args) -> int:
-    from .engine import make_engine
-    from .model import load_model
-    from .sampling import SamplingParams
+    from .core.engine import make_engine
+    from .model.load import load_model
+    from .core.sampling import SamplingParams
 
     SamplingParams(args.temperature, args.top_p, 0, args.seed)  # bad flags: said before the model loads
     if args.max_new_tokens < 1:
@@ -208,8 +208,8 @@ def _cmd_demo(args) -> int:
 
 
 def _cmd_serve(args) -> int:
-    from .model import load_model
-    from .server import check_exposure, serve
+    from .model.load import load_model
+    from .serving.server import check_exposure, serve
 
     check_exposure(args.host, args.api_key, args.insecure)  # before the model takes its seconds to load
     options = engine_options(args)  # a bad --policy fails before the model loads, too
@@ -230,7 +230,7 @@ def _cmd_serve(args) -> int:
 
 def loadgen_workload(name: str, tokenizer, size: str, requests: int | None, seed: int):
     """The workload ``batchlab loadgen`` sends: ``name`` at ``size``, its first ``requests``."""
-    from .workloads import make_workload
+    from .measurement.workloads import make_workload
 
     options = {"seed": seed} if name == "mixed" else {"seed": seed, "size": size}
     if name == "mixed" and requests is not None:
@@ -247,8 +247,8 @@ def loadgen_workload(name: str, tokenizer, size: str, requests: int | None, seed
 
 
 def _cmd_loadgen(args) -> int:
-    from .loadgen import run_loadgen
-    from .model import load_model
+    from .serving.loadgen import run_loadgen
+    from .model.load import load_model
 
     workload = loadgen_workload(
         args.workload, load_model(args.model).tokenizer, args.size, args.requests, args.seed
@@ -275,8 +275,8 @@ def _cmd_loadgen(args) -> int:
 
 
 def _cmd_export_mlx(args) -> int:
-    from .export import export_mlx
-    from .model import load_model
+    from .model.export import export_mlx
+    from .model.load import load_model
 
     out = export_mlx(load_model(args.model), args.dir)
     print(f"wrote an mlx-lm model folder to {out}; serve it with: mlx_lm.server --model {out}")
@@ -284,8 +284,8 @@ def _cmd_export_mlx(args) -> int:
 
 
 def _cmd_bench(args) -> int:
-    from .bench import format_table, run_bench
-    from .model import load_model
+    from .measurement.bench import format_table, run_bench
+    from .model.load import load_model
 
     extra = {name: {"kind": cls} for name, cls in (args.engines or {}).items()}
     result = run_bench(
@@ -303,8 +303,8 @@ def _cmd_bench(args) -> int:
 
 
 def _cmd_fit_cost(args) -> int:
-    from .costfit import fit_cost_model
-    from .model import load_model
+    from .measurement.costfit import fit_cost_model
+    from .model.load import load_model
 
     if args.reps < 1:
         raise ValueError("--reps must be >= 1")

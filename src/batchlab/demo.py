@@ -16,9 +16,9 @@ import textwrap
 import unicodedata
 from typing import TextIO
 
-from . import metrics
-from .engine import make_engine
-from .model import load_model
+from .core import metrics
+from .core.engine import make_engine
+from .model.load import load_model
 
 WIDTH, HEIGHT = 80, 24
 

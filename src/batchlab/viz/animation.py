@@ -10,7 +10,7 @@ import numpy as np
 from IPython.display import Image as DisplayImage
 from PIL import Image, ImageDraw, ImageFont
 
-from ..trace import Trace
+from ..core.trace import Trace
 from .colors import PADDING_COLOR, PADDING_EDGE, Palette, fitting_label, lighten, text_color
 from .grid import (
     DECODE,

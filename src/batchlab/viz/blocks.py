@@ -11,7 +11,7 @@ import ipywidgets as widgets
 import numpy as np
 from matplotlib.figure import Figure
 
-from ..trace import StepRecord, Trace
+from ..core.trace import StepRecord, Trace
 from .colors import Palette, fitting_label, rgb, short_label, text_color
 from .grid import request_colors
 from .plots import _axes, _label_width_pt, png_base64

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..trace import RequestRecord, StepRecord, Trace
+from ..core.trace import RequestRecord, StepRecord, Trace
 from .colors import Palette
 
 # What one lane did in one step.

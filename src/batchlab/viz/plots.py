@@ -17,7 +17,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-from ..trace import Trace
+from ..core.trace import Trace
 from .colors import PADDING_COLOR, PADDING_EDGE, STATE_COLORS, Palette, fitting_label, lighten, text_color
 from .grid import (
     DECODE,

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 import ipywidgets as widgets
 from IPython.display import display
 
-from ..trace import StepRecord, Trace
+from ..core.trace import StepRecord, Trace
 from .colors import Palette, short_label, text_color
 from .plots import plot_slot_grid, png_base64
 from .grid import (

@@ -1,0 +1,103 @@
+"""A fake model for instant tests and exercise checkers of scheduling logic.
+
+It is NOT a language model: the next token is a fixed hash of the whole sequence so
+far, so the right output of any request is known without MLX (this module imports
+none). The fake runner also checks the engine's bookkeeping: it reads each request's
+context through the block table its chunk carries, from a pool of KV positions, like
+the real runner, so the answer is right only if the block tables, chunks and shared
+(prefix-cached) blocks are right.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import numpy as np
+
+from .runner import Chunk, Runner
+from .sampling import sample_rows
+
+
+def next_token(sequence: list[int], vocab_size: int) -> int:
+    """The fake model's deterministic choice after ``sequence`` (prompt + outputs)."""
+    return zlib.crc32(np.asarray(sequence, dtype=np.int64).tobytes()) % vocab_size
+
+
+def reference_output(
+    prompt: list[int], max_new_tokens: int, vocab_size: int, eos_ids: frozenset[int]
+) -> list[int]:
+    """What a correct engine must produce for one greedy request on the fake model."""
+    seq, out = list(prompt), []
+    while len(out) < max_new_tokens:
+        token = next_token(seq, vocab_size)
+        out.append(token)
+        seq.append(token)
+        if token in eos_ids:
+            break
+    return out
+
+
+@dataclass
+class FakeModel:
+    """Stands where a ``LoadedModel`` goes (tokenizer facts and limits only)."""
+
+    vocab_size: int = 64
+    eos_id: int = 0
+    max_seq_len: int = 4096
+
+    @property
+    def tokenizer(self):
+        return SimpleNamespace(vocab_size=self.vocab_size, eos_token_ids=frozenset({self.eos_id}))
+
+    @property
+    def default_runner(self) -> type:
+        """``make_engine`` with no ``runner`` runs a fake model on ``FakeRunner``."""
+        return FakeRunner
+
+
+class FakeRunner(Runner):
+    """Drop-in for ``ModelRunner``: ``make_engine(..., runner=FakeRunner)``.
+
+    Like the real runner it keeps its "KV cache" in a pool of positions, here the token
+    each one holds, and reads a request's context only through its chunk's block table.
+    So a chunk that skips positions, or a block table that points at someone else's
+    tokens, gives a wrong answer or an error.
+    """
+
+    def __init__(self, lm: FakeModel, num_blocks: int, block_size: int):
+        self.lm, self.block_size = lm, block_size
+        self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)  # -1: never written
+        self.passes: list[list[Chunk]] = []
+
+    def forward(self, chunks: list[Chunk]) -> np.ndarray:
+        """Logits [len(chunks), vocab] that put all weight on the fake model's choice."""
+        self.passes.append(chunks)
+        logits = np.full((len(chunks), self.lm.vocab_size), -1e9, dtype=np.float32)
+        for row, chunk in enumerate(chunks):
+            writes = chunk.kv_addresses(chunk.start, chunk.end, self.block_size)
+            context = self.kv[chunk.kv_addresses(0, chunk.start, self.block_size)]
+            if (context < 0).any():
+                raise AssertionError(
+                    f"{chunk.req_id}: chunk starts at {chunk.start} but the "
+                    f"cache has never-written positions before it (a gap)"
+                )
+            self.kv[writes] = chunk.tokens
+            logits[row, next_token(context.tolist() + list(chunk.tokens), self.lm.vocab_size)] = 0.0
+        return logits
+
+    def sample(self, logits: np.ndarray, rows: list[int], samplers) -> list[int]:
+        return sample_rows(logits[rows], samplers)
+
+
+class TickClock:
+    """A clock for fake runs, which take no time: every reading is one "second" later, so
+    timestamps still come out in order."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t

@@ -1,0 +1,258 @@
+"""The harness of the scheduler checkers: the learner's class in a fake-model engine, judged by its trace."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from ...measurement.driver import EngineStuck, run_workload
+from ...core.engine import make_engine
+from ...core.fake import FakeModel, FakeRunner, TickClock, reference_output
+from ...core.request import clamp_new_tokens
+from ...core.trace import Trace
+from ...measurement.workloads import Workload, WorkloadRequest
+from ._core import Case, _where, table, whole_number_compare
+
+VOCAB = 64
+MAX_PASSES = 5000  # far more than any case needs: a scheduler that loops is stopped here
+HELD = "KV block(s) were still held: a request leaving gives them back"
+
+
+class _TooManyPasses(BaseException):
+    """Not an ``Exception``, so the engine (which survives a failed pass) does not catch it."""
+
+
+class _BoundedRunner(FakeRunner):
+    """The fake runner, refusing to run more than ``MAX_PASSES`` passes."""
+
+    def forward(self, chunks):
+        if len(self.passes) >= MAX_PASSES:
+            raise _TooManyPasses(f"more than {MAX_PASSES} forward passes: the scheduler never stops")
+        return super().forward(chunks)
+
+
+def fake_workload(name: str, rows: list[tuple[int, int]], seed: int = 0) -> Workload:
+    """Requests ``r0, r1, ...`` arriving at once, (prompt length, new tokens) ``rows``, no token 0 (EOS)."""
+    rng = random.Random(seed)
+    reqs = [
+        WorkloadRequest(f"r{i}", [rng.randrange(1, VOCAB) for _ in range(p)], n)
+        for i, (p, n) in enumerate(rows)
+    ]
+    return Workload(name, name, reqs, seed)
+
+
+def random_rows(seed: int, n: int, prompts: tuple[int, int], outputs: tuple[int, int]) -> list[tuple]:
+    rng = random.Random(seed)
+    return [(rng.randint(*prompts), rng.randint(*outputs)) for _ in range(n)]
+
+
+@dataclass
+class Run:
+    """One run: its trace (up to where it broke off), why it broke off, the KV blocks still held."""
+
+    trace: Trace | None
+    problem: str | None = None
+    blocks_held: int = 0
+    preemptions: int = 0
+
+
+def run_piece(cls, workload: Workload, *, max_seq_len=None, hints=None, priorities=None, **options) -> Run:
+    """``workload`` on a fake-model engine around ``cls``; ``hints`` for a "memory", "slot", "stuck" error."""
+    hints = hints or {}
+    try:
+        options.update(runner=_BoundedRunner, clock=TickClock(), max_seq_len=max_seq_len)
+        engine = make_engine(cls, FakeModel(vocab_size=VOCAB, max_seq_len=4096), **options)
+    except Exception as e:
+        return Run(None, f"make_engine could not build an engine from your class: {type(e).__name__}: {e}")
+    problem = None
+    try:
+        trace = run_workload(engine, workload, progress=False, priorities=priorities)
+    except NotImplementedError:
+        raise  # "not written yet": run_cases says so
+    except EngineStuck as e:
+        trace, problem = engine.trace, f"the engine got stuck: {e}" + _then(hints.get("stuck"))
+    except _TooManyPasses as e:
+        trace, problem = engine.trace, f"{e} (does batches() yield passes with nothing in them?)"
+    except MemoryError as e:
+        blocks = engine.stats()["num_kv_blocks"]
+        why = f"the KV pool ran out ({blocks} blocks): MemoryError: {e}{_where(e)}"
+        trace, problem = engine.trace, why + _then(hints.get("memory"))
+    except Exception as e:
+        why = _then(hints.get("slot") if "every decode slot is taken" in str(e) else None)  # take_slot's
+        trace, problem = engine.trace, f"your scheduler raised {type(e).__name__}: {e}{_where(e)}{why}"
+    stats = engine.stats()
+    return Run(trace, problem, stats["num_kv_blocks"] - stats["free_kv_blocks"], stats["preemptions"])
+
+
+def _then(hint: str | None) -> str:
+    return f"; {hint}" if hint else ""
+
+
+# ---------------------------------------------------------------------------------------
+# Trace invariants every kind keeps. Each returns None, or what broke, in words.
+
+
+def output_problem(trace: Trace, workload: Workload, max_seq_len: int = 4096) -> str | None:
+    """Every request's output equals what the fake model must produce for it."""
+    for r in workload:
+        new = clamp_new_tokens(r.prompt_len, r.max_new_tokens, max_seq_len)
+        want, rec = reference_output(r.prompt_ids, new, VOCAB, frozenset()), trace.requests[r.id]
+        if rec.finish_reason == "error":
+            return f"{r.id} ended with an error in a forward pass (see the log above)"
+        got = list(rec.output_ids)
+        if len(got) > len(want) and got[: len(want)] == want:
+            return f"{r.id} should have finished after {len(want)} tokens but produced {len(got)}"
+        if got != want and got == want[: len(got)]:
+            return f"{r.id} got only {len(got)} of its {len(want)} tokens: it must decode until it finishes"
+        if got != want:
+            why = "a prompt token was skipped, repeated or never sampled"
+            return f"{r.id} produced {got[:6]}..., the model's answer is {want[:6]}...: {why}"
+    return None
+
+
+def slot_problem(trace: Trace, B: int | None = None, rectangular: bool = False) -> str | None:
+    """No slot holds two requests, nor (unless ``rectangular``, static) a finished one; at most B slots."""
+    finished: set[str] = set()
+    for step in trace.steps:
+        if B is not None and len(step.slots) > B:
+            return f"step {step.index} has {len(step.slots)} slots, more than B = {B}"
+        stale = sorted(finished & set(step.slots))
+        if stale and not rectangular:
+            return f"step {step.index}: {stale[0]} finished earlier but still holds a slot"
+        finished |= set(step.finished)
+        held = [rid for rid in step.slots if rid is not None]
+        if len(held) != len(set(held)):
+            return f"step {step.index}: a request sits in two slots at once ({step.slots})"
+        by_slot: dict[int, str] = {}
+        for rid, slot in step.slot_of.items():
+            if by_slot.setdefault(slot, rid) != rid:
+                return f"step {step.index}: slot {slot} was given to both {by_slot[slot]} and {rid}"
+    return None
+
+
+def prefill_chunks(trace: Trace) -> dict[str, list[tuple[int, int, int]]]:
+    """Each request's prefill chunks, in order, as (step index, start, length)."""
+    chunks: dict[str, list[tuple[int, int, int]]] = {}
+    for step in trace.steps:
+        for rid, start, n in step.prefill:
+            chunks.setdefault(rid, []).append((step.index, start, n))
+    return chunks
+
+
+def early_decode_problem(trace: Trace, workload: Workload) -> str | None:
+    """Nobody decodes before its whole prompt is prefilled (a preempted request starts over)."""
+    prompt_len = {r.id: r.prompt_len for r in workload}
+    done, reached = {}, {}  # reached: the furthest any prefill got (a preempted request starts over)
+    for step in trace.steps:
+        for rid, start, n in step.prefill:  # a step's chunks run before (or with) its decode rows
+            done[rid] = start + n
+            reached[rid] = max(reached.get(rid, 0), start + n)
+        for rid in step.decoded:
+            if done.get(rid, 0) < prompt_len.get(rid, 0):
+                have = f"{done.get(rid, 0)} of its {prompt_len[rid]} prompt tokens"
+                return f"step {step.index}: {rid} decoded with only {have} (its last chunk never ran)"
+    for rid, rec in trace.requests.items():  # also a move the engine had no step to record
+        moved = [state for _, state in rec.state_times if state in ("awaiting_slot", "decoding")]
+        if moved and reached.get(rid, 0) < prompt_len.get(rid, 0):
+            have = f"{reached.get(rid, 0)} of its {prompt_len[rid]} prompt tokens"
+            state = moved[0].replace("_", " a ")
+            return f"{rid} went on to {state} with only {have} (its last chunk never ran)"
+    return None
+
+
+def gap_problem(trace: Trace, workload: Workload) -> str | None:
+    """Each prompt is prefilled in order, chunk after chunk (from 0 again after a preemption)."""
+    chunks = prefill_chunks(trace)
+    for r in workload:
+        at = 0
+        preempted = {s.index for s in trace.steps if r.id in s.preempted}
+        for index, start, n in chunks.get(r.id, []):
+            if any(p < index for p in preempted):
+                at, preempted = start, {p for p in preempted if p >= index}  # recomputed from here
+            if n < 1:
+                return f"step {index}: a chunk of {n} tokens for {r.id} (a chunk has at least one token)"
+            if start != at:
+                what = "gap" if start > at else "repeat"
+                return f"step {index}: {r.id}'s chunk starts at token {start}, its prefill at {at} (a {what})"
+            at += n
+        if at < r.prompt_len:
+            return f"{r.id}'s chunks cover {at} of its {r.prompt_len} prompt tokens"
+    return None
+
+
+def state_problem(trace: Trace, set_decoding: str) -> str | None:
+    """Every request that ran a decode row was DECODING first; ``set_decoding`` says where that happens."""
+    for step in trace.steps:
+        for rid in step.decoded:
+            entered = [s for t, s in trace.requests[rid].state_times if t <= step.end_s]
+            if "decoding" not in entered:
+                still = f"DECODING (it is still {entered[-1] if entered else 'queued'}): {set_decoding}"
+                return f"step {step.index}: {rid} ran a decode row but its state was never set to {still}"
+    return None
+
+
+def piece_case(label: str, judge: Callable[[type], str | None], hint: str = "") -> Case:
+    """A case whose answer is "ok" or the first problem ``judge(cls)`` finds."""
+    return Case(
+        label,
+        lambda cls: judge(cls) or "ok",
+        "ok",
+        lambda got, expected: None if got == "ok" else got,
+        hint,
+        show=lambda got: "runs as it should" if got == "ok" else "a problem (below)",
+    )
+
+
+def piece_judge(base, reference, workload, checks, *, broken=(), schedule=None, hints=None, **options):
+    """A judge: ``workload`` on the learner's ``base`` subclass; the first problem of ``checks`` (``broken``
+    if the run broke off), ``schedule(trace, reference trace)``, a block still held."""
+    ref = run_piece(reference, workload, **options).trace if schedule else None
+
+    def judge(cls):
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise TypeError(f"pass your scheduler class (a subclass of {base.__name__}), not {cls!r}")
+        run = run_piece(cls, workload, hints=hints, **options)
+        found = (check(run.trace) for check in (broken if run.problem else checks) if run.trace)
+        first = next(filter(None, found), None)  # else a broken-off run's problem
+        held = run.blocks_held and f"at the end {run.blocks_held} {HELD}"
+        return first or run.problem or (schedule and schedule(run.trace, ref)) or held or None
+
+    judge.scenario = (reference, workload, options)  # for memory_case
+    return judge
+
+
+def memory_case(label: str, judge: Callable, must_preempt: bool, hint: str = "") -> Case:
+    """A ``piece_judge`` case on a small KV pool: its reference must show the scenario (preempt if told)."""
+    reference, workload, options = judge.scenario
+    ref = run_piece(reference, workload, **options)
+    if ref.problem or (must_preempt and not ref.preemptions):
+        why = ref.problem or "no preemption"
+        raise AssertionError(f"checker case {label!r}: the reference run did not show the scenario ({why})")
+    return piece_case(label, judge, hint)
+
+
+def schedule_problem(got: Trace, expected: Trace, key: Callable, words: Callable, hint=None) -> str | None:
+    """The first step whose ``key`` differs from the reference's, told by ``words``, explained by ``hint``."""
+    for g, e in zip(got.steps, expected.steps):
+        if key(g) != key(e):
+            why = hint(g, e) if hint else None
+            return (
+                f"step {g.index} differs.\n      expected: {words(e, g)}\n"
+                f"      got:      {words(g, e)}" + (f"\n    {why}" if why else "")
+            )
+    if len(got.steps) != len(expected.steps):
+        return f"your run took {len(got.steps)} steps, the reference's {len(expected.steps)}"
+    return None
+
+
+MIXED_OUTPUTS = [42, 37, 38, 61, 20, 53, 44, 4, 28, 56, 37, 6, 50, 48, 55, 14]  # the mixed workload's
+
+
+def count_exercise(name: str, fn, rows, truth: Callable, diagnose: Callable, hint: str):
+    """A count ``fn(output_lens, B) -> int`` on rows (label, lens, B); the answer ``truth(lens, B)``."""
+
+    def judge(lens, B):
+        return whole_number_compare(lambda got, want: diagnose(lens, B, got, want))
+
+    return table(name, fn, rows, truth, judge, hint)

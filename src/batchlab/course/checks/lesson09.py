@@ -1,0 +1,152 @@
+"""Checkers for lesson 9 (policies and overload)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from ...core.policies import Admission
+from ...core.request import State
+from ._core import Case, Verdict, mistakes, number_compare, run_cases, table
+from ._pieces import piece_case
+
+__all__ = ["mean_in_system", "to_shed", "admission_policy"]
+
+
+def mean_in_system(fn: Any) -> Verdict:
+    """Check ``fn(arrivals, departures)``: the time-average number of requests in the system."""
+    leave = [1.0, 2.0, 3.0, 4.0, 5.0]
+    rows = [
+        ("one request, in the system from 0 s to 2 s (so L = 1)", [0.0], [2.0]),
+        ("two requests, one after the other: 0-1 s and 1-2 s", [0.0, 1.0], [1.0, 2.0]),
+        ("two requests overlapping: 0-3 s and 1-3 s", [0.0, 1.0], [3.0, 3.0]),
+        ("an idle gap: 0-1 s, then nobody until 3 s, then 3-4 s", [0.0, 3.0], [1.0, 4.0]),
+        ("five requests queueing (arrive together at 0, leave 1 s apart)", [0.0] * 5, leave),
+    ]
+
+    def stays(a, d):
+        return sum(y - x for x, y in zip(a, d))
+
+    def judge(a, d):
+        w = (stays(a, d) / len(a), "that is W, the mean time one request spends in the system; L = λ W")
+        return number_compare(mistakes(w, (len(a) / max(d), "that is λ, the arrival rate; L = λ W")))
+
+    hint = "add up the time each request spends in the system and divide by the length of the window"
+    return table("mean_in_system", fn, rows, lambda a, d: stays(a, d) / max(d), judge, hint)
+
+
+LONG, HUGE = ("long", 10.0, 800), ("w", 3.0, 900)  # 8 s and 9 s of prefill
+
+
+def to_shed(fn: Any) -> Verdict:
+    """Check ``fn(queue, now, ttft_slo_s, prefill_tokens_per_s)``: the ids whose TTFT will miss the SLO."""
+
+    def compare(got, expected):
+        if not isinstance(got, (list, tuple)):
+            return f"return a list of request ids, not a {type(got).__name__}"
+        if list(got) == expected:
+            return None
+        if sorted(got) == sorted(expected):
+            return "the right ids, but keep them in queue order"
+        missing = [r for r in expected if r not in got]
+        if missing:
+            return f"{missing} cannot make it but you keep them: count the time its prefill will take too"
+        return f"{[r for r in got if r not in expected]} can still make it; shed only the late ones"
+
+    rows = [
+        ("an empty queue", []),
+        ("nobody late: waits of 1 and 2 s, prefills of 0.5 s, SLO 5 s", [("a", 9.0, 50), ("b", 8.0, 50)]),
+        ("one has waited 6 s already (SLO 5 s)", [("a", 4.0, 50), ("b", 9.5, 50)]),
+        ("a long prompt that just arrived: 800 tokens take 8 s to prefill", [("short", 9.0, 40), LONG]),
+        ("exactly on time: waited 4 s + 1 s of prefill = the 5 s SLO (keep it)", [("edge", 6.0, 100)]),
+        ("several late ones, in queue order", [("x", 1.0, 10), ("y", 9.9, 10), ("z", 2.0, 10), HUGE]),
+    ]
+
+    def late(q, now, slo, speed):
+        return [rid for rid, t, n in q if (now - t) + n / speed > slo]
+
+    hint = "late if (now - arrival) + prompt_len / prefill_tokens_per_s > ttft_slo_s"
+    rows = [(label, q, 10.0, 5.0, 100.0) for label, q in rows]
+    return table("to_shed", fn, rows, late, lambda *a: compare, hint)
+
+
+def _queued(rid, arrival_s, preempted=False, state=State.QUEUED):  # a preempted one has begun its answer
+    output_ids = [5, 6] if preempted else []
+    return SimpleNamespace(id=rid, arrival_s=arrival_s, state=state, prompt_len=64, output_ids=output_ids)
+
+
+def _shed_run(admission, name):
+    """A simulated overload ("tight": a small KV pool): the finish reasons, preemptions, preempted."""
+    from ...measurement.simulator import make_sim_engine, simulate
+    from ...measurement.workloads import synthetic_workload
+
+    tight = name == "tight"
+    options = dict(max_batch_size=8, token_budget=64)
+    if tight:
+        options.update(num_kv_blocks=48, kv_block_size=16)
+    ranges = dict(prompt_range=(16, 256), output_range=(4, 256))
+    workload = synthetic_workload(160, rate=1.2, seed=11 if tight else 7, **ranges)
+    trace = simulate(make_sim_engine("stallfree", admission=admission, **options), workload)
+    reasons = {rid: r.finish_reason for rid, r in trace.requests.items()}
+    preempted = {rid for rid, r in trace.requests.items() if r.preemptions}
+    return reasons, sum(len(s.preempted) for s in trace.steps), preempted
+
+
+SHED = "shed if it never started and now - arrival_s > max_wait_s"
+LATE = [("x", 0.5), ("y", 9.0), ("z", 1.0), ("w", 1.5)]
+
+
+def admission_policy(cls: Any) -> Verdict:
+    """Check ``MyAdmission(Admission).to_shed(queue, now)`` against the library's ``Admission``."""
+
+    def unit(label, queue, now, max_wait_s):
+        def call(f):  # the ids shed; Admission answers
+            return [getattr(r, "id", r) for r in f(max_wait_s=max_wait_s).to_shed(list(queue), now)]
+
+        def compare(got, want):
+            if got == want:
+                return None
+            if sorted(map(str, got)) == sorted(want):
+                return "the right requests, but keep them in queue order"
+            extra = [r for r in got if r not in want]
+            kept = [r for r in queue if r.id in extra]  # the requests shed that should have stayed
+            if any(r.output_ids for r in kept):
+                return f"{extra} was preempted (it has output_ids): a preempted request waits in the queue"
+            if max_wait_s is None and got:
+                return "max_wait_s None means: shed nothing"
+            if any(now - r.arrival_s == max_wait_s for r in kept):
+                return f"{extra} waited exactly max_wait_s: shed only those that waited MORE"
+            if extra:
+                return f"{extra} waited no longer than max_wait_s ({max_wait_s} s): keep them"
+            missing = [r for r in want if r not in got]
+            return f"{missing} waited longer than max_wait_s ({max_wait_s} s): shed them"
+
+        return Case(label, call, call(Admission), compare, SHED)
+
+    def whole(name, label):
+        want, preemptions, _ = _shed_run(Admission(max_wait_s=8.0), name)
+        if name == "tight" and not preemptions:
+            raise AssertionError("checker case 'tight': the reference run had no preemption")
+
+        def judge(f):
+            reasons, _, preempted = _shed_run(f(max_wait_s=8.0), name)
+            wrong = sorted(r for r in want if reasons.get(r) != want[r])
+            if not wrong:
+                return None
+            first, was = wrong[0], " (preempted)" if wrong[0] in preempted else ""
+            return f"{len(wrong)} differ, e.g. {first}{was}: {reasons.get(first)!r}, not {want[first]!r}"
+
+        return piece_case(label, judge)
+
+    two = [_queued("a", 1.0), _queued("b", 8.0)]
+    back = [_queued("back", 0.0, preempted=True), _queued("new", 9.5)]
+    cases = [
+        unit("no limit (max_wait_s None): nobody is shed", [_queued("a", 0.0)], 100.0, None),
+        unit("waits of 9 s and 2 s, limit 8 s: the first goes", two, 10.0, 8.0),
+        unit("exactly 8 s waited, limit 8 s: it stays", [_queued("edge", 2.0)], 10.0, 8.0),
+        unit("a preempted request (it has output_ids) that arrived long ago: it stays", back, 10.0, 8.0),
+        unit("several late ones among others, in queue order", [_queued(r, t) for r, t in LATE], 10.0, 8.0),
+        whole("overload", "a whole simulated overload: every request ends as with Admission(max_wait_s=8)"),
+        whole("tight", "the same on a KV pool of 48 blocks, where preempted requests wait in the queue"),
+    ]
+    return run_cases("admission_policy", cls, cases)

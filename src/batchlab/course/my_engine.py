@@ -1,0 +1,272 @@
+"""Your engine: the pieces a learner writes, kept in plain Python files, used by the lessons.
+
+Each lesson's main exercise is a piece of the learner's own engine. Its cell starts with
+``%%piece my_engine/<piece>.py`` (a cell magic that ``setup()`` registers), so running the
+cell saves the piece as a file in a package ``my_engine/`` beside the notebooks: the learner
+can open it, and the next lesson builds on it. Saving never loses work:
+
+* writing over a different version first keeps the old one as
+  ``my_engine/.history/<piece>.<n>.py`` (and says so in one line);
+* an exercise cell that is still the empty exercise (a ``raise NotImplementedError`` where
+  the code goes) is not written over a piece that is already written: it says so, and how
+  to start over (``%%piece --force ...``, or delete the file);
+* nothing else writes to ``my_engine/`` (refreshing a lesson copies notebooks only).
+
+A lesson then
+
+1. loads the piece fresh from its file: ``mine = course.piece("static", "MyStaticScheduler")``;
+2. checks it: ``verdict = check.static_scheduler(mine)`` (a missing or broken file is a
+   failed check that says why, never an error cell);
+3. runs its measurements and animations on ``course.choose(mine, verdict, StaticScheduler)``:
+   the learner's piece once it passes, else the library's reference, with one line saying
+   which -- so a lesson always runs top to bottom.
+
+A piece builds on an earlier one with ``earlier(module)``: the learner's class from that
+lesson, or (when it is not written yet) the library's, with one line saying which.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+PACKAGE = "my_engine"
+HISTORY = ".history"
+_root: Path | None = None  # the folder holding my_engine/ (set by setup)
+
+# module -> (lesson, class the learner writes there, the library's class standing in for it)
+PIECES: dict[str, tuple[str, str, str]] = {
+    "static": ("1", "MyStaticScheduler", "batchlab.core.scheduler:StaticScheduler"),
+    "continuous": ("2", "MyContinuousScheduler", "batchlab.core.scheduler:ContinuousScheduler"),
+    "chunked": ("4", "MyChunkedScheduler", "batchlab.core.scheduler:ContinuousScheduler"),
+    "stallfree": ("5a", "MyStallFreeScheduler", "batchlab.core.scheduler:StallFreeScheduler"),
+    "front": ("6", "MyEngine", "batchlab.core.engine:Engine"),
+    "memory": ("8", "MyMemoryScheduler", "batchlab.core.scheduler:StallFreeScheduler"),
+    "policy": ("9", "MyAdmission", "batchlab.core.engine:Admission"),
+}
+_STUB = re.compile(r"^\s*# YOUR CODE HERE\s*\n\s*raise NotImplementedError\(", re.M)
+
+
+def setup(folder: str | Path = ".") -> Path:
+    """Make ``folder/my_engine/`` a package (once) and importable, register the ``%%piece``
+    cell magic (in a notebook); return the package's path. Every lesson calls this in its
+    first code cell."""
+    global _root
+    _root = Path(folder).resolve()
+    package = _root / PACKAGE
+    package.mkdir(parents=True, exist_ok=True)
+    init = package / "__init__.py"
+    if not init.exists():
+        init.write_text('"""My engine: the pieces I wrote in the batchlab lessons."""\n')
+    if str(_root) not in sys.path:
+        sys.path.insert(0, str(_root))
+    _register_magic()
+    return package
+
+
+def _register_magic() -> None:
+    try:
+        from IPython import get_ipython
+    except ImportError:  # plain Python: nothing to register
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+
+    def piece_magic(line: str, cell: str) -> None:
+        args = line.split()
+        force = any(a in ("-f", "--force") for a in args)
+        paths = [a for a in args if not a.startswith("-")]
+        if len(paths) != 1:
+            print(f"usage: %%piece [--force] {PACKAGE}/<piece>.py")
+            return
+        try:
+            print(write_piece(paths[0], cell, force=force))
+        except ValueError as e:  # a path outside my_engine/: said, not a traceback
+            print(e)
+
+    shell.register_magic_function(piece_magic, magic_kind="cell", magic_name="piece")
+
+
+def is_stub(source: str) -> bool:
+    """True if ``source`` still holds an empty exercise (``# YOUR CODE HERE`` + raise)."""
+    return bool(_STUB.search(source))
+
+
+def _lesson_of(path: Path) -> str:
+    entry = PIECES.get(path.stem)
+    return f" (lesson {entry[0]})" if entry else ""
+
+
+def write_piece(target: str | Path, source: str, force: bool = False) -> str:
+    """Save ``source`` as the piece ``target`` (e.g. ``my_engine/static.py``, relative to
+    the course folder) without ever losing a version; return the one line to show.
+
+    A different existing version is kept first as ``my_engine/.history/<piece>.<n>.py``.
+    An empty exercise (``is_stub``) is not written over a piece whose file is written,
+    unless ``force``."""
+    if _root is None:
+        setup()
+    path = Path(target)
+    path = (path if path.is_absolute() else _root / path).resolve()
+    package = (_root / PACKAGE).resolve()
+    if path.parent != package or path.suffix != ".py":
+        raise ValueError(
+            f"%%piece writes one file of {PACKAGE}/ in the course folder ({package}), e.g. "
+            f"{PACKAGE}/static.py; {target} is not one, so nothing was written"
+        )
+    rel = path.relative_to(_root.resolve()).as_posix()
+    if not source.endswith("\n"):
+        source += "\n"
+    if path.exists():
+        old = path.read_text(encoding="utf-8")
+        if old == source:
+            return f"{rel} is already this version (unchanged)."
+        if is_stub(source) and not is_stub(old) and not force:
+            return (
+                f"{rel} already holds your piece{_lesson_of(path)}, so this cell (still the "
+                f"empty exercise) did not replace it; the lesson uses your file. To start "
+                f"over from this cell, run it with %%piece --force {rel} (your file is "
+                f"kept in {PACKAGE}/{HISTORY}/)."
+            )
+        kept = _keep(path, old)
+        path.write_text(source, encoding="utf-8")
+        return f"Saved {rel}; your previous version is kept as {kept.relative_to(_root).as_posix()}."
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source, encoding="utf-8")
+    return f"Saved {rel}."
+
+
+def _keep(path: Path, text: str) -> Path:
+    history = path.parent / HISTORY
+    history.mkdir(exist_ok=True)
+    n = 1
+    while (kept := history / f"{path.stem}.{n}{path.suffix}").exists():
+        n += 1
+    kept.write_text(text, encoding="utf-8")
+    return kept
+
+
+class Missing:
+    """Stands for a piece that cannot be used yet; ``missing_reason`` says why. Checkers
+    report it as "not written yet" with that reason."""
+
+    def __init__(self, name: str, reason: str):
+        self.__name__, self.missing_reason = name, reason
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return f"<{self.__name__}: {self.missing_reason}>"
+
+
+def _where(module: str) -> str:
+    entry = PIECES.get(module)
+    lesson = f"lesson {entry[0]}'s " if entry else ""
+    return f"{lesson}cell that starts with %%piece {PACKAGE}/{module}.py"
+
+
+def piece(module: str, name: str):
+    """``name`` from ``my_engine/<module>.py``, read fresh from the file (so an edited and
+    re-run cell is what runs), or ``Missing`` saying why it cannot be used."""
+    if _root is None:
+        setup()
+    path = _root / PACKAGE / f"{module}.py"
+    if not path.exists():
+        return Missing(name, f"{PACKAGE}/{module}.py does not exist yet: run the {_where(module)}")
+    for loaded in [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]:
+        del sys.modules[loaded]  # pieces import each other: reload them all from their files
+    importlib.invalidate_caches()
+    try:
+        found = importlib.import_module(f"{PACKAGE}.{module}")
+    except Exception as e:  # a learner's file that does not import: say where
+        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
+        return Missing(name, f"{PACKAGE}/{module}.py does not import: {type(e).__name__}: {e}{where}")
+    if not hasattr(found, name):
+        return Missing(name, f"{PACKAGE}/{module}.py defines no {name}")
+    return getattr(found, name)
+
+
+def _reference(spec: str):
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def earlier(module: str, name: str | None = None, quiet: bool = True):
+    """The class an earlier lesson's piece defines, for a later piece to build on: the
+    learner's, read from ``my_engine/<module>.py``, or -- when that file is missing, does
+    not import, or is still the empty exercise -- the library's class, with one line
+    naming the lesson and the file (``quiet=False``: a line when the learner's is used,
+    too). Whether the learner's piece is *right* is its own lesson's checker's business."""
+    lesson, default_name, reference = PIECES[module]
+    name = name or default_name
+    if _root is None:
+        setup()
+    path = _root / PACKAGE / f"{module}.py"
+    why = None
+    if not path.exists():
+        why = "is not written yet"
+    elif is_stub(path.read_text(encoding="utf-8")):
+        why = "is not written yet (its file still holds the empty exercise)"
+    else:
+        try:
+            found = importlib.import_module(f"{PACKAGE}.{module}")
+            if not hasattr(found, name):
+                why = f"is missing ({PACKAGE}/{module}.py defines no {name})"
+        except Exception as e:  # noqa: BLE001 -- say what, and carry on with the reference
+            why = f"does not import ({type(e).__name__}: {e})"
+    ref = _reference(reference)
+    if why:
+        print(
+            f"Lesson {lesson}'s {name} ({PACKAGE}/{module}.py) {why}: the reference "
+            f"{ref.__name__} stands in for it."
+        )
+        return ref
+    if not quiet:
+        print(f"Building on your {name} from lesson {lesson} ({PACKAGE}/{module}.py).")
+    return getattr(found, name)
+
+
+def choose(mine, verdict, reference):
+    """The learner's piece if its checker passed, else ``reference``; prints which, in
+    one line, so every measurement below is labelled honestly."""
+    label = getattr(mine, "__name__", str(mine))
+    if verdict and not isinstance(mine, Missing):
+        print(f"Using your {label}: the runs below are your engine's.")
+        return mine
+    why = "is not written yet" if getattr(verdict, "not_written", False) else "does not pass its checker yet"
+    print(f"Your {label} {why}: the runs below use the reference {reference.__name__} in its place.")
+    return reference
+
+
+def mine_or_reference(module: str, check_fn=None):
+    """A later lesson's way to run the learner's engine so far: the class from
+    ``my_engine/<module>.py`` if it imports and is written (and passes ``check_fn``, when
+    given, silently), else the library's; one line says which. Returns the class."""
+    lesson, name, reference = PIECES[module]
+    cls = piece(module, name)
+    ref = _reference(reference)
+    why = None
+    if isinstance(cls, Missing):
+        why = "is not written yet" if "does not exist" in cls.missing_reason else cls.missing_reason
+    elif is_stub((_root / PACKAGE / f"{module}.py").read_text(encoding="utf-8")):
+        why = "is not written yet"
+    elif check_fn is not None:
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            ok = check_fn(cls)
+        if not ok:
+            why = "does not pass its checker yet"
+    if why:
+        print(
+            f"Your {name} (lesson {lesson}, {PACKAGE}/{module}.py) {why}: the reference "
+            f"{ref.__name__} stands in for it below."
+        )
+        return ref
+    print(f"Using your {name} (lesson {lesson}, {PACKAGE}/{module}.py): the runs below are your engine's.")
+    return cls

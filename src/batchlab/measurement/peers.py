@@ -1,0 +1,91 @@
+"""The peer: mlx-lm's own continuous batching (``BatchGenerator``) on the same model,
+driven through the same workloads and measured into the same kind of ``Trace``, so
+every metric and plot of batchlab applies to it unchanged.
+
+``BatchGenerator`` prefills new prompts in chunks of ``prefill_step_size`` tokens as
+passes of their own, between decode steps; every decoding sequence waits for each of
+those passes. Note that it silently raises ``completion_batch_size`` to
+``prefill_batch_size`` when that is larger, so we set both to keep B what we say.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ..model.load import LoadedModel
+from ..core.trace import RequestRecord, StepRecord, Trace
+from .workloads import Workload
+
+
+def run_mlxlm_workload(
+    lm: LoadedModel, workload: Workload, batch_size: int, prefill_step_size: int = 2048, progress: bool = True
+) -> Trace:
+    """Run ``workload`` (greedy, EOS ignored, arrivals honoured) on mlx-lm's BatchGenerator."""
+    from mlx_lm.generate import BatchGenerator
+    from tqdm.auto import tqdm
+
+    gen = BatchGenerator(
+        lm.model,
+        completion_batch_size=batch_size,
+        prefill_batch_size=min(batch_size, 8),
+        prefill_step_size=prefill_step_size,
+    )
+    trace = Trace("mlx-lm", batch_size)
+    reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
+    by_uid: dict[int, RequestRecord] = {}
+    left = {}
+    t0 = time.perf_counter()
+    clock = lambda: time.perf_counter() - t0  # noqa: E731
+    bar = tqdm(
+        total=sum(r.max_new_tokens for r in reqs),
+        unit="tok",
+        desc=f"mlx-lm {workload.name}",
+        disable=not progress,
+        leave=False,
+    )
+    nxt = 0
+    try:
+        while nxt < len(reqs) or left:
+            now = clock()
+            due = []
+            while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
+                due.append(reqs[nxt])
+                nxt += 1
+            if due:
+                uids = gen.insert([r.prompt_ids for r in due], max_tokens=[r.max_new_tokens for r in due])
+                for uid, r in zip(uids, due):
+                    rec = RequestRecord(
+                        r.id,
+                        r.prompt_len,
+                        r.max_new_tokens,
+                        r.arrival_s,
+                        state_times=[(r.arrival_s, "queued")],
+                    )
+                    by_uid[uid] = trace.requests[r.id] = rec
+                    left[uid] = r.max_new_tokens
+            if not left:
+                time.sleep(max(0.0, reqs[nxt].arrival_s - clock()))
+                continue
+            step = StepRecord(len(trace.steps), clock())
+            _, generated = gen.next()
+            step.end_s = step.forward_s = clock()
+            step.forward_s -= step.start_s
+            step.passes = 1
+            for response in generated:
+                rec = by_uid[response.uid]
+                rec.output_ids.append(int(response.token))
+                rec.token_times_s.append(step.end_s)
+                if rec.first_token_s is None:
+                    rec.first_token_s = step.end_s
+                step.decoded.append(rec.id)
+                step.emitted.setdefault(rec.id, []).append(int(response.token))
+                bar.update(1)
+                if response.finish_reason is not None:
+                    rec.finished_s, rec.finish_reason = step.end_s, response.finish_reason
+                    step.finished[rec.id] = response.finish_reason
+                    del left[response.uid]
+            trace.steps.append(step)
+    finally:
+        bar.close()
+        gen.close()
+    return trace

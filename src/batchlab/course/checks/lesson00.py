@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from typing import Any, Callable
 
 from ... import _blas  # noqa: F401  (before mlx)
@@ -100,6 +101,49 @@ def _reference_tokens(lm, ids: list[int], n: int) -> list[int]:
     return longest[:n]
 
 
+def _tokens_problem(tok, got, expected) -> str | None:
+    """greedy_generate's answer: a list of Python ints, the reference's tokens up to and with EOS."""
+    if isinstance(got, (mx.array, np.ndarray)):
+        return "that is an array: return a Python list of ints (array.tolist() makes one)"
+    if not isinstance(got, (list, tuple)):
+        return f"expected a list of token ids, but you returned a {type(got).__name__}"
+    for i, t in enumerate(got):
+        if _not_python_int(t):
+            return f"item {i} is {show(t)}: {_not_python_int(t)}"
+    got = list(got)
+    if got == expected:
+        return None
+    last = f"the EOS token {expected[-1]} ({tok.decode(expected[-1:])!r})" if expected else ""
+    if got[: len(expected)] == expected and expected and expected[-1] in tok.eos_token_ids:
+        return f"the first {len(expected)} tokens are right, but you kept going after {last}"
+    if got == expected[:-1] and expected[-1] in tok.eos_token_ids:
+        return f"you stopped at {last} but left it out: append it, then stop"
+    if len(got) > len(expected) and got[len(got) - len(expected) :] == expected:
+        extra = f"the new tokens are right, but {len(got) - len(expected)} tokens come before them"
+        return f"{extra} (the prompt?): return only the new tokens"
+    n = min(len(got), len(expected))
+    first = next((i for i in range(n) if got[i] != expected[i]), n)
+    return f"they first differ at position {first} (counting from 0)"
+
+
+def _cache_problem(calls, _expected) -> str | None:
+    """The prompt in one forward pass with a cache, then one new token a pass, all with the cache."""
+    for i, (shape, with_cache) in enumerate(calls, 1):
+        if not with_cache:
+            return f"forward pass {i} ran without a cache: pass cache=lm.model.make_cache() to every call"
+        if i > 1 and shape[-1] != 1:
+            newest = "each step after the prompt feeds only the newest token"
+            return f"forward pass {i} was given {shape[-1]} tokens: {newest}"
+    return None if calls else "your function never called lm.model"
+
+
+def _show_calls(calls):  # the expected answer is already in words
+    if isinstance(calls, str):
+        return calls
+    parts = [f"{list(shape)}{'' if cached else ' (no cache)'}" for shape, cached in calls]
+    return "input shapes " + ", ".join(parts[:8]) + (" ..." if len(parts) > 8 else "")
+
+
 def greedy_generate(fn: Callable, lm) -> Verdict:
     """Check ``fn(lm, ids, n) -> list[int]``: greedy decoding with a KV cache, up to ``n`` new tokens."""
     tok, france, five = lm.tokenizer, _france_ids(lm), _Recorder(lm.model)  # five: case 2's model
@@ -109,28 +153,7 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
             return f"{show(list(ids))}  = {tok.decode(ids)!r}"
         return show(ids)
 
-    def compare(got, expected):
-        if isinstance(got, (mx.array, np.ndarray)):
-            return "that is an array: return a Python list of ints (array.tolist() makes one)"
-        if not isinstance(got, (list, tuple)):
-            return f"expected a list of token ids, but you returned a {type(got).__name__}"
-        for i, t in enumerate(got):
-            if _not_python_int(t):
-                return f"item {i} is {show(t)}: {_not_python_int(t)}"
-        got = list(got)
-        if got == expected:
-            return None
-        last = f"the EOS token {expected[-1]} ({tok.decode(expected[-1:])!r})" if expected else ""
-        if got[: len(expected)] == expected and expected and expected[-1] in tok.eos_token_ids:
-            return f"the first {len(expected)} tokens are right, but you kept going after {last}"
-        if got == expected[:-1] and expected[-1] in tok.eos_token_ids:
-            return f"you stopped at {last} but left it out: append it, then stop"
-        if len(got) > len(expected) and got[len(got) - len(expected) :] == expected:
-            extra = f"the new tokens are right, but {len(got) - len(expected)} tokens come before them"
-            return f"{extra} (the prompt?): return only the new tokens"
-        n = min(len(got), len(expected))
-        first = next((i for i in range(n) if got[i] != expected[i]), n)
-        return f"they first differ at position {first} (counting from 0)"
+    compare = partial(_tokens_problem, tok)
 
     def case(label, ids, n, hint="", model=None):
         on, ids = replace(lm, model=model or _Recorder(lm.model)), list(ids)  # the learner's own copies
@@ -146,25 +169,9 @@ def greedy_generate(fn: Callable, lm) -> Verdict:
         case("a plain text prompt (no chat template) 'Once upon a time', n=6", once, 6),
         case("a one-token prompt [504] ('The'), n=4", [504], 4),
     ]
-
-    def cache_ok(calls, _expected):
-        for i, (shape, with_cache) in enumerate(calls, 1):
-            if not with_cache:
-                return f"forward pass {i} ran without a cache: pass cache=lm.model.make_cache() to every call"
-            if i > 1 and shape[-1] != 1:
-                newest = "each step after the prompt feeds only the newest token"
-                return f"forward pass {i} was given {shape[-1]} tokens: {newest}"
-        return None if calls else "your function never called lm.model"
-
-    def show_calls(calls):  # the expected answer is already in words
-        if isinstance(calls, str):
-            return calls
-        parts = [f"{list(shape)}{'' if cached else ' (no cache)'}" for shape, cached in calls]
-        return "input shapes " + ", ".join(parts[:8]) + (" ..." if len(parts) > 8 else "")
-
     want = f"input shapes [1, {len(france)}], then [1, 1] for every step, all with the cache"
     label = "uses the KV cache: the prompt in one pass, then one new token per pass (case 2's passes)"
-    cases.append(Case(label, lambda f: five.calls, want, cache_ok, show=show_calls))
+    cases.append(Case(label, lambda f: five.calls, want, _cache_problem, show=_show_calls))
     return run_cases("greedy_generate", fn, cases)
 
 

@@ -84,8 +84,21 @@ def static_invariants(trace: Trace, B: int) -> str | None:
 
 def _static_judge(rows, B, seed=0, **pool):
     w = fake_workload("static", rows, seed)
-    checks = [lambda t: output_problem(t, w), lambda t: slot_problem(t, B, rectangular=True)]
-    checks += [lambda t: state_problem(t, BEGIN), lambda t: static_invariants(t, B)]
+
+    def outputs_as_the_fake_model_makes_them(trace):
+        return output_problem(trace, w)
+
+    def one_request_a_slot_within_B_finished_ones_may_stay(trace):
+        return slot_problem(trace, B, rectangular=True)
+
+    def decoding_set_by_begin(trace):
+        return state_problem(trace, BEGIN)
+
+    def nobody_joins_a_running_batch(trace):
+        return static_invariants(trace, B)
+
+    checks = [outputs_as_the_fake_model_makes_them, one_request_a_slot_within_B_finished_ones_may_stay]
+    checks += [decoding_set_by_begin, nobody_joins_a_running_batch]
     schedule = partial(schedule_problem, key=_key, words=_words, hint=_static_hint)
     pool.update(schedule=schedule, hints=HINTS, max_batch_size=B)
     return piece_judge(StaticScheduler, StaticScheduler, w, checks, **pool)

@@ -89,9 +89,28 @@ _schedule = partial(schedule_problem, key=attrgetter("prefill", "decoded", "slot
 def continuous_judge(rules, hints, placed, rows, B, seed=0, max_seq_len=None, **options):
     """A judge for ``piece_case`` shared by lessons 2 and 4; ``rules(trace, B)`` are the kind's."""
     w = fake_workload("req", rows, seed)
-    early = [lambda t: state_problem(t, placed), lambda t: early_decode_problem(t, w)]
-    checks = early + [lambda t: gap_problem(t, w), lambda t: rules(t, B), lambda t: slot_problem(t, B)]
-    checks.append(lambda t: output_problem(t, w, max_seq_len or 4096))
+
+    def decoding_set_by_place(trace):
+        return state_problem(trace, placed)
+
+    def no_decode_before_the_whole_prompt(trace):
+        return early_decode_problem(trace, w)
+
+    def prompts_prefilled_in_order(trace):
+        return gap_problem(trace, w)
+
+    def the_kinds_own_rules(trace):
+        return rules(trace, B)
+
+    def one_request_a_slot_within_B(trace):
+        return slot_problem(trace, B)
+
+    def outputs_as_the_fake_model_makes_them(trace):
+        return output_problem(trace, w, max_seq_len or 4096)
+
+    early = [decoding_set_by_place, no_decode_before_the_whole_prompt]  # also for a run that broke off
+    checks = early + [prompts_prefilled_in_order, the_kinds_own_rules, one_request_a_slot_within_B]
+    checks.append(outputs_as_the_fake_model_makes_them)
     options.update(broken=early, schedule=_schedule, hints=hints, max_seq_len=max_seq_len, max_batch_size=B)
     return piece_judge(ContinuousScheduler, ContinuousScheduler, w, checks, **options)
 

@@ -65,9 +65,25 @@ def _planner_schedule(trace, ref):
 
 def _planner_judge(rows, B, budget, seed=0, **pool):
     w = fake_workload("stall-free", rows, seed)
-    early = [lambda t: early_decode_problem(t, w)]
-    checks = [lambda t: _planner_rules(t, budget), *early, lambda t: gap_problem(t, w)]
-    checks += [lambda t: slot_problem(t, B), lambda t: output_problem(t, w)]
+
+    def one_pass_within_budget_decodes_first(trace):
+        return _planner_rules(trace, budget)
+
+    def no_decode_before_the_whole_prompt(trace):
+        return early_decode_problem(trace, w)
+
+    def prompts_prefilled_in_order(trace):
+        return gap_problem(trace, w)
+
+    def one_request_a_slot_within_B(trace):
+        return slot_problem(trace, B)
+
+    def outputs_as_the_fake_model_makes_them(trace):
+        return output_problem(trace, w)
+
+    early = [no_decode_before_the_whole_prompt]  # also for a run that broke off
+    checks = [one_pass_within_budget_decodes_first, *early, prompts_prefilled_in_order]
+    checks += [one_request_a_slot_within_B, outputs_as_the_fake_model_makes_them]
     pool.update(broken=early, schedule=_planner_schedule, hints=HINTS, max_batch_size=B, token_budget=budget)
     return piece_judge(ContinuousScheduler, StallFreeScheduler, w, checks, **pool)
 

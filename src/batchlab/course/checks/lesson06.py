@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any, Callable
 
 from ...core.engine import Engine, make_engine
@@ -284,6 +285,49 @@ def _scripted(fn, tokenizer, script, rid="req-0"):
     return {"pieces": pieces, "at": at, "polls": len(calls)}
 
 
+def _one_per_poll(ids):
+    return [([t], "running", None) for t in ids[:-1]] + [([ids[-1]], "done", "stop")]
+
+
+def _stream_problem(tok, script, streaming, got, expected) -> str | None:
+    """stream_text's run on a scripted poll: text pieces, the whole text (flushed), polling while
+    'running' and no longer, and (if ``streaming``) the first piece before the last poll."""
+    pieces = got["pieces"]
+    if not all(isinstance(p, str) for p in pieces):
+        return "yield pieces of text (str), not token ids"
+    text = "".join(pieces)
+    if got["polls"] > expected["polls"]:
+        return "you polled again after the status stopped being 'running'"
+    if got["polls"] < expected["polls"]:
+        return "you stopped polling while the status was still 'running'"
+    if "\ufffd" not in expected["text"] and any("\ufffd" in p for p in pieces):
+        return "a piece contains '\\ufffd' (the replacement character): use detokenizer.add()"
+    if text != expected["text"]:
+        before = tok.decode([t for tokens, _, _ in script[:-1] for t in tokens])
+        if script[-1][0] and text in (before, before.rstrip("\ufffd")):
+            return "the tokens that came with the final status are missing"
+        if expected["text"].startswith(text):
+            return f"the text stops short: {expected['text'][len(text) :]!r} is missing (flush())"
+        return ""
+    if streaming and got["at"] and got["at"][0] >= expected["polls"]:
+        return "the first piece came out only after the last poll: yield each piece at once"
+    return None
+
+
+def _show_stream(value):
+    if "pieces" in value:
+        return f"pieces {show(value['pieces'])} after {value['polls']} polls"
+    return f"text {value['text']!r} after {value['polls']} polls"
+
+
+def _real_problem(got, expected):  # against what the engine made: no near-tie can flip it
+    return None if got[0] == got[1] else f"the engine made {got[1]!r}, your stream showed {got[0]!r}"
+
+
+def _show_real(value):
+    return repr(value[0]) if isinstance(value, tuple) else value
+
+
 HELD = "a token can end in the middle of a character; the detokenizer holds it back"
 BEFORE = "handle the tokens of a poll before you look at its status"
 FLUSH = "after the loop, yield detokenizer.flush() if it is not empty"
@@ -295,38 +339,8 @@ def stream_text(fn: Callable, lm) -> Verdict:
 
     def case(label, script, hint="", streaming=False):
         want = {"text": tok.decode([t for tokens, _, _ in script for t in tokens]), "polls": len(script)}
-
-        def compare(got, expected):
-            pieces = got["pieces"]
-            if not all(isinstance(p, str) for p in pieces):
-                return "yield pieces of text (str), not token ids"
-            text = "".join(pieces)
-            if got["polls"] > expected["polls"]:
-                return "you polled again after the status stopped being 'running'"
-            if got["polls"] < expected["polls"]:
-                return "you stopped polling while the status was still 'running'"
-            if "\ufffd" not in expected["text"] and any("\ufffd" in p for p in pieces):
-                return "a piece contains '\\ufffd' (the replacement character): use detokenizer.add()"
-            if text != expected["text"]:
-                before = tok.decode([t for tokens, _, _ in script[:-1] for t in tokens])
-                if script[-1][0] and text in (before, before.rstrip("\ufffd")):
-                    return "the tokens that came with the final status are missing"
-                if expected["text"].startswith(text):
-                    return f"the text stops short: {expected['text'][len(text) :]!r} is missing (flush())"
-                return ""
-            if streaming and got["at"] and got["at"][0] >= expected["polls"]:
-                return "the first piece came out only after the last poll: yield each piece at once"
-            return None
-
-        return Case(label, lambda f: _scripted(f, tok, script), want, compare, hint, show_stream)
-
-    def show_stream(value):
-        if "pieces" in value:
-            return f"pieces {show(value['pieces'])} after {value['polls']} polls"
-        return f"text {value['text']!r} after {value['polls']} polls"
-
-    def one_per_poll(ids):
-        return [([t], "running", None) for t in ids[:-1]] + [([ids[-1]], "done", "stop")]
+        compare = partial(_stream_problem, tok, script, streaming)
+        return Case(label, lambda f: _scripted(f, tok, script), want, compare, hint, _show_stream)
 
     def real(f):
         ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
@@ -346,24 +360,18 @@ def stream_text(fn: Callable, lm) -> Verdict:
                     break
         return "".join(pieces), tok.decode(seen)
 
-    def real_compare(got, expected):  # against what the engine made: no near-tie can flip it
-        return None if got[0] == got[1] else f"the engine made {got[1]!r}, your stream showed {got[0]!r}"
-
-    def show_real(value):
-        return repr(value[0]) if isinstance(value, tuple) else value
-
     answer, emoji = tok.encode(" The capital of France is Paris."), tok.encode("I love 🍕 and ☕.")
     cut = tok.encode("I love 🍕")[:-1]  # the stream ends inside the emoji
     with_done = [(answer[:3], "running", None), (answer[3:], "done", "stop")]
     late = [(answer[:2], "running", None), ([], "running", None), (answer[2:], "done", "length")]
     cases = [
-        case("' The capital of France is Paris.' one token per poll", one_per_poll(answer)),
-        case("the same: the first piece comes before the last poll", one_per_poll(answer), streaming=True),
-        case("'I love 🍕 and ☕.': each emoji is 3 tokens, in 3 separate polls", one_per_poll(emoji), HELD),
+        case("' The capital of France is Paris.' one token per poll", _one_per_poll(answer)),
+        case("the same: the first piece comes before the last poll", _one_per_poll(answer), streaming=True),
+        case("'I love 🍕 and ☕.': each emoji is 3 tokens, in 3 separate polls", _one_per_poll(emoji), HELD),
         case("the last 4 tokens come in the same poll as 'done': show them too", with_done, BEFORE),
         case("polls that return nothing for a while: keep polling", [([], "running", None)] * 3 + late),
         case("the stream is cut inside an emoji: flush() gives the rest", [(cut, "done", "length")], FLUSH),
         case("an unknown request id: stop after one poll, no text", [([], "unknown", None)]),
-        Case("the real model on an EngineLoop", real, "the engine's text", real_compare, "", show_real),
+        Case("the real model on an EngineLoop", real, "the engine's text", _real_problem, "", _show_real),
     ]
     return run_cases("stream_text", fn, cases)

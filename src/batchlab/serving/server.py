@@ -230,19 +230,19 @@ class TooManyRunning(Exception):
     """A user already has as many unfinished requests as ``--max-running-per-user`` allows."""
 
 
-def api_key_dependency(api_key: str | None):
+async def require_key(request: Request) -> None:
     """A FastAPI dependency that lets a request through only with ``Authorization: Bearer
     <api_key>`` (compared in constant time, so response times leak nothing about the key).
-    Without a key it lets everything through."""
+    Without a key (``AppState.api_key`` is None) it lets everything through."""
+    api_key = app_state(request).api_key
+    if api_key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        raise Unauthorized
 
-    async def require_key(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise Unauthorized
 
-    return Depends(require_key)
+AUTH = Depends(require_key)  # on every /v1 route
 
 
 def check_exposure(host: str, api_key: str | None, insecure: bool = False) -> None:
@@ -417,193 +417,268 @@ class Server:
                 self.loop.cancel(rid)
 
 
-def create_app(server: Server, api_key: str | None = None, show_prompts: bool = False) -> FastAPI:
-    """The HTTP app. With ``api_key``, every /v1 route needs it; /health, /metrics and the
-    dashboard stay open (the dashboard shows prompt text only with ``show_prompts``)."""
-    app = FastAPI(title="batchlab", version="0.1")
-    auth = api_key_dependency(api_key)
+@dataclass
+class AppState:
+    """What the HTTP handlers share, kept on ``app.state.batchlab`` by :func:`create_app`:
+    the ``Server`` (model, engine loop, model id, per-user limit) and the API key."""
 
-    @app.exception_handler(Unauthorized)
-    async def _unauthorized(_, exc: Unauthorized):
-        response = error(
-            401,
-            "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
-            code="invalid_api_key",
+    server: Server
+    api_key: str | None = None
+
+
+def app_state(request: Request) -> AppState:
+    """The ``AppState`` of the app that received ``request``."""
+    return request.app.state.batchlab
+
+
+async def _unauthorized(request: Request, exc: Unauthorized):
+    """A 401 that tells the client how to send the key."""
+    response = error(
+        401,
+        "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+        code="invalid_api_key",
+    )
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
+
+
+async def _bad_request(request: Request, exc: RequestValidationError):
+    """A 400 in OpenAI's error form naming the first bad field (FastAPI's default is a 422)."""
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        return error(400, "the request body is not valid JSON")
+    where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+    return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
+
+
+# The route handlers below say what they do in comments, not docstrings: FastAPI would
+# publish a docstring in /openapi.json and /docs.
+
+
+# GET /health: 200, or a 503 saying why the server cannot serve (or is failing).
+async def health(request: Request):
+    server = app_state(request).server
+    if server.unavailable():
+        return error(503, server.unavailable(), "server_error")
+    if server.loop.engine.failing:  # it still takes requests, but an operator must know
+        return error(503, server.loop.engine.failing, "server_error")
+    return {"status": "ok"}
+
+
+# GET /v1/models: the one model this server serves.
+async def models(request: Request):
+    server = app_state(request).server
+    return {
+        "object": "list",
+        "data": [
+            {"id": server.model_id, "object": "model", "created": server.started, "owned_by": "batchlab"}
+        ],
+    }
+
+
+# GET /metrics: the engine's queue, slots, KV blocks and recent tokens/s, in Prometheus'
+# text format.
+async def metrics(request: Request):
+    engine = app_state(request).server.loop.engine
+    stats = engine.stats()
+    recent = [s for s in list(engine.trace.steps)[-200:] if s.end_s > engine.clock() - 10]
+    tokens = sum(len(t) for s in recent for t in s.emitted.values())
+    busy = engine.slots_busy()
+    lines = [
+        "# HELP batchlab_queue_depth Requests waiting to be admitted.",
+        f"batchlab_queue_depth {engine.queue_depth()}",
+        f"batchlab_slots_busy {busy}",
+        f"batchlab_slots_total {engine.scheduler.max_batch_size}",
+        f"batchlab_requests_running {stats['running']}",
+        "# HELP batchlab_tokens_per_second Output tokens per second over the last 10 s.",
+        f"batchlab_tokens_per_second {tokens / 10:.3f}",
+        f"batchlab_kv_blocks_free {stats['free_kv_blocks']}",
+        f"batchlab_kv_blocks_total {stats['num_kv_blocks']}",
+    ] + [
+        f'batchlab_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(stats["finished"].items())
+    ]
+    return PlainTextResponse("\n".join(lines) + "\n")
+
+
+def sse(payload: dict) -> str:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return "data: " + json.dumps(payload) + "\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"  # the last event of every stream, as OpenAI's servers end them
+
+
+@dataclass
+class Reply:
+    """The parts of one answer that OpenAI's format repeats in its body or in every chunk
+    of its stream: the id, the object kind, when it was made, the model, the usage."""
+
+    chat: bool
+    model: str
+    prompt_tokens: int
+    usage_every_chunk: bool  # vLLM's continuous_usage_stats (with include_usage)
+    ident: str
+    created: int
+
+    @classmethod
+    def new(cls, req: SamplingFields, chat: bool, model: str, prompt_tokens: int) -> "Reply":
+        """A fresh id and creation time for an answer to ``req``."""
+        options = req.stream_options or StreamOptions()
+        return cls(
+            chat=chat,
+            model=model,
+            prompt_tokens=prompt_tokens,
+            usage_every_chunk=options.include_usage and options.continuous_usage_stats,
+            ident=("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+            created=int(time.time()),
         )
-        response.headers["WWW-Authenticate"] = "Bearer"
-        return response
 
-    @app.exception_handler(RequestValidationError)
-    async def _bad_request(_, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            return error(400, "the request body is not valid JSON")
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", param=where)
+    @property
+    def kind(self) -> str:
+        """OpenAI's ``object`` of the whole answer."""
+        return "chat.completion" if self.chat else "text_completion"
 
-    @app.get("/health")
-    async def health():
-        if server.unavailable():
-            return error(503, server.unavailable(), "server_error")
-        if server.loop.engine.failing:  # it still takes requests, but an operator must know
-            return error(503, server.loop.engine.failing, "server_error")
-        return {"status": "ok"}
-
-    @app.get("/v1/models", dependencies=[auth])
-    async def models():
+    def usage(self, count: int) -> dict:
+        """The token counts once ``count`` tokens are generated."""
         return {
-            "object": "list",
-            "data": [
-                {"id": server.model_id, "object": "model", "created": server.started, "owned_by": "batchlab"}
-            ],
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": count,
+            "total_tokens": self.prompt_tokens + count,
         }
 
-    @app.get("/metrics")
-    async def metrics():
-        engine = server.loop.engine
-        stats = engine.stats()
-        recent = [s for s in list(engine.trace.steps)[-200:] if s.end_s > engine.clock() - 10]
-        tokens = sum(len(t) for s in recent for t in s.emitted.values())
-        busy = engine.slots_busy()
-        lines = [
-            "# HELP batchlab_queue_depth Requests waiting to be admitted.",
-            f"batchlab_queue_depth {engine.queue_depth()}",
-            f"batchlab_slots_busy {busy}",
-            f"batchlab_slots_total {engine.scheduler.max_batch_size}",
-            f"batchlab_requests_running {stats['running']}",
-            "# HELP batchlab_tokens_per_second Output tokens per second over the last 10 s.",
-            f"batchlab_tokens_per_second {tokens / 10:.3f}",
-            f"batchlab_kv_blocks_free {stats['free_kv_blocks']}",
-            f"batchlab_kv_blocks_total {stats['num_kv_blocks']}",
-        ] + [
-            f'batchlab_requests_finished_total{{reason="{r}"}} {n}'
-            for r, n in sorted(stats["finished"].items())
-        ]
-        return PlainTextResponse("\n".join(lines) + "\n")
+    def choice(self, text: str, reason: str | None, final: bool) -> dict:
+        """The one choice: a chat answer's ``message`` (or a chunk's ``delta``), or a
+        completion's ``text``."""
+        if self.chat:
+            body = (
+                {"delta": {"content": text} if text else {}}
+                if not final
+                else {"message": {"role": "assistant", "content": text}}
+            )
+        else:
+            body = {"text": text}
+        return {"index": 0, **body, "finish_reason": reason, "logprobs": None}
 
-    async def respond(http: Request, req: SamplingFields, prompt_ids: list[int], chat: bool):
-        if server.unavailable():
-            return error(503, server.unavailable(), "server_error")
-        if refused := refusal(req):
-            return error(400, str(refused), param=refused.param)
-        try:
-            rid = server.submit(prompt_ids, req)
-        except ValueError as e:
-            return error(400, str(e))
-        except (QueueFull, TooManyRunning) as e:
-            return error(429, str(e), "rate_limit_error")
-        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        kind = "chat.completion" if chat else "text_completion"
-        created = int(time.time())
+    def body(self, text: str, reason: str | None, count: int) -> dict:
+        """The whole answer, not streamed."""
+        return {
+            "id": self.ident,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": [self.choice(text, reason, final=True)],
+            "usage": self.usage(count),
+        }
 
-        def usage(count):
-            return {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": count,
-                "total_tokens": len(prompt_ids) + count,
+    def chunk(self, choices: list, count: int = 0, **extra) -> str:
+        """One event of the stream; ``count`` is the tokens so far, for the usage that
+        every chunk with a choice carries when ``usage_every_chunk``."""
+        if self.usage_every_chunk and choices:
+            extra["usage"] = self.usage(count)
+        obj = self.kind + (".chunk" if self.chat else "")
+        return sse(
+            {
+                "id": self.ident,
+                "object": obj,
+                "created": self.created,
+                "model": self.model,
+                "choices": choices,
+                **extra,
             }
+        )
 
-        def choice(text, reason, final):
-            if chat:
-                body = (
-                    {"delta": {"content": text} if text else {}}
-                    if not final
-                    else {"message": {"role": "assistant", "content": text}}
-                )
-            else:
-                body = {"text": text}
-            return {"index": 0, **body, "finish_reason": reason, "logprobs": None}
 
-        if not req.stream:
-            text, reason, count = "", None, 0
-            try:
-                async for piece, reason, count in server.events(rid, req.stop):
-                    text += piece
-                    if await http.is_disconnected():
-                        server.loop.cancel(rid)
-                        return error(499, "client closed the request")
-            except StreamEnded as e:
-                return error(e.status, str(e), "server_error")
-            return {
-                "id": ident,
-                "object": kind,
-                "created": created,
-                "model": server.model_id,
-                "choices": [choice(text, reason, final=True)],
-                "usage": usage(count),
-            }
+async def whole_answer(http: Request, server: Server, rid: str, stops: list[str], reply: Reply):
+    """Wait for the whole answer, then send it in one body; a client that goes away
+    cancels the request (499)."""
+    text, reason, count = "", None, 0
+    try:
+        async for piece, reason, count in server.events(rid, stops):
+            text += piece
+            if await http.is_disconnected():
+                server.loop.cancel(rid)
+                return error(499, "client closed the request")
+    except StreamEnded as e:
+        return error(e.status, str(e), "server_error")
+    return reply.body(text, reason, count)
 
-        async def sse():
-            obj = kind + (".chunk" if chat else "")
-            options = req.stream_options or StreamOptions()
-            every_chunk = options.include_usage and options.continuous_usage_stats
 
-            def chunk(choices, count=0, **extra):
-                if every_chunk and choices:
-                    extra["usage"] = usage(count)
-                return (
-                    "data: "
-                    + json.dumps(
-                        {
-                            "id": ident,
-                            "object": obj,
-                            "created": created,
-                            "model": server.model_id,
-                            "choices": choices,
-                            **extra,
-                        }
-                    )
-                    + "\n\n"
-                )
+async def streamed_answer(server: Server, rid: str, req: SamplingFields, reply: Reply) -> AsyncIterator[str]:
+    """The answer as server-sent events: one per token that adds text (the last one with
+    the finish reason), then the usage if asked for, then ``[DONE]``. The status (200) is sent already, so a failure mid-way is
+    an error event, as OpenAI's and vLLM's servers send."""
+    options = req.stream_options or StreamOptions()
+    if reply.chat:
+        yield reply.chunk(
+            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+        )
+    count = 0
+    try:
+        async for piece, reason, count in server.events(rid, req.stop):
+            if piece or reason:
+                yield reply.chunk([reply.choice(piece, reason, final=False)], count)
+    except StreamEnded as e:
+        yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": e.status}})
+        yield SSE_DONE
+        return
+    if options.include_usage:
+        yield reply.chunk([], usage=reply.usage(count))
+    yield SSE_DONE
 
-            if chat:
-                yield chunk(
-                    [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-                )
-            count = 0
-            try:
-                async for piece, reason, count in server.events(rid, req.stop):
-                    if piece or reason:
-                        yield chunk([choice(piece, reason, final=False)], count)
-            except StreamEnded as e:  # an error event, as OpenAI's and vLLM's servers send
-                yield (
-                    "data: "
-                    + json.dumps(
-                        {
-                            "error": {
-                                "message": str(e),
-                                "type": "server_error",
-                                "param": None,
-                                "code": e.status,
-                            }
-                        }
-                    )
-                    + "\n\n"
-                )
-                yield "data: [DONE]\n\n"
-                return
-            if options.include_usage:
-                yield chunk([], usage=usage(count))
-            yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+async def respond(http: Request, req: SamplingFields, prompt_ids: list[int], chat: bool):
+    """Both endpoints after their prompt is tokens: refuse what cannot be served (503, 400,
+    429), submit, and answer whole or streamed as ``req.stream`` asks."""
+    server = app_state(http).server
+    if server.unavailable():
+        return error(503, server.unavailable(), "server_error")
+    if refused := refusal(req):
+        return error(400, str(refused), param=refused.param)
+    try:
+        rid = server.submit(prompt_ids, req)
+    except ValueError as e:
+        return error(400, str(e))
+    except (QueueFull, TooManyRunning) as e:
+        return error(429, str(e), "rate_limit_error")
+    reply = Reply.new(req, chat, server.model_id, len(prompt_ids))
+    if not req.stream:
+        return await whole_answer(http, server, rid, req.stop, reply)
+    return StreamingResponse(streamed_answer(server, rid, req, reply), media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions", dependencies=[auth])
-    async def chat_completions(req: ChatRequest, http: Request):
-        try:
-            prompt_ids = server.lm.tokenizer.encode_chat(chat_turns(req.messages))
-        except Unsupported as e:
-            return error(400, str(e), param=e.param)
-        except ValueError as e:
-            return error(400, str(e), param="messages")
-        return await respond(http, req, prompt_ids, chat=True)
 
-    @app.post("/v1/completions", dependencies=[auth])
-    async def completions(req: CompletionRequest, http: Request):
-        prompt = req.prompt
-        prompt_ids = server.lm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        return await respond(http, req, prompt_ids, chat=False)
+# POST /v1/chat/completions: the messages through the model's chat template.
+async def chat_completions(req: ChatRequest, http: Request):
+    try:
+        prompt_ids = app_state(http).server.lm.tokenizer.encode_chat(chat_turns(req.messages))
+    except Unsupported as e:
+        return error(400, str(e), param=e.param)
+    except ValueError as e:
+        return error(400, str(e), param="messages")
+    return await respond(http, req, prompt_ids, chat=True)
 
+
+# POST /v1/completions: a prompt given as text or as token ids.
+async def completions(req: CompletionRequest, http: Request):
+    prompt = req.prompt
+    prompt_ids = app_state(http).server.lm.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    return await respond(http, req, prompt_ids, chat=False)
+
+
+def create_app(server: Server, api_key: str | None = None, show_prompts: bool = False) -> FastAPI:
+    """The HTTP app. With ``api_key``, every /v1 route needs it; /health, /metrics and the
+    dashboard stay open (the dashboard shows prompt text only with ``show_prompts``).
+    The handlers are module-level and read ``server`` and ``api_key`` from
+    ``app.state.batchlab`` (an ``AppState``)."""
+    app = FastAPI(title="batchlab", version="0.1")
+    app.state.batchlab = AppState(server, api_key)
+    app.add_exception_handler(Unauthorized, _unauthorized)
+    app.add_exception_handler(RequestValidationError, _bad_request)
+    # in this order: the routes (and /openapi.json) are as when they were declared inline
+    app.get("/health")(health)
+    app.get("/v1/models", dependencies=[AUTH])(models)
+    app.get("/metrics")(metrics)
+    app.post("/v1/chat/completions", dependencies=[AUTH])(chat_completions)
+    app.post("/v1/completions", dependencies=[AUTH])(completions)
     add_dashboard(app, server, show_prompts=show_prompts)
     return app
 
@@ -627,6 +702,41 @@ def _uvicorn(server: Server, api_key: str | None, show_prompts: bool, **config):
     return Uvicorn(uvicorn.Config(app, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **config))
 
 
+def _start(
+    lm: LoadedModel,
+    kind,
+    *,
+    host: str,
+    max_queue: int,
+    trace_limit: int | None,
+    model_id: str | None,
+    api_key: str | None,
+    insecure: bool,
+    max_running_per_user: int | None,
+    show_prompts: bool,
+    engine_options: dict,
+    uvicorn_config: dict,
+):
+    """What ``batchlab serve`` and :func:`serve_in_thread` share: refuse an exposed ``host``
+    without a key, make the engine, start its loop, and put the app on a uvicorn server
+    (``uvicorn_config``: its ``uvicorn.Config`` arguments). Returns (uvicorn server, loop):
+    the caller runs the one, blocking or in a thread, and stops the other. If this fails
+    after the loop started, it stops the loop."""
+    from ..core.engine import make_engine
+
+    check_exposure(host, api_key, insecure)
+    engine = make_engine(
+        kind, lm, trace_limit=trace_limit, admission=Admission(max_queue=max_queue), **engine_options
+    )
+    loop = EngineLoop(engine).start()
+    try:
+        server = Server(lm, loop, model_id or lm.info.name, max_running_per_user)
+        return _uvicorn(server, api_key, show_prompts, **uvicorn_config), loop
+    except BaseException:
+        loop.stop()
+        raise
+
+
 def serve(
     lm: LoadedModel,
     kind,
@@ -640,21 +750,24 @@ def serve(
     **engine_options,
 ) -> None:
     """Run the server until interrupted (``batchlab serve``)."""
-    from ..core.engine import make_engine
-
-    check_exposure(host, api_key, insecure)
-    engine = make_engine(
-        kind, lm, trace_limit=2000, admission=Admission(max_queue=max_queue), **engine_options
+    uv, loop = _start(
+        lm,
+        kind,
+        host=host,
+        max_queue=max_queue,
+        trace_limit=2000,  # a long-running server keeps only its recent steps and requests
+        model_id=None,
+        api_key=api_key,
+        insecure=insecure,
+        max_running_per_user=max_running_per_user,
+        show_prompts=show_prompts,
+        engine_options=engine_options,
+        uvicorn_config={"host": host, "port": port, "log_level": "info"},
     )
-    with EngineLoop(engine) as loop:
-        _uvicorn(
-            Server(lm, loop, lm.info.name, max_running_per_user),
-            api_key,
-            show_prompts,
-            host=host,
-            port=port,
-            log_level="info",
-        ).run()
+    try:
+        uv.run()  # here, until SIGTERM or Ctrl+C
+    finally:
+        loop.stop()
 
 
 class ServerThread:
@@ -703,23 +816,24 @@ def serve_in_thread(
     import socket
     import threading
 
-    from ..core.engine import make_engine
-
-    check_exposure(host, api_key, insecure)
-    engine = make_engine(
-        kind, lm, trace_limit=trace_limit, admission=Admission(max_queue=max_queue), **engine_options
+    uv, loop = _start(
+        lm,
+        kind,
+        host=host,
+        max_queue=max_queue,
+        trace_limit=trace_limit,
+        model_id=model_id,
+        api_key=api_key,
+        insecure=insecure,
+        max_running_per_user=max_running_per_user,
+        show_prompts=show_prompts,
+        engine_options=engine_options,
+        uvicorn_config={"log_level": "warning"},  # the socket is given to run() instead
     )
-    loop = EngineLoop(engine).start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        uv = _uvicorn(
-            Server(lm, loop, model_id or lm.info.name, max_running_per_user),
-            api_key,
-            show_prompts,
-            log_level="warning",
-        )
         thread = threading.Thread(
             target=uv.run, kwargs={"sockets": [sock]}, name="batchlab-http", daemon=True
         )

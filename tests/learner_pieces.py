@@ -5,14 +5,18 @@ their simplest right form: what the checkers must accept. The wrong pieces of
 from __future__ import annotations
 
 from batchlab.core.batch import Batch
+from batchlab.core.engine import EngineBase
 from batchlab.core.policies import PriorityPolicy
 from batchlab.core.request import State
-from batchlab.core.scheduler import ContinuousScheduler, StaticScheduler
+from batchlab.core.scheduler import ContinuousScheduler, Scheduler
 
 
-class MyStaticScheduler(StaticScheduler):
+class MyStaticScheduler(Scheduler):
     """Lesson 1: start a batch (reserve + begin + take_slot, up to B from the queue front),
     one prefill pass, decode passes with finished rows as padding, release at the end."""
+
+    kind = "my-static"
+    rectangular = True  # a finished row keeps its slot until the whole batch ends
 
     def batches(self):
         if not self.running:
@@ -127,3 +131,31 @@ class MyVictimPolicy(PriorityPolicy):
 
     def victim(self, running):
         return max(reversed(running), key=lambda r: (r.priority, r.arrival_s))
+
+
+class MyEngine(EngineBase):
+    """Lesson 6: poll drains the new tokens and reads the status under one hold of the
+    lock, and forgets a request once "done" is reported; cancel finishes a running
+    request as "cancelled" and leaves freeing its slot to the next step's sweep."""
+
+    def poll(self, req_id):
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None:
+                return [], "unknown", None
+            tokens, req.pending = req.pending, []
+            if req.finished:
+                del self._requests[req_id]
+                if self.trace_limit is not None:
+                    self.trace.requests.pop(req_id, None)
+                return tokens, "done", req.finish_reason
+            return tokens, "running", None
+
+    def cancel(self, req_id):
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None or req.finished:
+                return False
+            self._finish(req, "cancelled")
+            self._cancelled.append(req)
+            return True

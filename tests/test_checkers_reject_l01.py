@@ -9,7 +9,7 @@ import pytest
 
 from batchlab.course import checks
 from batchlab.core.batch import Batch
-from batchlab.core.scheduler import StaticScheduler
+from batchlab.core.scheduler import Scheduler, StaticScheduler
 
 import learner_pieces
 
@@ -43,7 +43,14 @@ def end_batch(self):
             self.release(r)
 
 
-class JoinsMidBatch(StaticScheduler):
+class Static(Scheduler):
+    """What the lesson's stub gives: the base, and a finished row keeps its slot."""
+
+    kind = "my-static"
+    rectangular = True
+
+
+class JoinsMidBatch(Static):
     """Tops the batch up whenever a request finishes: continuous batching, not static."""
 
     rectangular = False  # finished rows leave at once
@@ -62,7 +69,7 @@ class JoinsMidBatch(StaticScheduler):
             yield Batch(decode=live)
 
 
-class NeverFreesTheBatch(StaticScheduler):
+class NeverFreesTheBatch(Static):
     """Forgets to end the batch: it keeps saying it has work and yields nothing."""
 
     def batches(self):
@@ -75,7 +82,7 @@ class NeverFreesTheBatch(StaticScheduler):
             yield Batch(decode=live, padding=[r for r in self.running if r.finished])
 
 
-class StartsOverAFullBatch(StaticScheduler):
+class StartsOverAFullBatch(Static):
     """Starts the next batch when every row is done, but never frees the old rows: their
     slots are still taken (take_slot raises a RuntimeError)."""
 
@@ -95,7 +102,7 @@ class StartsOverAFullBatch(StaticScheduler):
             yield Batch(decode=live, padding=[r for r in self.running if r.finished])
 
 
-class NoPaddingRows(StaticScheduler):
+class NoPaddingRows(Static):
     """Drops finished rows from the decode step instead of keeping them as padding rows."""
 
     def batches(self):
@@ -109,7 +116,7 @@ class NoPaddingRows(StaticScheduler):
         end_batch(self)
 
 
-class NeverReserves(StaticScheduler):
+class NeverReserves(Static):
     """Takes B requests without reserving their KV memory: fine in a big pool, a MemoryError
     in a small one."""
 
@@ -128,7 +135,7 @@ class NeverReserves(StaticScheduler):
         end_batch(self)
 
 
-class NeverBegins(StaticScheduler):
+class NeverBegins(Static):
     """Moves requests into the batch by hand without ``begin``: they never become PREFILLING,
     so the engine never moves them on to DECODING."""
 
@@ -147,7 +154,7 @@ class NeverBegins(StaticScheduler):
         end_batch(self)
 
 
-class ForgetsTheBlocks(StaticScheduler):
+class ForgetsTheBlocks(Static):
     """Ends the batch by emptying its slots by hand: the rows' KV blocks are never given back."""
 
     def batches(self):
@@ -166,30 +173,55 @@ class ForgetsTheBlocks(StaticScheduler):
 @pytest.mark.parametrize(
     "wrong, first_case, names",
     [
-        (JoinsMidBatch, 1, "in static batching nobody joins a running batch"),
-        (NeverFreesTheBatch, 1, "stepped 50 times in a row without running anything"),
-        (NeverFreesTheBatch, 1, "free them all (self.release(req))"),
-        (StartsOverAFullBatch, 1, "RuntimeError: take_slot"),
-        (StartsOverAFullBatch, 1, "free each with self.release(req) before the next batch starts"),
-        (NoPaddingRows, 1, "stays in its batch as a padding row"),
-        (NeverReserves, 8, "the KV pool ran out (16 blocks): MemoryError"),
-        (NeverReserves, 8, "only if self.reserve(req) promises its whole KV memory"),
-        (NeverBegins, 1, "its state was never set to DECODING"),
-        (NeverBegins, 1, "self.begin(req)"),
-        (ForgetsTheBlocks, 1, "KV block(s) were still held"),
+        (JoinsMidBatch, 2, "in static batching nobody joins a running batch"),
+        (NeverFreesTheBatch, 2, "stepped 50 times in a row without running anything"),
+        (NeverFreesTheBatch, 2, "free them all (self.release(req))"),
+        (StartsOverAFullBatch, 2, "RuntimeError: take_slot"),
+        (StartsOverAFullBatch, 2, "free each with self.release(req) before the next batch starts"),
+        (NoPaddingRows, 2, "stays in its batch as a padding row"),
+        (NeverReserves, 9, "the KV pool ran out (16 blocks): MemoryError"),
+        (NeverReserves, 9, "only if self.reserve(req) promises its whole KV memory"),
+        (NeverBegins, 2, "its state was never set to DECODING"),
+        (NeverBegins, 2, "self.begin(req)"),
+        (ForgetsTheBlocks, 2, "KV block(s) were still held"),
     ],
 )
 def test_static_scheduler_rejects(wrong, first_case, names):
     verdict = checker_quiet("static_scheduler", wrong)
     assert not verdict and not verdict.not_written
-    assert f"The first that does not:\n  case {first_case} of 8" in verdict.message, verdict.message
+    assert f"The first that does not:\n  case {first_case} of 9" in verdict.message, verdict.message
     assert names in verdict.message, verdict.message
 
 
-@pytest.mark.parametrize("solution", [StaticScheduler, learner_pieces.MyStaticScheduler])
-def test_static_scheduler_passes_the_reference_and_the_lessons_piece(solution):
-    verdict = checker_quiet("static_scheduler", solution)
+def test_static_scheduler_passes_the_lessons_piece():
+    verdict = checker_quiet("static_scheduler", learner_pieces.MyStaticScheduler)
     assert verdict, verdict.message
+
+
+def test_our_static_scheduler_passes_every_case_but_the_lineage():
+    """Ours schedules right, but a piece that derives from it could pass by calling it."""
+    verdict = checker_quiet("static_scheduler", StaticScheduler)
+    assert verdict.passed == verdict.total - 1 and verdict.failed[0].startswith("derives from Scheduler")
+    assert "this is our StaticScheduler: pass your own class" in verdict.message
+
+    class Delegates(StaticScheduler):
+        def batches(self):
+            yield from super().batches()
+
+    verdict = checker_quiet("static_scheduler", Delegates)
+    assert verdict.passed == verdict.total - 1, verdict.message
+    assert "derive from Scheduler (or your own earlier piece)" in verdict.message
+
+
+def test_a_piece_that_hands_batches_to_super_is_not_written():
+    """Deriving from the base, calling super() reaches a base that plans nothing."""
+
+    class OnlySuper(Static):
+        def batches(self):
+            yield from super().batches()
+
+    verdict = checker_quiet("static_scheduler", OnlySuper)
+    assert not verdict and "must write batches()" in verdict.message, verdict.message
 
 
 def test_a_piece_that_never_reserves_passes_every_case_but_the_small_pool():
@@ -212,7 +244,7 @@ def test_static_scheduler_whole_workload_checks_the_rules():
 
 def test_static_scheduler_asks_for_a_class():
     verdict = checker_quiet("static_scheduler", lambda: None)
-    assert not verdict and "subclass of StaticScheduler" in verdict.message
+    assert not verdict and "subclass of Scheduler" in verdict.message
 
 
 def test_wasted_slot_steps_rejects_forgetting_the_prefill_token():

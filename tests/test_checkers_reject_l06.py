@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 
 from batchlab.course import checks
-from batchlab.core.engine import Engine
+from batchlab.core.engine import Engine, EngineBase
+
+import learner_pieces
+from learner_pieces import MyEngine
 
 
-class DrainThenStatus(Engine):
+class DrainThenStatus(MyEngine):
     """Two holds of the lock: the engine can finish the request between them."""
 
     def poll(self, req_id):
@@ -24,7 +27,7 @@ class DrainThenStatus(Engine):
             return tokens, "running", None
 
 
-class NeverForgets(Engine):
+class NeverForgets(MyEngine):
     def poll(self, req_id):
         with self._lock:
             req = self._requests.get(req_id)
@@ -34,14 +37,14 @@ class NeverForgets(Engine):
             return tokens, ("done" if req.finished else "running"), req.finish_reason
 
 
-class UnknownRaises(Engine):
+class UnknownRaises(MyEngine):
     def poll(self, req_id):
         with self._lock:
             self._requests[req_id]  # KeyError for an id it does not know
         return super().poll(req_id)
 
 
-class FreesAtOnce(Engine):
+class FreesAtOnce(MyEngine):
     """Frees the slot and blocks inside cancel, while a pass may be computing the request."""
 
     def cancel(self, req_id):
@@ -54,7 +57,7 @@ class FreesAtOnce(Engine):
             return True
 
 
-class TrueTwice(Engine):
+class TrueTwice(MyEngine):
     def cancel(self, req_id):
         with self._lock:
             req = self._requests.get(req_id)
@@ -66,8 +69,33 @@ class TrueTwice(Engine):
             return True
 
 
-def test_the_reference_front_passes():
-    assert checks.engine_front(Engine)
+def test_the_lessons_front_passes():
+    assert checks.engine_front(learner_pieces.MyEngine)
+
+
+def test_our_front_passes_every_case_but_the_lineage():
+    """Ours is right, but a front derived from it could pass by calling it."""
+    verdict = checks.engine_front(Engine)
+    assert verdict.passed == verdict.total - 1 and verdict.failed[0].startswith("derives from EngineBase")
+
+    class Delegates(Engine):
+        def poll(self, req_id):
+            return super().poll(req_id)
+
+    verdict = checks.engine_front(Delegates)
+    assert verdict.passed == verdict.total - 1 and "derive from EngineBase" in verdict.message
+
+
+def test_a_front_that_hands_poll_to_super_is_not_written():
+    class OnlySuper(EngineBase):
+        def poll(self, req_id):
+            return super().poll(req_id)
+
+        def cancel(self, req_id):
+            return super().cancel(req_id)
+
+    verdict = checks.engine_front(OnlySuper)
+    assert not verdict and "must write poll()" in verdict.message, verdict.message
 
 
 def test_a_poll_that_drains_and_reads_the_status_in_two_holds_is_rejected():
@@ -107,7 +135,7 @@ def test_a_missing_piece_is_not_written_yet():
 
 
 def test_a_poll_that_deadlocks_is_reported_not_hung():
-    class Nested(Engine):
+    class Nested(MyEngine):
         def poll(self, req_id):
             with self._lock:
                 return super().poll(req_id)
@@ -116,7 +144,7 @@ def test_a_poll_that_deadlocks_is_reported_not_hung():
     assert not verdict and "taken twice by the same thread" in verdict.message
 
 
-class NoneWhenEmpty(Engine):
+class NoneWhenEmpty(MyEngine):
     """Hands out None instead of [] when nothing is pending: a client doing `got += tokens` crashes."""
 
     def poll(self, req_id):

@@ -40,7 +40,12 @@ class EngineFailing(RuntimeError):
     (or in a learner's scheduler), not bad luck for one request."""
 
 
-class Engine:
+class EngineBase:
+    """The engine without its front: ``submit``, ``step`` (plan, run, postprocess, under one
+    lock), the trace, stats and failure. ``poll`` and ``cancel``, the calls a client makes to
+    read and stop its request, are the front's: ``Engine`` has ours, a learner's engine its
+    own (lesson 6)."""
+
     def __init__(
         self,
         lm: Model,
@@ -148,35 +153,19 @@ class Engine:
         return rid
 
     def poll(self, req_id: str) -> tuple[list[int], str, str | None]:
-        """Drain the request's new tokens and read its status in one atomic step.
-
-        Returns ``(new_tokens, status, finish_reason)``; status is "running", "done" or
-        "unknown". Reading tokens and status separately could miss the last tokens
-        (produced between the two calls) -- hence one call under one lock. Once "done" has
-        been reported the engine forgets the request, and later polls say "unknown".
-        """
-        with self._lock:
-            req = self._requests.get(req_id)
-            if req is None:
-                return [], "unknown", None
-            tokens, req.pending = req.pending, []
-            if req.finished:
-                del self._requests[req_id]
-                if self.trace_limit is not None:
-                    self.trace.requests.pop(req_id, None)
-                return tokens, "done", req.finish_reason
-            return tokens, "running", None
+        """The request's new tokens and its status: ``(new_tokens, status, finish_reason)``,
+        status "running", "done" or "unknown". The front's to write (lesson 6)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must write poll(): drain the request's new tokens and read "
+            f"its status in one atomic step, under self._lock"
+        )
 
     def cancel(self, req_id: str) -> bool:
-        """Stop a request in any state; True if it was running, False if finished or unknown.
-        Its slot and KV blocks are freed at the start of the next step."""
-        with self._lock:
-            req = self._requests.get(req_id)
-            if req is None or req.finished:
-                return False
-            self._finish(req, "cancelled")
-            self._cancelled.append(req)
-            return True
+        """Stop a request; True if it was running. The front's to write (lesson 6)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must write cancel(): finish a running request as "
+            f"'cancelled' and hand it to the next step's sweep, under self._lock"
+        )
 
     # -- the engine side -------------------------------------------------------------------
     def step(self) -> bool:
@@ -351,6 +340,41 @@ class Engine:
         }
 
 
+class Engine(EngineBase):
+    """The engine with our front: ``poll`` and ``cancel``, safe from any thread."""
+
+    def poll(self, req_id: str) -> tuple[list[int], str, str | None]:
+        """Drain the request's new tokens and read its status in one atomic step.
+
+        Returns ``(new_tokens, status, finish_reason)``; status is "running", "done" or
+        "unknown". Reading tokens and status separately could miss the last tokens
+        (produced between the two calls) -- hence one call under one lock. Once "done" has
+        been reported the engine forgets the request, and later polls say "unknown".
+        """
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None:
+                return [], "unknown", None
+            tokens, req.pending = req.pending, []
+            if req.finished:
+                del self._requests[req_id]
+                if self.trace_limit is not None:
+                    self.trace.requests.pop(req_id, None)
+                return tokens, "done", req.finish_reason
+            return tokens, "running", None
+
+    def cancel(self, req_id: str) -> bool:
+        """Stop a request in any state; True if it was running, False if finished or unknown.
+        Its slot and KV blocks are freed at the start of the next step."""
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None or req.finished:
+                return False
+            self._finish(req, "cancelled")
+            self._cancelled.append(req)
+            return True
+
+
 def make_engine(
     kind: str | type[Scheduler],
     lm: Model,
@@ -363,7 +387,7 @@ def make_engine(
     enable_prefix_cache: bool = False,
     admission: Admission | None = None,
     clock=None,
-    engine_class: type[Engine] = Engine,
+    engine_class: type[EngineBase] = Engine,
     lock=None,
     **options,
 ) -> Engine:
@@ -379,12 +403,12 @@ def make_engine(
     shares the KV blocks of a prompt prefix that an earlier request already computed.
     ``admission`` bounds the queue and sheds stale requests (default: neither).
     ``clock()`` gives every timestamp in seconds (default: real time since the engine
-    was made; the simulator passes its virtual clock). ``engine_class`` (an ``Engine``
-    subclass, e.g. a learner's own submit/poll/cancel front) is what gets built; ``lock``
+    was made; the simulator passes its virtual clock). ``engine_class`` (``Engine``, or
+    an ``EngineBase`` subclass with a learner's own poll/cancel front) is what gets built; ``lock``
     replaces its lock (a checker's counting one).
     """
-    if not (isinstance(engine_class, type) and issubclass(engine_class, Engine)):
-        raise ValueError(f"engine_class must be a subclass of Engine, got {engine_class!r}")
+    if not (isinstance(engine_class, type) and issubclass(engine_class, EngineBase)):
+        raise ValueError(f"engine_class must be a subclass of EngineBase, got {engine_class!r}")
     cls = scheduler_class(kind)
     name = cls.kind
     defaults = cls.option_defaults()

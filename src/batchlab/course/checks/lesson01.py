@@ -7,9 +7,10 @@ from typing import Callable
 
 import numpy as np
 
-from ...core.scheduler import StaticScheduler
+from ...core.scheduler import Scheduler, StaticScheduler
 from ...core.trace import Trace
 from ._core import Verdict, run_cases
+from ._lineage import lineage_case
 from ._pieces import MIXED_OUTPUTS, count_exercise, fake_workload, memory_case, output_problem, piece_case
 from ._pieces import piece_judge, run_piece, schedule_problem, slot_problem, state_problem
 
@@ -101,11 +102,11 @@ def _static_judge(rows, B, seed=0, **pool):
     checks += [decoding_set_by_begin, nobody_joins_a_running_batch]
     schedule = partial(schedule_problem, key=_key, words=_words, hint=_static_hint)
     pool.update(schedule=schedule, hints=HINTS, max_batch_size=B)
-    return piece_judge(StaticScheduler, StaticScheduler, w, checks, **pool)
+    return piece_judge(Scheduler, StaticScheduler, w, checks, **pool)
 
 
 def static_scheduler(cls) -> Verdict:
-    """Check ``MyStaticScheduler`` (a ``StaticScheduler`` subclass with the learner's ``batches()``)."""
+    """Check ``MyStaticScheduler`` (a ``Scheduler`` subclass with the learner's ``batches()``)."""
     rng = np.random.default_rng(0)  # lengths drawn like the mixed workload's
     mixed = list(zip(rng.integers(40, 301, 16).tolist(), rng.integers(4, 65, 16).tolist()))
     thirty = list(zip(rng.integers(3, 30, 30).tolist(), rng.integers(1, 41, 30).tolist()))
@@ -125,7 +126,8 @@ def static_scheduler(cls) -> Verdict:
     ]
     tight = _static_judge([(20 + 7 * i % 25, 8 + 5 * i % 30) for i in range(12)], 8, seed=7, num_kv_blocks=16)
     label = "memory: 12 requests on a KV pool of 16 blocks of 16 tokens, B=8"
-    return run_cases("static_scheduler", cls, cases + [memory_case(label, tight, False, hint)])
+    lineage = lineage_case(Scheduler, (StaticScheduler,))
+    return run_cases("static_scheduler", cls, [lineage, *cases, memory_case(label, tight, False, hint)])
 
 
 def _static_trace(output_lens: list[int], B: int) -> Trace:

@@ -8,10 +8,11 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, Callable
 
-from ...core.engine import Engine, make_engine
+from ...core.engine import Engine, EngineBase, make_engine
 from ...core.fake import FakeModel, FakeRunner, reference_output
 from ...serving.loop import EngineLoop
 from ._core import Case, Verdict, answer_compare, run_cases, show
+from ._lineage import lineage_case
 from ._pieces import piece_case
 
 __all__ = ["engine_front", "stream_text"]
@@ -250,6 +251,7 @@ def engine_front(cls: Any) -> Verdict:
 
     forgot = "after 'done' was reported, the engine forgets the request: 'unknown'"
     cases = [
+        lineage_case(EngineBase, (Engine,)),
         poll_case("a request just submitted, no step yet: ([], 'running', None)", "a"),
         poll_case("after 3 steps, one poll hands out every token made so far", "a", 3, PENDING),
         poll_case("a second poll with no step in between: ([], 'running', None)", "a", 3, EMPTY, again=True),

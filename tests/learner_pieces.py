@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from batchlab.core.batch import Batch
 from batchlab.core.engine import EngineBase
-from batchlab.core.policies import PriorityPolicy
+from batchlab.core.policies import Policy
 from batchlab.core.request import State
 from batchlab.core.scheduler import ContinuousScheduler, Scheduler
 
@@ -126,7 +126,7 @@ class MyMemoryScheduler(MyStallFreeScheduler):
         return taken + headroom <= self.blocks.num_free
 
 
-class MyVictimPolicy(PriorityPolicy):
+class MyVictimPolicy(Policy):
     """Lesson 8: the least important, the newest among equals, the last admitted on a tie."""
 
     def victim(self, running):

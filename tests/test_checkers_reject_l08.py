@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from batchlab.course import checks
-from batchlab.core.policies import PriorityPolicy
+from batchlab.core.policies import Policy, PriorityPolicy
+
+from learner_pieces import MyVictimPolicy
 from batchlab.core.request import State
 from batchlab.core.scheduler import StallFreeScheduler
 
@@ -41,18 +43,32 @@ class IgnoresCache(StallFreeScheduler):
         return self.blocks.blocks_for(n) + _headroom(self) <= self.blocks.num_free
 
 
-class OldestVictim(PriorityPolicy):
+class OldestVictim(Policy):
     def victim(self, running):
         return min(running, key=lambda r: (-r.priority, r.arrival_s))
 
 
-class MostImportantVictim(PriorityPolicy):
+class MostImportantVictim(Policy):
     def victim(self, running):
         return min(reversed(running), key=lambda r: (r.priority, -r.arrival_s))
 
 
-def test_the_reference_pieces_pass():
-    assert checks.memory_scheduler(RightFits, PriorityPolicy)
+def test_the_reference_fits_with_the_lessons_victim_passes():
+    assert checks.memory_scheduler(RightFits, MyVictimPolicy)
+
+
+def test_our_victim_policy_passes_every_case_but_the_lineage():
+    verdict = checks.memory_scheduler(RightFits, PriorityPolicy)
+    assert verdict.passed == verdict.total - 1 and verdict.failed[0].startswith("the victim policy derives")
+
+
+def test_a_victim_that_only_calls_super_is_not_written():
+    class OnlySuper(Policy):
+        def victim(self, running):
+            return super().victim(running)
+
+    verdict = checks.memory_scheduler(RightFits, OnlySuper)
+    assert not verdict and "must write victim(running)" in verdict.message, verdict.message
 
 
 def test_the_lessons_pieces_pass():
@@ -62,17 +78,17 @@ def test_the_lessons_pieces_pass():
 
 
 def test_fits_without_headroom_is_rejected():
-    verdict = checks.memory_scheduler(NoHeadroom, PriorityPolicy)
+    verdict = checks.memory_scheduler(NoHeadroom, MyVictimPolicy)
     assert not verdict and "you left no headroom" in verdict.message
 
 
 def test_fits_that_counts_the_whole_prompt_is_rejected():
-    verdict = checks.memory_scheduler(WholePrompt, PriorityPolicy)
+    verdict = checks.memory_scheduler(WholePrompt, MyVictimPolicy)
     assert not verdict and "count only the first chunk" in verdict.message
 
 
 def test_fits_that_ignores_the_prefix_cache_is_rejected():
-    verdict = checks.memory_scheduler(IgnoresCache, PriorityPolicy)
+    verdict = checks.memory_scheduler(IgnoresCache, MyVictimPolicy)
     assert not verdict and "cached prefix blocks" in verdict.message
     assert verdict.failed and all("prefix" in label for label in verdict.failed)
 

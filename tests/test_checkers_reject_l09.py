@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from batchlab.course import checks
-from batchlab.core.policies import Admission
+from batchlab.core.policies import Admission, AdmissionBase
 from batchlab.core.request import State
 
 
 @dataclass(frozen=True)
-class RightAdmission(Admission):
+class RightAdmission(AdmissionBase):
     def to_shed(self, queue, now):
         if self.max_wait_s is None:
             return []
@@ -22,7 +22,7 @@ class RightAdmission(Admission):
 
 
 @dataclass(frozen=True)
-class DropsPreempted(Admission):
+class DropsPreempted(AdmissionBase):
     def to_shed(self, queue, now):
         if self.max_wait_s is None:
             return []
@@ -30,7 +30,7 @@ class DropsPreempted(Admission):
 
 
 @dataclass(frozen=True)
-class ShedsOnTheDot(Admission):
+class ShedsOnTheDot(AdmissionBase):
     def to_shed(self, queue, now):
         if self.max_wait_s is None:
             return []
@@ -43,8 +43,21 @@ class ReturnsIds(RightAdmission):
         return [r.id for r in super().to_shed(queue, now)]
 
 
-def test_the_reference_policy_passes():
+def test_the_lessons_policy_passes():
     assert checks.admission_policy(RightAdmission)
+
+
+def test_ours_passes_every_case_but_the_lineage_and_super_alone_is_not_written():
+    verdict = checks.admission_policy(Admission)
+    assert verdict.passed == verdict.total - 1 and verdict.failed[0].startswith("derives from AdmissionBase")
+
+    @dataclass(frozen=True)
+    class OnlySuper(AdmissionBase):
+        def to_shed(self, queue, now):
+            return super().to_shed(queue, now)
+
+    verdict = checks.admission_policy(OnlySuper)
+    assert not verdict and verdict.not_written and "must write to_shed" in verdict.message
 
 
 def test_a_policy_that_sheds_preempted_requests_is_rejected():

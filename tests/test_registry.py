@@ -155,7 +155,7 @@ def test_a_learners_policy_from_the_command_line(new_kind):
     assert type(options["policy"]).__name__ == "OldestGivesWay" and options["min_prompt"] == 2
     engine = make_engine(new_kind, FakeModel(), runner=FakeRunner, **options)
     assert engine.scheduler.policy is options["policy"]
-    with pytest.raises(SystemExit, match="not a PriorityPolicy subclass"):
+    with pytest.raises(SystemExit, match="not a Policy subclass"):
         cli.main(["serve", "--engine", "mykinds:LongestFirst", "--policy", "mykinds:LongestFirst"])
 
 

@@ -134,14 +134,14 @@ def engine_options(args) -> dict:
 
 
 def policy_from(spec: str):
-    """A ``PriorityPolicy`` subclass named as module:Class (e.g. the learner's
+    """A ``Policy`` subclass named as module:Class (e.g. the learner's
     ``my_engine.memory:MyVictimPolicy``), made with no arguments."""
     from .core.engine import import_from_here
-    from .core.policies import PriorityPolicy
+    from .core.policies import Policy
 
     found = import_from_here(spec, "--policy")
-    if not (isinstance(found, type) and issubclass(found, PriorityPolicy)):
-        raise ValueError(f"--policy {spec}: not a PriorityPolicy subclass")
+    if not (isinstance(found, type) and issubclass(found, Policy)):
+        raise ValueError(f"--policy {spec}: not a Policy subclass")
     return found()
 
 
@@ -352,7 +352,7 @@ def _add_engine_options(parser, default: str, extra=None):
         default=None,
         metavar="module:Class",
         help="who is served next and who gives way (kinds that take a policy): your "
-        "PriorityPolicy subclass, e.g. my_engine.memory:MyVictimPolicy",
+        "Policy subclass, e.g. my_engine.memory:MyVictimPolicy",
     )
     parser.add_argument(
         "--num-kv-blocks",

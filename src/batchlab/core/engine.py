@@ -26,7 +26,7 @@ from . import metrics
 from .batch import Batch
 from .runner import Model, Runner
 from .kv import BlockManager
-from .policies import Admission
+from .policies import Admission, AdmissionBase
 from .request import Request, check_prompt_ids, clamp_new_tokens
 from .sampling import SamplingParams
 from .scheduler import KINDS, Scheduler, import_from_here, scheduler_class  # noqa: F401 (engine's names)
@@ -53,7 +53,7 @@ class EngineBase:
         runner: Runner,
         max_seq_len: int,
         trace_limit: int | None = None,
-        admission: Admission | None = None,
+        admission: AdmissionBase | None = None,
         lock=None,
     ):
         self.lm, self.scheduler, self.runner = lm, scheduler, runner
@@ -385,7 +385,7 @@ def make_engine(
     max_seq_len: int | None = None,
     trace_limit: int | None = None,
     enable_prefix_cache: bool = False,
-    admission: Admission | None = None,
+    admission: AdmissionBase | None = None,
     clock=None,
     engine_class: type[EngineBase] = Engine,
     lock=None,

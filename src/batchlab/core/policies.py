@@ -1,7 +1,8 @@
 """Policies: who is served first, who gives way, and what happens under overload.
 
 ``PriorityPolicy`` orders the queue and picks the victim of a preemption; the
-schedulers consult it. *Admission control* and *load shedding* decide what an engine
+schedulers consult it. ``Policy`` and ``AdmissionBase`` are the same interfaces with no
+decision in them, for a learner's own (lessons 8 and 9). *Admission control* and *load shedding* decide what an engine
 does when more work arrives than it can serve.
 
 *Admission control* refuses a request at the door (``submit`` raises ``QueueFull``) when
@@ -25,15 +26,13 @@ from typing import Callable, Iterable
 from .request import Request, State
 
 
-class PriorityPolicy:
-    """Who is served next and who gives way when KV memory runs out.
-
-    A lower ``priority`` number is more important (as in vLLM). The queue is served by
-    priority, then queue order: with every priority 0 that is first come, first served,
-    and a preempted request (put back at the front) is served first again. The victim of
-    a preemption is the least important running request, the newest among equals: it
-    has the least work to lose.
-    """
+class Policy:
+    """What the schedulers ask a policy. The order is the meaning of a request's
+    ``priority`` (lower is more important, as in vLLM): the queue is served by priority,
+    then queue order, so with every priority 0 it is first come, first served, and a
+    preempted request (put back at the front) comes first again; among equals the older
+    request matters more. Who gives way when KV memory runs out is a decision, so this
+    base makes none: ``victim`` is a subclass's to write (lesson 8)."""
 
     @staticmethod
     def importance(req: Request) -> tuple:
@@ -41,6 +40,17 @@ class PriorityPolicy:
 
     def next_queued(self, queue: deque[Request]) -> Request:
         return min(queue, key=lambda r: r.priority)  # the first of the best priority
+
+    def victim(self, running: list[Request]) -> Request:
+        raise NotImplementedError(
+            f"{type(self).__name__} must write victim(running): which running request gives "
+            f"back its KV blocks when the pool runs dry"
+        )
+
+
+class PriorityPolicy(Policy):
+    """Ours: the victim of a preemption is the least important running request, the
+    newest among equals (it has the least work to lose), the last admitted on a tie."""
 
     def victim(self, running: list[Request]) -> Request:
         return max(reversed(running), key=self.importance)  # ties: the latest admitted
@@ -51,9 +61,11 @@ class QueueFull(Exception):
 
 
 @dataclass(frozen=True)
-class Admission:
-    """``max_queue``: most requests waiting to start (None: unbounded).
-    ``max_wait_s``: a queued request that has waited longer is shed (None: never)."""
+class AdmissionBase:
+    """Admission control with no shedding rule: ``max_queue``, the most requests waiting
+    to start (None: unbounded), and ``max_wait_s``, the wait a shedding rule reads (None:
+    never shed). Which requests to shed is a decision, so this base makes none:
+    ``to_shed`` is a subclass's to write (lesson 9)."""
 
     max_queue: int | None = None
     max_wait_s: float | None = None
@@ -73,6 +85,17 @@ class Admission:
         (``queue_depth`` is called only when there is a bound: counting costs time.)"""
         if self.max_queue is not None and queue_depth() >= self.max_queue:
             raise QueueFull(f"the queue is full ({self.max_queue} waiting); retry later")
+
+    def to_shed(self, queue: Iterable[Request], now: float) -> list[Request]:
+        """The queued requests to give up on now (finished as "shed")."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must write to_shed(queue, now): the queued requests to give up on now"
+        )
+
+
+@dataclass(frozen=True)
+class Admission(AdmissionBase):
+    """Ours: shed the queued requests that never started and waited more than ``max_wait_s``."""
 
     def to_shed(self, queue: Iterable[Request], now: float) -> list[Request]:
         """Queued requests that never started (a preempted one has begun its answer: it

@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from ..batch import Batch
 from ..kv import BlockManager
-from ..policies import PriorityPolicy
+from ..policies import Policy, PriorityPolicy
 from ..request import Request, State
 from ..runner import Chunk
 
@@ -55,7 +55,7 @@ class Scheduler:
         blocks: BlockManager,
         clock: Callable[[], float],
         max_batch_size: int = 8,
-        policy: PriorityPolicy | None = None,
+        policy: Policy | None = None,
     ):
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")

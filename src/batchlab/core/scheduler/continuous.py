@@ -8,7 +8,7 @@ from typing import Iterator
 
 from ..batch import Batch
 from ..kv import BlockManager
-from ..policies import PriorityPolicy
+from ..policies import Policy
 from ..request import State
 from .base import Option, Scheduler
 from .on_demand import OnDemandKV
@@ -50,7 +50,7 @@ class ContinuousScheduler(OnDemandKV, Scheduler):
         clock,
         max_batch_size: int = 8,
         prefill_step: int | None = None,
-        policy: PriorityPolicy | None = None,
+        policy: Policy | None = None,
     ):
         super().__init__(blocks, clock, max_batch_size, policy)
         if prefill_step is not None and (

@@ -7,7 +7,7 @@ from __future__ import annotations
 from ..batch import Batch
 from ..costmodel import CostModel, token_budget_for_slo
 from ..kv import BlockManager
-from ..policies import PriorityPolicy
+from ..policies import Policy
 from ..request import Request, State
 from .base import Option
 from .continuous import ContinuousScheduler
@@ -53,7 +53,7 @@ class StallFreeScheduler(ContinuousScheduler):
         max_batch_size: int = 8,
         token_budget: int | None = None,
         tbt_slo: float | None = None,
-        policy: PriorityPolicy | None = None,
+        policy: Policy | None = None,
     ):
         super().__init__(blocks, clock, max_batch_size, policy=policy)
         if token_budget is None:

@@ -7,13 +7,14 @@ from typing import Callable
 
 from ...core.fake import reference_output
 from ...core.kv import BlockManager
-from ...core.policies import PriorityPolicy
+from ...core.policies import Policy, PriorityPolicy
 from ...core.request import State
 from ...core.runner import Chunk
 from ...core.scheduler import OnDemandKV
 from ...measurement.workloads import Workload, WorkloadRequest as _W
 from ._core import Case, Verdict, answer_compare, run_cases, show, table
 from ._pieces import VOCAB, piece_case, run_piece
+from ._lineage import ancestry_problem
 
 __all__ = ["kv_slots", "cached_prefix", "memory_scheduler"]
 
@@ -223,9 +224,17 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
         ("victim: two of priority 2, one of 1", ("x", 2, 1.0), ("y", 1, 9.0), ("z", 2, 4.0)),
         ("victim: equal priority and arrival", ("p", 1, 2.0), ("q", 1, 2.0), ("r", 0, 2.0)),
     ]
-    cases = [victim_case(*row) for row in rows] + [
-        piece_case(f"a whole run: {words}", lambda pieces, name=name: _whole_run(*pieces(), name))
-        for name, (words, *_) in SCENARIOS.items()
-    ]
+    lineage = piece_case(
+        "the victim policy derives from Policy (not from our PriorityPolicy)",
+        lambda pieces: ancestry_problem(Policy, (PriorityPolicy,), pieces()[1]),
+    )
+    cases = (
+        [lineage]
+        + [victim_case(*row) for row in rows]
+        + [
+            piece_case(f"a whole run: {words}", lambda pieces, name=name: _whole_run(*pieces(), name))
+            for name, (words, *_) in SCENARIOS.items()
+        ]
+    )
     pieces = (lambda: (scheduler_cls, policy_cls)) if missing is None else missing
     return run_cases("memory_scheduler", pieces, cases)

@@ -5,9 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from ...core.policies import Admission
+from ...core.policies import Admission, AdmissionBase
 from ...core.request import State
 from ._core import Case, Verdict, mistakes, number_compare, run_cases, table
+from ._lineage import lineage_case
 from ._pieces import piece_case
 
 __all__ = ["mean_in_system", "to_shed", "admission_policy"]
@@ -97,7 +98,7 @@ LATE = [("x", 0.5), ("y", 9.0), ("z", 1.0), ("w", 1.5)]
 
 
 def admission_policy(cls: Any) -> Verdict:
-    """Check ``MyAdmission(Admission).to_shed(queue, now)`` against the library's ``Admission``."""
+    """Check ``MyAdmission(AdmissionBase).to_shed(queue, now)`` against the library's ``Admission``."""
 
     def unit(label, queue, now, max_wait_s):
         def call(f):  # the ids shed; Admission answers
@@ -141,6 +142,7 @@ def admission_policy(cls: Any) -> Verdict:
     two = [_queued("a", 1.0), _queued("b", 8.0)]
     back = [_queued("back", 0.0, preempted=True), _queued("new", 9.5)]
     cases = [
+        lineage_case(AdmissionBase, (Admission,)),
         unit("no limit (max_wait_s None): nobody is shed", [_queued("a", 0.0)], 100.0, None),
         unit("waits of 9 s and 2 s, limit 8 s: the first goes", two, 10.0, 8.0),
         unit("exactly 8 s waited, limit 8 s: it stays", [_queued("edge", 2.0)], 10.0, 8.0),

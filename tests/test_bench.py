@@ -237,6 +237,13 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     table = format_table(result)
     saved = json.loads(out.read_text())
     assert calls == [(w, b, e) for _, w, b, e in bench.schedule(fake_workloads(), 3)]
+    check_runs_and_loads(saved, table, calls)
+    check_figures(saved["figures"], saved)
+    check_no_waste_figures(saved["figures"], saved)
+
+
+def check_runs_and_loads(saved, table, calls):
+    """Every run recorded with the load around it, and the medians over the repetitions."""
     assert saved["repetitions"] == 3 and len(saved["runs"]) == len(calls)
     for run_ in saved["runs"]:
         assert run_["load_before"] > 0 and run_["load_after"] > 0
@@ -257,7 +264,10 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
         assert len(values) == (1 if row["engine"] == "sequential" else 3) == row["repetitions"]
         assert row["output_tokens_per_s"] == values[len(values) // 2]
         assert row["spread"]["output_tokens_per_s"] == [values[0], values[-1]]
-    figures = saved["figures"]
+
+
+def check_figures(figures, saved):
+    """The headline figures: every ratio finite, the machine's limits and rooflines as given."""
     for key in (
         (
             "continuous_over_static_tokps",
@@ -290,8 +300,11 @@ def test_bench_on_the_fake_model(monkeypatch, tmp_path):
     assert figures["one_row_linears_mlx_over_numpy"] == 2.0
     spread = saved["figure_spreads"]["continuous_over_static_tokps"]
     assert spread[0] <= figures["continuous_over_static_tokps"] <= spread[1]
-    # no waste: every prompt token at the fused benchmark's chunk rate, then full B=16 steps
-    # (old names for the prefill-heavy workload, chat_ for the chat one)
+
+
+def check_no_waste_figures(figures, saved):
+    """No waste: every prompt token at the fused benchmark's chunk rate, then full B=16 steps
+    (old names for the prefill-heavy workload, chat_ for the chat one)."""
     for prefix, (name, wl, _) in (("", fake_workloads()[1]), ("chat_", fake_workloads()[0])):
         summary = wl.summary()
         no_waste = summary["output_tokens"] / (
@@ -427,3 +440,19 @@ def test_a_pools_token_bytes_agree_with_the_formula_for_either_backing():
     for numpy in (True, False):
         pool = KVPool(30, 4, 16, 3, 64, mx.float32, numpy=numpy)
         assert pool.token_bytes == KVPool.bytes_per_token(30, 3, 64, mx.float32) == 2 * 30 * 3 * 64 * 4
+
+
+def test_designed_passes_are_built_once_for_the_fit_and_the_microbenchmarks():
+    """costfit's passes come from microbench's builder: each row a request of its own with
+    the KV blocks its context needs (or more, when asked), handed out in order."""
+    from batchlab.measurement import costfit, microbench
+    from batchlab.core.kv import BlockManager
+
+    blocks = BlockManager(64, 16)
+    chunks = microbench.designed_pass(blocks, [(31, 1), (0, 40)])
+    assert [(c.req_id, c.start, len(c.tokens)) for c in chunks] == [("fit-0", 31, 1), ("fit-1", 0, 40)]
+    assert [len(c.block_table) for c in chunks] == [2, 3]
+    assert chunks[1].tokens[:3] == [2, 3, 4]  # 1 + (row + position) % 1000, as the fit has always sent
+    row = microbench.designed_chunk(blocks, "r0", [7], 10, kv_tokens=100)
+    assert len(row.block_table) == 7 and not set(row.block_table) & {b for c in chunks for b in c.block_table}
+    assert costfit.designed_pass is microbench.designed_pass

@@ -5,7 +5,7 @@ import pytest
 
 from batchlab import make_engine
 from batchlab.core import metrics
-from batchlab.measurement.driver import run_interleaved, run_workload
+from batchlab.measurement.driver import interleaved_order, run_interleaved, run_workload
 from batchlab.core.fake import FakeModel, FakeRunner
 from batchlab.core.trace import Trace
 from batchlab.measurement.workloads import Workload, WorkloadRequest
@@ -110,3 +110,11 @@ def test_ranges_overlap():
     assert not metrics.ranges_overlap((1.0, 2.0), (2.5, 3.0))
     assert not metrics.ranges_overlap((2.5, 3.0), (1.0, 2.0))
     assert not metrics.ranges_overlap(None, (1.0, 2.0))
+
+
+def test_interleaved_order_is_rounds_of_every_name_in_order():
+    """The one interleaving that run_interleaved, the bench and the micro-benchmarks use."""
+    names = (n for n in "abc")  # any iterable, read once
+    assert list(interleaved_order(names, 2)) == [(0, "a"), (0, "b"), (0, "c"), (1, "a"), (1, "b"), (1, "c")]
+    assert list(interleaved_order({"x": 1, "y": 2}, 1)) == [(0, "x"), (0, "y")]
+    assert list(interleaved_order("ab", 0)) == []

@@ -129,7 +129,7 @@ def test_unfinished_and_cancelled_requests():
     assert M.output_tokens(tr) == 3
     assert M.completed_requests(tr) == 0
     assert sorted(M.ttft_values(tr)) == approx([1.0, 2.5])
-    g = M.goodput(tr, M.SLO(ttft_s=100, tbt_s=100))
+    g = M.goodput(tr, M.SLO(ttft_s=100, max_tbt_s=100))
     assert g["good_requests"] == 0 and g["goodput_tokens_per_s"] == 0.0
 
 
@@ -137,16 +137,16 @@ def test_unfinished_and_cancelled_requests():
 def test_goodput_needs_both_slos():
     tr = latency_trace()
     # TTFT <= 1.6 and every gap <= 1.2: r1 yes; r2 has a 1.4 s gap; r3's TTFT is 2.0.
-    g = M.goodput(tr, M.SLO(ttft_s=1.6, tbt_s=1.2))
+    g = M.goodput(tr, M.SLO(ttft_s=1.6, max_tbt_s=1.2))
     assert g["good_requests"] == 1
     assert g["slo_attainment"] == approx(1 / 3)
     assert g["goodput_requests_per_s"] == approx(1 / 4)
     assert g["goodput_tokens_per_s"] == approx(3 / 4)
     # Limits are inclusive; a one-token request has no gap to break the TBT objective.
-    g = M.goodput(tr, M.SLO(ttft_s=2.0, tbt_s=1.0))
+    g = M.goodput(tr, M.SLO(ttft_s=2.0, max_tbt_s=1.0))
     assert g["good_requests"] == 2  # r1 (gap exactly 1.0) and r3 (TTFT exactly 2.0)
     assert g["goodput_tokens_per_s"] == approx(4 / 4)
-    g = M.goodput(tr, M.SLO(ttft_s=0.5, tbt_s=10))
+    g = M.goodput(tr, M.SLO(ttft_s=0.5, max_tbt_s=10))
     assert g["good_requests"] == 0 and g["goodput_requests_per_s"] == 0.0
 
 
@@ -230,3 +230,11 @@ def test_summary_without_slo_has_blank_goodput():
     s = M.summarize(latency_trace())
     assert s["goodput_tokens_per_s"] is None and s["slo_ttft_s"] is None
     assert isinstance(M.tbt_values(latency_trace()), np.ndarray)
+
+
+def test_the_trace_slo_bounds_the_max_tbt_under_that_name():
+    slo = M.SLO(ttft_s=1.6, max_tbt_s=1.2)
+    s = M.summarize(latency_trace(), slo=slo)
+    assert s["slo_max_tbt_s"] == 1.2 and "slo_tbt_s" not in s
+    with pytest.raises(TypeError):
+        M.SLO(ttft_s=1.0, tbt_s=1.2)  # one name for one bound: the max gap, not loadgen's TPOT

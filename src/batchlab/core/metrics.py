@@ -20,7 +20,10 @@ The terms:
   and prompt padding (what a rectangular batch would compute to line prompts up), over
   all tokens computed counting that padding.
 - **Goodput**: throughput counting only requests that met the service-level objectives
-  (SLOs): TTFT within ``slo.ttft_s`` and every gap within ``slo.tbt_s``.
+  (SLOs): TTFT within ``slo.ttft_s`` and the *largest* gap between tokens within
+  ``slo.max_tbt_s`` (a max-TBT SLO: one stall fails the request). Not to be confused with
+  ``loadgen``'s client-side goodput, which bounds a request's *mean* TPOT (vLLM's rule),
+  so a single stall there is averaged away.
 - **Scheduler share**: ``1 - Σ forward_s / Σ step duration``: the fraction of step time
   spent outside the model's forward passes (scheduling, sampling, bookkeeping).
 
@@ -43,11 +46,12 @@ PERCENTILE_METHOD = "linear"
 
 @dataclass(frozen=True)
 class SLO:
-    """Service-level objectives: a request is *good* if its first token came within
-    ``ttft_s`` of its arrival and no gap between its tokens was longer than ``tbt_s``."""
+    """Service-level objectives on a trace: a request is *good* if its first token came
+    within ``ttft_s`` of its arrival and no gap between its tokens was longer than
+    ``max_tbt_s`` (a bound on the max TBT, not on the mean TPOT that ``loadgen`` bounds)."""
 
     ttft_s: float
-    tbt_s: float
+    max_tbt_s: float
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -202,17 +206,18 @@ def decode_step_by_batch(trace: Trace) -> dict[int, float]:
 
 # -- goodput ----------------------------------------------------------------------------------
 def meets_slo(r: RequestRecord, slo: SLO) -> bool:
-    """Did this request complete within both objectives?"""
+    """Did this request complete within both objectives: its TTFT within ``slo.ttft_s``
+    and its largest gap between tokens within ``slo.max_tbt_s``?"""
     if r.finished_s is None or r.finish_reason == "cancelled" or r.first_token_s is None:
         return False
     if r.first_token_s - r.arrival_s > slo.ttft_s:
         return False
     gaps = request_tbts(r)
-    return not (gaps.size and gaps.max() > slo.tbt_s)
+    return not (gaps.size and gaps.max() > slo.max_tbt_s)
 
 
 def goodput(trace: Trace, slo: SLO) -> dict:
-    """Requests meeting ``slo``: how many, their share of all requests, and the requests
+    """Requests meeting ``slo`` (TTFT and max TBT): how many, their share of all requests, and the requests
     and output tokens per second they amount to."""
     good = [r for r in trace.requests.values() if meets_slo(r, slo)]
     n = len(trace.requests)
@@ -255,7 +260,7 @@ def summarize(trace: Trace, slo: SLO | None = None, decode_batch: int | None = N
         "decode_step_s": decode_step_s(trace, decode_batch),
     }
     if slo is not None:
-        out.update(goodput(trace, slo), slo_ttft_s=slo.ttft_s, slo_tbt_s=slo.tbt_s)
+        out.update(goodput(trace, slo), slo_ttft_s=slo.ttft_s, slo_max_tbt_s=slo.max_tbt_s)
     else:
         out.update(
             good_requests=None,
@@ -263,7 +268,7 @@ def summarize(trace: Trace, slo: SLO | None = None, decode_batch: int | None = N
             goodput_requests_per_s=None,
             goodput_tokens_per_s=None,
             slo_ttft_s=None,
-            slo_tbt_s=None,
+            slo_max_tbt_s=None,
         )
     return out
 

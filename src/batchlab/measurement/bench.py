@@ -26,13 +26,23 @@ from mlx.utils import tree_flatten
 from . import driver, microbench, workloads
 from ..core import metrics
 from ..core.engine import make_engine, scheduler_class
-from ..core.scheduler import KINDS, ContinuousScheduler, StallFreeScheduler, StaticScheduler
+from ..core.scheduler import (
+    KINDS,
+    ContinuousScheduler,
+    SequentialScheduler,
+    StallFreeScheduler,
+    StaticScheduler,
+)
 from ..model.load import LoadedModel
 from .peers import run_mlxlm_workload
 from ..core.trace import Trace
 
 CHUNK = ContinuousScheduler.bench_variants["chunked"]["prefill_step"]  # its prefill_step
 PREFILL_HEAVY = "high_variance"  # the workload whose figures keep their old, unprefixed names
+# kind names as the registry's classes carry them (the bench's figures name these engines)
+SEQUENTIAL, STATIC = SequentialScheduler.kind, StaticScheduler.kind
+CONTINUOUS, STALLFREE = ContinuousScheduler.kind, StallFreeScheduler.kind
+MLXLM = "mlx-lm"  # the peer, mlx-lm's BatchGenerator: not a kind of ours
 
 
 def engines(batch_size: int) -> dict[str, dict]:
@@ -101,11 +111,13 @@ def schedule(experiments, repetitions: int, extra: list[str] = ()) -> list[tuple
     slowest run of the prefill-heavy workload."""
     order = []
     for name, _, batch_sizes in experiments:
-        for rep in range(repetitions):
-            if name == PREFILL_HEAVY and rep == 0:  # the baseline: it has no batch size
-                order.append((rep, name, 1, "sequential"))
-            for b in batch_sizes:
-                order += [(rep, name, b, e) for e in list(engines(b)) + list(extra) + ["mlx-lm"]]
+        baseline = [(1, SEQUENTIAL)] if name == PREFILL_HEAVY else []  # it has no batch size
+        runs = baseline + [(b, e) for b in batch_sizes for e in [*engines(b), *extra, MLXLM]]
+        order += [
+            (rep, name, b, e)
+            for rep, (b, e) in driver.interleaved_order(runs, repetitions)
+            if rep == 0 or (b, e) not in baseline
+        ]
     return order
 
 
@@ -197,10 +209,10 @@ def run_engine(
     """One run of one engine on one workload (a fresh engine: no state carries over).
     ``extra_engines``: name -> make_engine arguments (with ``kind``, a name or a Scheduler
     subclass) of engines beside ours; ``max_batch_size`` defaults to the run's."""
-    if engine_name == "mlx-lm":
+    if engine_name == MLXLM:
         return run_mlxlm_workload(lm, wl, batch_size, progress=progress)
-    if engine_name == "sequential":
-        config = dict(kind="sequential")
+    if engine_name == SEQUENTIAL:
+        config = dict(kind=SEQUENTIAL)
     elif extra_engines and engine_name in extra_engines:
         config = {"max_batch_size": batch_size, **extra_engines[engine_name]}
     else:
@@ -324,7 +336,7 @@ def run_bench(
     started = time.time()
     repetitions = repetitions or (1 if quick else 3)
     extra_engines = dict(extra_engines or {})
-    clash = set(extra_engines) & {"sequential", "mlx-lm", *engines(1)}
+    clash = set(extra_engines) & {SEQUENTIAL, MLXLM, *engines(1)}
     if clash:
         raise ValueError(f"extra engine names must differ from ours: {', '.join(sorted(clash))}")
     experiments = plan(lm, quick)
@@ -334,13 +346,7 @@ def run_bench(
     machine = measure(lm)
     per_rep = [headline_figures(t, experiments, machine, list(extra_engines)) for t in traces]
     figures, spreads = median_figures(per_rep)
-    figures["stallfree_token_budget"] = {  # as the stall-free scheduler chose them (from its TBT target)
-        str(b): trace.token_budget
-        for (_, b, engine_name), trace in sorted(traces[0].items())
-        if engine_name == STALLFREE
-    }
-    records = runs + list(machine.get("microbench_loads", {}).values())
-    shares = [r["others_cpu_share"] for r in records if r.get("others_cpu_share") is not None]
+    figures["stallfree_token_budget"] = stallfree_budgets(traces[0])
     result = {
         "machine": f"{platform.system()} {platform.machine()}",
         "quick": quick,
@@ -350,11 +356,7 @@ def run_bench(
         "backend": lm.info.backend,
         "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
         "seconds": time.time() - started,
-        "load_threshold": LOAD_THRESHOLD,
-        "others_threshold": OTHERS_THRESHOLD,
-        "max_load": max(r[k] for r in records for k in ("load_before", "load_after")),
-        "max_others_cpu_share": max(shares) if shares else None,
-        "under_load": under_load(records),
+        **load_summary(runs + list(machine.get("microbench_loads", {}).values())),
         "workloads": {name: wl.summary() for name, wl, _ in experiments},
         "tbt_slo": tbt_slo,
         "extra_engines": sorted(extra_engines),
@@ -365,14 +367,39 @@ def run_bench(
         "figure_spreads": spreads,
     }
     if json_out:
-        out = Path(json_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
-        save_plots(traces[0], out.with_suffix(""))
+        write_result(result, traces[0], json_out)
     return result
 
 
-STATIC, CONTINUOUS, STALLFREE = StaticScheduler.kind, ContinuousScheduler.kind, StallFreeScheduler.kind
+def stallfree_budgets(traces: dict[tuple[str, int, str], Trace]) -> dict[str, int]:
+    """The token budget of each stall-free run by batch size, as the scheduler chose it
+    (from its TBT target)."""
+    return {
+        str(b): trace.token_budget
+        for (_, b, engine_name), trace in sorted(traces.items())
+        if engine_name == STALLFREE
+    }
+
+
+def load_summary(records: list[dict]) -> dict:
+    """The load around every run and micro-benchmark: the thresholds, the highest load
+    average and CPU share of other processes, and whether the bench ran under load."""
+    shares = [r["others_cpu_share"] for r in records if r.get("others_cpu_share") is not None]
+    return {
+        "load_threshold": LOAD_THRESHOLD,
+        "others_threshold": OTHERS_THRESHOLD,
+        "max_load": max(r[k] for r in records for k in ("load_before", "load_after")),
+        "max_others_cpu_share": max(shares) if shares else None,
+        "under_load": under_load(records),
+    }
+
+
+def write_result(result: dict, traces: dict[tuple[str, int, str], Trace], json_out: str) -> None:
+    """The bench's JSON at ``json_out``, and the plots of ``traces`` (one repetition's) beside it."""
+    out = Path(json_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    save_plots(traces, out.with_suffix(""))
 
 
 def _ratio(a, b):
@@ -429,10 +456,10 @@ def batching_figures(traces, name: str, wl: workloads.Workload, b: int, machine:
     figures = {
         f"{prefix}continuous_over_static_tokps": _ratio(ours[CONTINUOUS], ours[STATIC]),
         f"{prefix}no_waste_over_static_tokps": _ratio(no_waste, ours[STATIC]),
-        f"{prefix}ours_over_mlxlm_tokps": _ratio(ours[best], tokps("mlx-lm")),
+        f"{prefix}ours_over_mlxlm_tokps": _ratio(ours[best], tokps(MLXLM)),
         f"{prefix}ours_best_engine": best,
     }
-    for e in list(engines(b)) + list(extra) + ["mlx-lm"]:
+    for e in [*engines(b), *extra, MLXLM]:
         figures[f"{name}_fraction_of_no_waste_{e.replace('-', '_')}"] = _ratio(tokps(e), no_waste)
     return figures
 
@@ -450,7 +477,7 @@ def interference_figures(traces, experiments) -> dict:
     return {
         "stallfree_p99_tbt_over_decode_step": p99_over_step(STALLFREE),
         "naive_p99_tbt_over_decode_step": p99_over_step(CONTINUOUS),
-        "mlxlm_p99_tbt_over_decode_step": p99_over_step("mlx-lm"),
+        "mlxlm_p99_tbt_over_decode_step": p99_over_step(MLXLM),
         "stallfree_tokps_over_naive": _ratio(
             metrics.output_tokens_per_s(traces[(name, b, STALLFREE)]),
             metrics.output_tokens_per_s(traces[(name, b, CONTINUOUS)]),
@@ -504,18 +531,30 @@ def roofline_figures(machine: dict) -> dict:
 def format_table(result: dict) -> str:
     """The medians over the repetitions, each with its min-max spread, under a header that
     says the repetitions and the load (and warns when the machine was loaded)."""
-    cols = [
-        ("workload", "workload", "{}"),
-        ("B", "batch_size", "{}"),
-        ("engine", "engine", "{}"),
-        ("tok/s", "output_tokens_per_s", "{:.1f}"),
-        ("TTFT p50", "ttft_p50_s", "{:.2f}"),
-        ("TTFT p99", "ttft_p99_s", "{:.2f}"),
-        ("TBT p50", "tbt_p50_s", "{:.3f}"),
-        ("TBT p99", "tbt_p99_s", "{:.3f}"),
-        ("TBT max", "tbt_max_s", "{:.3f}"),
-        ("occupancy", "slot_occupancy", "{:.0%}"),
-    ]
+    rows = table_rows(result)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join([table_header(result), *lines, "", *figure_lines(result)]) + "\n(times in seconds)"
+
+
+TABLE_COLUMNS = [  # (heading, summary key, format)
+    ("workload", "workload", "{}"),
+    ("B", "batch_size", "{}"),
+    ("engine", "engine", "{}"),
+    ("tok/s", "output_tokens_per_s", "{:.1f}"),
+    ("TTFT p50", "ttft_p50_s", "{:.2f}"),
+    ("TTFT p99", "ttft_p99_s", "{:.2f}"),
+    ("TBT p50", "tbt_p50_s", "{:.3f}"),
+    ("TBT p99", "tbt_p99_s", "{:.3f}"),
+    ("TBT max", "tbt_max_s", "{:.3f}"),
+    ("occupancy", "slot_occupancy", "{:.0%}"),
+]
+
+
+def table_rows(result: dict) -> list[list[str]]:
+    """The table's cells: the headings, then one row per median row, each figure with its
+    min-max spread, and the load around that row's runs."""
 
     def cell(row, key, fmt):
         if row.get(key) is None:
@@ -535,11 +574,14 @@ def format_table(result: dict) -> str:
         shares = [r["others_cpu_share"] for r in runs if r.get("others_cpu_share") is not None]
         return [f"{min(values):.1f}-{max(values):.1f}", f"{max(shares):.0%}" if shares else "-"]
 
-    rows = [[h for h, _, _ in cols] + ["load", "others"]]
-    rows += [[cell(row, k, fmt) for _, k, fmt in cols] + load(row) for row in result["medians"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    rows = [[h for h, _, _ in TABLE_COLUMNS] + ["load", "others"]]
+    return rows + [
+        [cell(row, k, fmt) for _, k, fmt in TABLE_COLUMNS] + load(row) for row in result["medians"]
+    ]
+
+
+def table_header(result: dict) -> str:
+    """What the table shows: the repetitions and the load, with a warning under load."""
     header = (
         f"median of {result['repetitions']} interleaved repetition(s), (min-max), the "
         f"sequential baseline one run; "
@@ -554,15 +596,19 @@ def format_table(result: dict) -> str:
             else f"load average up to {result['max_load']:.2f} > {result['load_threshold']}"
         )
         header = f"UNDER LOAD ({why}): absolute times are unreliable, ratios less so. " + header
-    lines.insert(0, header)
-    lines.append("")
+    return header
+
+
+def figure_lines(result: dict) -> list[str]:
+    """One line per headline figure, with its min-max spread where the repetitions differ."""
+    lines = []
     for k, v in result["figures"].items():
         spread = result["figure_spreads"].get(k)
         text = f"{v:.3f}" if isinstance(v, float) else f"{v}"
         if spread and spread[0] != spread[1]:
             text += f" ({spread[0]:.3f}-{spread[1]:.3f})"
         lines.append(f"{k:38s} {text}")
-    return "\n".join(lines) + "\n(times in seconds)"
+    return lines
 
 
 def save_plots(traces, stem: Path) -> list[Path]:

@@ -9,7 +9,8 @@ relative error measured on the other third (held out), so the error it reports i
 error on passes it has not seen.
 
 Attention costs the same whatever numbers sit in the KV cache, so a pass's context is
-made by handing its request KV blocks, not by running its prompt first.
+made by handing its request KV blocks, not by running its prompt first: the passes are
+built by ``microbench.designed_pass``, the builder the micro-benchmarks use too.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from datetime import datetime, timezone
 
 import numpy as np
 
+from .driver import interleaved_order
 from ..core.kv import BlockManager
 from ..core.runner import Chunk
 from ..model.model_runner import ModelRunner
 from ..core.costmodel import FEATURES, CostModel, pass_features
+from .microbench import designed_pass, pass_runner
 
 DECODE_ROWS = (1, 2, 4, 8, 12, 16)
 DECODE_CONTEXTS = (32, 128, 384, 768)
@@ -56,22 +59,11 @@ def designed_passes(quick: bool = False) -> list[list[tuple[int, int]]]:
     return passes[::3] if quick else passes
 
 
-def _chunks(blocks: BlockManager, shape: list[tuple[int, int]]) -> list[Chunk]:
-    """Chunks of one designed pass, each with the KV blocks its context needs."""
-    chunks = []
-    for i, (start, n) in enumerate(shape):
-        rid = f"fit-{i}"
-        blocks.reserve(rid, start + n)
-        table = blocks.ensure(rid, start + n)
-        chunks.append(Chunk(rid, [1 + (i + j) % 1000 for j in range(n)], start, list(table)))
-    return chunks
-
-
 def time_pass(
     runner: ModelRunner, blocks: BlockManager, shape: list[tuple[int, int]]
 ) -> tuple[list[Chunk], float]:
     """The chunks of one designed pass and the seconds one run of it took."""
-    chunks = _chunks(blocks, shape)
+    chunks = designed_pass(blocks, shape)
     try:
         t = time.perf_counter()
         runner.forward(chunks)
@@ -91,20 +83,18 @@ def measure(lm, quick: bool = False, reps: int = 3, progress: bool = True) -> tu
     chances to meet a quiet moment."""
     from tqdm.auto import tqdm
 
-    blocks = BlockManager(-(-POOL_TOKENS // 16), 16)
-    runner = ModelRunner(lm, blocks.num_blocks, blocks.block_size)
+    blocks, runner = pass_runner(lm, -(-POOL_TOKENS // 16))
     shapes = designed_passes(quick)
     best = np.full(len(shapes), np.inf)
     xs = []
     with tqdm(total=(reps + 1) * len(shapes), desc="timing passes", disable=not progress) as bar:
-        for round_ in range(reps + 1):
-            for i, shape in enumerate(shapes):
-                chunks, seconds = time_pass(runner, blocks, shape)
-                if round_ == 0:
-                    xs.append(pass_features(chunks))
-                else:
-                    best[i] = min(best[i], seconds)
-                bar.update()
+        for round_, i in interleaved_order(range(len(shapes)), reps + 1):
+            chunks, seconds = time_pass(runner, blocks, shapes[i])
+            if round_ == 0:
+                xs.append(pass_features(chunks))
+            else:
+                best[i] = min(best[i], seconds)
+            bar.update()
     return np.array(xs), best
 
 

@@ -9,7 +9,7 @@ sends them, so it sits above the engine.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
 
 import numpy as np
@@ -50,8 +50,6 @@ def run_workload(
     """
     from tqdm.auto import tqdm
 
-    from ..core.policies import QueueFull
-
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)  # stable: ties keep order
     if len({r.id for r in reqs}) != len(reqs):
         raise ValueError("workload request ids must be unique")
@@ -70,56 +68,88 @@ def run_workload(
     try:
         while True:
             wall = clock()
-            now = wall - t0
-            if timeout_s is not None and now > timeout_s:
-                for rid, rec in records.items():
-                    if rec.finished_s is None:
-                        engine.cancel(rid)
-                engine.step()  # sweeps the cancelled requests out
+            if timeout_s is not None and wall - t0 > timeout_s:
+                _cancel_unfinished(engine, records)
                 break
-            # due times compared as the idle wait sets them (t0 + arrival), so a virtual
-            # clock's rounding cannot leave a request forever just short of due
-            while nxt < len(reqs) and t0 + reqs[nxt].arrival_s <= wall:
-                r, due = reqs[nxt], t0 + reqs[nxt].arrival_s
-                nxt += 1
-                extra = {} if priorities is None else {"priority": priorities[r.id]}
-                try:
-                    engine.submit(
-                        r.prompt_ids,
-                        max_new_tokens=r.max_new_tokens,
-                        ignore_eos=True,
-                        temperature=temperature,
-                        request_id=r.id,
-                        arrival_s=due,
-                        **extra,
-                    )
-                except QueueFull:
-                    records[r.id] = RequestRecord(
-                        r.id,
-                        r.prompt_len,
-                        r.max_new_tokens,
-                        due,
-                        [(due, "finished")],
-                        finished_s=due,
-                        finish_reason="rejected",
-                    )
-                    continue
-                records[r.id] = engine.trace.requests[r.id]
+            nxt = _submit_due(engine, reqs, nxt, t0, wall, records, temperature, priorities)
             if engine.step():
-                step = engine.trace.steps[-1]
-                bar.update(sum(map(len, step.emitted.values())))
-                idle = 0 if step.passes else idle + 1
-                if idle >= max_idle_steps:
-                    raise EngineStuck(
-                        f"the engine stepped {idle} times in a row without running anything: "
-                        f"its scheduler says it has work, but batches() yields nothing"
-                    )
+                idle = _after_step(engine, bar, idle, max_idle_steps)
             elif nxt < len(reqs):
                 wait_until(t0 + reqs[nxt].arrival_s)  # idle: wait for the next arrival
             else:
                 break
     finally:
         bar.close()
+    return _this_run(engine, reqs, records, t0, timeout_s)
+
+
+def _submit_due(engine, reqs, nxt: int, t0: float, wall: float, records, temperature, priorities) -> int:
+    """Submit every request from ``reqs[nxt]`` on that is due at ``wall`` (with ``arrival_s``
+    = when it was due) and note its record; one refused at the door (``QueueFull``) gets a
+    record finished with reason ``"rejected"``. Returns the index of the next one not due."""
+    from ..core.policies import QueueFull
+
+    # due times compared as the idle wait sets them (t0 + arrival), so a virtual
+    # clock's rounding cannot leave a request forever just short of due
+    while nxt < len(reqs) and t0 + reqs[nxt].arrival_s <= wall:
+        r, due = reqs[nxt], t0 + reqs[nxt].arrival_s
+        nxt += 1
+        extra = {} if priorities is None else {"priority": priorities[r.id]}
+        try:
+            engine.submit(
+                r.prompt_ids,
+                max_new_tokens=r.max_new_tokens,
+                ignore_eos=True,
+                temperature=temperature,
+                request_id=r.id,
+                arrival_s=due,
+                **extra,
+            )
+        except QueueFull:
+            records[r.id] = _rejected(r, due)
+            continue
+        records[r.id] = engine.trace.requests[r.id]
+    return nxt
+
+
+def _rejected(r: WorkloadRequest, due: float) -> RequestRecord:
+    """The record of a request refused at the door: finished when it was due, ``"rejected"``."""
+    return RequestRecord(
+        r.id,
+        r.prompt_len,
+        r.max_new_tokens,
+        due,
+        [(due, "finished")],
+        finished_s=due,
+        finish_reason="rejected",
+    )
+
+
+def _cancel_unfinished(engine, records: dict[str, RequestRecord]) -> None:
+    """The timeout: cancel every request still running, and one step sweeps them out."""
+    for rid, rec in records.items():
+        if rec.finished_s is None:
+            engine.cancel(rid)
+    engine.step()  # sweeps the cancelled requests out
+
+
+def _after_step(engine, bar, idle: int, max_idle_steps: int) -> int:
+    """Count the step that just ran: its tokens on the progress bar, and the steps in a row
+    that ran no forward pass (returned), ``EngineStuck`` at ``max_idle_steps``."""
+    step = engine.trace.steps[-1]
+    bar.update(sum(map(len, step.emitted.values())))
+    idle = 0 if step.passes else idle + 1
+    if idle >= max_idle_steps:
+        raise EngineStuck(
+            f"the engine stepped {idle} times in a row without running anything: "
+            f"its scheduler says it has work, but batches() yields nothing"
+        )
+    return idle
+
+
+def _this_run(engine, reqs, records: dict[str, RequestRecord], t0: float, timeout_s) -> Trace:
+    """The trace of this run alone (its steps, its requests in arrival order), once every
+    request has ended; an unfinished request without a timeout, or a failing engine, raises."""
     unfinished = sorted(rid for rid, rec in records.items() if rec.finished_s is None)
     if unfinished and timeout_s is None:
         raise RuntimeError(
@@ -129,6 +159,17 @@ def run_workload(
         engine.raise_if_failing()
     steps = [s for s in list(engine.trace.steps) if s.start_s >= t0]  # this run's steps only
     return replace(engine.trace, steps=steps, requests={r.id: records[r.id] for r in reqs if r.id in records})
+
+
+def interleaved_order(names: Iterable, repetitions: int) -> Iterator[tuple[int, object]]:
+    """(round, name) of every run of side-by-side timing: ``repetitions`` rounds, each
+    running every name once in the order given (A B C A B C ...), so a slow moment of a
+    shared machine lands on all of them instead of on one. The one interleaving of
+    ``run_interleaved``, ``batchlab bench`` and the micro-benchmarks."""
+    names = list(names)
+    for round_ in range(repetitions):
+        for name in names:
+            yield round_, name
 
 
 def run_interleaved(
@@ -158,13 +199,12 @@ def run_interleaved(
             raise ValueError(f"no workload for {', '.join(map(repr, missing))}")
     run_options.setdefault("progress", False)
     traces: dict[str, list[Trace]] = {name: [] for name in engines}
-    for _ in range(repetitions):
-        for name, make in engines.items():
-            made = make()
-            if not isinstance(made, Trace):
-                work = workload[name] if isinstance(workload, Mapping) else workload
-                made = run_workload(made, work, **run_options)
-            traces[name].append(made)
+    for _, name in interleaved_order(engines, repetitions):
+        made = engines[name]()
+        if not isinstance(made, Trace):
+            work = workload[name] if isinstance(workload, Mapping) else workload
+            made = run_workload(made, work, **run_options)
+        traces[name].append(made)
     return traces
 
 

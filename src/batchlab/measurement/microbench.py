@@ -8,16 +8,47 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
 
 from ..model import attention
 from ..model.backend import gpu_path
+from .driver import interleaved_order
 from ..core.kv import BlockManager
 from ..model.load import LoadedModel
 from ..core.runner import Chunk
 from ..model.model_runner import ModelRunner
+
+
+def pass_runner(lm: LoadedModel, num_blocks: int, block_size: int = 16) -> tuple[BlockManager, ModelRunner]:
+    """A block manager of ``num_blocks`` KV blocks and a ``ModelRunner`` on a pool of that
+    size: what designed passes are built in and run on."""
+    blocks = BlockManager(num_blocks, block_size)
+    return blocks, ModelRunner(lm, blocks.num_blocks, blocks.block_size)
+
+
+def designed_chunk(
+    blocks: BlockManager, req_id: str, tokens: list[int], start: int, kv_tokens: int | None = None
+) -> Chunk:
+    """One row of a designed forward pass: ``tokens`` of request ``req_id`` at position
+    ``start`` (``start`` tokens already cached), with the KV blocks of ``kv_tokens`` tokens
+    (default ``start + len(tokens)``) reserved and handed out for it. The blocks are not
+    filled: attention costs the same whatever numbers sit in the cache. The one builder of
+    designed passes: the micro-benchmarks here and ``costfit``'s fitted passes."""
+    kv_tokens = start + len(tokens) if kv_tokens is None else kv_tokens
+    blocks.reserve(req_id, kv_tokens)
+    return Chunk(req_id, list(tokens), start, list(blocks.ensure(req_id, kv_tokens)))
+
+
+def designed_pass(blocks: BlockManager, shape: list[tuple[int, int]], prefix: str = "fit") -> list[Chunk]:
+    """The chunks of one designed pass given as (start, tokens) rows, each a request of its
+    own (``prefix-0``, ``prefix-1``, ...) with the KV blocks its context needs."""
+    return [
+        designed_chunk(blocks, f"{prefix}-{i}", [1 + (i + j) % 1000 for j in range(n)], start)
+        for i, (start, n) in enumerate(shape)
+    ]
 
 
 def fused_step_ratio(
@@ -30,23 +61,15 @@ def fused_step_ratio(
     on the chunk's matrix multiplies (Sarathi-Serve's point); ``fused_over_separate``
     below 1 is what one fused pass saves over two separate passes.
     """
-    blocks = BlockManager(BlockManager.blocks_needed(context + chunk, 16) * (decodes + 1), 16)
-    runner = ModelRunner(lm, blocks.num_blocks, blocks.block_size)
+    blocks, runner = pass_runner(lm, BlockManager.blocks_needed(context + chunk, 16) * (decodes + 1))
     filler = [(i * 7919) % 1000 + 100 for i in range(context + chunk)]
-    rows, tables = [], []
-    for d in range(decodes + 1):
-        blocks.reserve(f"r{d}", context + chunk)
-        tables.append(list(blocks.ensure(f"r{d}", context + chunk)))
-    for d in range(decodes):  # fill each decode row's cache with `context` tokens
-        runner.forward([Chunk(f"r{d}", filler[:context], 0, tables[d])])
-        rows.append(Chunk(f"r{d}", [filler[context]], context, tables[d]))
-    runner.forward([Chunk(f"r{decodes}", filler[:context], 0, tables[decodes])])
-    prefill = Chunk(
-        f"r{decodes}",
-        filler[context : context + chunk],
-        context,  # a continuing chunk
-        tables[decodes],
-    )
+    # every row's KV blocks for context + chunk tokens: decode rows at `context`, the chunk after it
+    rows = [
+        designed_chunk(blocks, f"r{d}", [filler[context]], context, context + chunk) for d in range(decodes)
+    ]
+    prefill = designed_chunk(blocks, f"r{decodes}", filler[context : context + chunk], context)  # continuing
+    for row in rows + [prefill]:  # fill each row's cache with `context` tokens
+        runner.forward([replace(row, tokens=filler[:context], start=0)])
     variants = {"chunk_alone": [prefill], "decode_alone": rows, "fused": rows + [prefill]}
     med = _interleaved_medians(runner, variants, repeats)
     return {
@@ -65,18 +88,12 @@ def chunk_context_ratio(lm: LoadedModel, chunk: int = 64, context: int = 960, re
     chunk after ``context`` tokens, interleaved. Attention is the only part that grows with
     the context (~25 % of the FLOPs at 1k here), so near-BLAS attention keeps
     ``chunk_1k_over_chunk_0`` near 1.3 or below."""
-    blocks = BlockManager(BlockManager.blocks_needed(context + chunk, 16) * 2, 16)
-    runner = ModelRunner(lm, blocks.num_blocks, blocks.block_size)
+    blocks, runner = pass_runner(lm, BlockManager.blocks_needed(context + chunk, 16) * 2)
     filler = [(i * 7919) % 1000 + 100 for i in range(context + chunk)]
-    tables = []
-    for name in ("first", "late"):
-        blocks.reserve(name, context + chunk)
-        tables.append(list(blocks.ensure(name, context + chunk)))
-    runner.forward([Chunk("late", filler[:context], 0, tables[1])])
-    variants = {
-        "chunk_at_0": [Chunk("first", filler[:chunk], 0, tables[0])],
-        "chunk_at_context": [Chunk("late", filler[context:], context, tables[1])],
-    }
+    first = designed_chunk(blocks, "first", filler[:chunk], 0, context + chunk)
+    late = designed_chunk(blocks, "late", filler[context:], context)
+    runner.forward([replace(late, tokens=filler[:context], start=0)])
+    variants = {"chunk_at_0": [first], "chunk_at_context": [late]}
     med = _interleaved_medians(runner, variants, repeats)
     return {
         "chunk": chunk,
@@ -95,11 +112,10 @@ def _interleaved_medians(
     times = {name: [] for name in variants}
     for chunks in variants.values():
         runner.forward(chunks)
-    for _ in range(repeats):
-        for name, chunks in variants.items():
-            start = time.perf_counter()
-            runner.forward(chunks)
-            times[name].append(time.perf_counter() - start)
+    for _, name in interleaved_order(variants, repeats):
+        start = time.perf_counter()
+        runner.forward(variants[name])
+        times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -110,14 +126,10 @@ def decode_scaling(
     forward pass, paged KV): B decode rows, each at ``context`` tokens of cache, ``warmup``
     untimed steps, then the median of ``steps`` timed ones. The rows' KV blocks are handed
     out, not filled by a prefill first: attention costs the same whatever the cache holds."""
-    blocks = BlockManager(BlockManager.blocks_needed(context + 1, 16) * max(batch_sizes), 16)
-    runner = ModelRunner(lm, blocks.num_blocks, blocks.block_size)
-    rows = []
-    for d in range(max(batch_sizes)):
-        blocks.reserve(f"r{d}", context + 1)
-        rows.append(
-            Chunk(f"r{d}", [(d * 7919) % 20000 + 100], context, list(blocks.ensure(f"r{d}", context + 1)))
-        )
+    blocks, runner = pass_runner(lm, BlockManager.blocks_needed(context + 1, 16) * max(batch_sizes))
+    rows = [
+        designed_chunk(blocks, f"r{d}", [(d * 7919) % 20000 + 100], context) for d in range(max(batch_sizes))
+    ]
     out = {}
     for batch in batch_sizes:
         times = []

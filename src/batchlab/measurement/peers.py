@@ -46,46 +46,59 @@ def run_mlxlm_workload(
     nxt = 0
     try:
         while nxt < len(reqs) or left:
-            now = clock()
-            due = []
-            while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
-                due.append(reqs[nxt])
-                nxt += 1
-            if due:
-                uids = gen.insert([r.prompt_ids for r in due], max_tokens=[r.max_new_tokens for r in due])
-                for uid, r in zip(uids, due):
-                    rec = RequestRecord(
-                        r.id,
-                        r.prompt_len,
-                        r.max_new_tokens,
-                        r.arrival_s,
-                        state_times=[(r.arrival_s, "queued")],
-                    )
-                    by_uid[uid] = trace.requests[r.id] = rec
-                    left[uid] = r.max_new_tokens
+            nxt = _insert_due(gen, reqs, nxt, clock(), trace, by_uid, left)
             if not left:
                 time.sleep(max(0.0, reqs[nxt].arrival_s - clock()))
                 continue
-            step = StepRecord(len(trace.steps), clock())
-            _, generated = gen.next()
-            step.end_s = step.forward_s = clock()
-            step.forward_s -= step.start_s
-            step.passes = 1
-            for response in generated:
-                rec = by_uid[response.uid]
-                rec.output_ids.append(int(response.token))
-                rec.token_times_s.append(step.end_s)
-                if rec.first_token_s is None:
-                    rec.first_token_s = step.end_s
-                step.decoded.append(rec.id)
-                step.emitted.setdefault(rec.id, []).append(int(response.token))
-                bar.update(1)
-                if response.finish_reason is not None:
-                    rec.finished_s, rec.finish_reason = step.end_s, response.finish_reason
-                    step.finished[rec.id] = response.finish_reason
-                    del left[response.uid]
-            trace.steps.append(step)
+            trace.steps.append(_step(gen, trace, by_uid, left, clock, bar))
     finally:
         bar.close()
         gen.close()
     return trace
+
+
+def _insert_due(gen, reqs, nxt: int, now: float, trace: Trace, by_uid: dict, left: dict) -> int:
+    """Insert into ``gen`` every request from ``reqs[nxt]`` on that has arrived by ``now``,
+    each with its record (queued at its arrival) and its tokens left; returns the index of
+    the next one not yet arrived."""
+    due = []
+    while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
+        due.append(reqs[nxt])
+        nxt += 1
+    if due:
+        uids = gen.insert([r.prompt_ids for r in due], max_tokens=[r.max_new_tokens for r in due])
+        for uid, r in zip(uids, due):
+            rec = RequestRecord(
+                r.id,
+                r.prompt_len,
+                r.max_new_tokens,
+                r.arrival_s,
+                state_times=[(r.arrival_s, "queued")],
+            )
+            by_uid[uid] = trace.requests[r.id] = rec
+            left[uid] = r.max_new_tokens
+    return nxt
+
+
+def _step(gen, trace: Trace, by_uid: dict, left: dict, clock, bar) -> StepRecord:
+    """One ``gen.next()`` as a step of the trace: its tokens go to their requests' records,
+    and the requests it finished leave ``left``."""
+    step = StepRecord(len(trace.steps), clock())
+    _, generated = gen.next()
+    step.end_s = step.forward_s = clock()
+    step.forward_s -= step.start_s
+    step.passes = 1
+    for response in generated:
+        rec = by_uid[response.uid]
+        rec.output_ids.append(int(response.token))
+        rec.token_times_s.append(step.end_s)
+        if rec.first_token_s is None:
+            rec.first_token_s = step.end_s
+        step.decoded.append(rec.id)
+        step.emitted.setdefault(rec.id, []).append(int(response.token))
+        bar.update(1)
+        if response.finish_reason is not None:
+            rec.finished_s, rec.finish_reason = step.end_s, response.finish_reason
+            step.finished[rec.id] = response.finish_reason
+            del left[response.uid]
+    return step

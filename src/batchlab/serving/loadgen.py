@@ -12,8 +12,10 @@ chunk with text arrives, and from those times alone (nothing from the server's i
   (``stream_options={"include_usage": True}``), otherwise the number of text chunks;
   each request records which (``tokens_from``).
 
-A request is *good* when its TTFT and its TPOT are within the SLOs (vLLM's ``--goodput``
-rule); goodput is good requests per second of the run. Failures (HTTP 4xx/5xx, dropped
+A request is *good* when its TTFT and its mean TPOT are within the SLOs (vLLM's ``--goodput``
+rule); goodput is good requests per second of the run. (``metrics.SLO``, on a trace, bounds
+the *largest* gap between tokens instead, ``max_tbt_s``: there one stall fails a request,
+here it is averaged over the answer.) Failures (HTTP 4xx/5xx, dropped
 connections, timeouts) are counted by kind with the server's message, and never stop the run.
 """
 
@@ -54,13 +56,15 @@ class RequestResult:
 
     @property
     def tpot_s(self) -> float | None:
+        """Time per output token: the mean gap after the first token (None with fewer than 2)."""
         if not self.ok or self.output_tokens < 2 or self.ttft_s is None:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)
 
     def is_good(self, slo_ttft_s: float | None, slo_tpot_s: float | None) -> bool:
-        """Completed, first token within ``slo_ttft_s`` and TPOT within ``slo_tpot_s``
-        (a missing SLO is no constraint; a single-token answer has no TPOT to miss)."""
+        """Completed, first token within ``slo_ttft_s`` and TPOT (the mean gap, ``tpot_s``)
+        within ``slo_tpot_s`` (a missing SLO is no constraint; a single-token answer has no
+        TPOT to miss)."""
         if not self.ok or self.ttft_s is None:
             return False
         if slo_ttft_s is not None and self.ttft_s > slo_ttft_s:

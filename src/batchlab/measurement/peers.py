@@ -6,6 +6,12 @@ every metric and plot of batchlab applies to it unchanged.
 passes of their own, between decode steps; every decoding sequence waits for each of
 those passes. Note that it silently raises ``completion_batch_size`` to
 ``prefill_batch_size`` when that is larger, so we set both to keep B what we say.
+
+Why a run loop of its own, not ``driver.run_workload``: the driver speaks our engine's
+interface (submit, step, poll, cancel, and a trace the engine records), and
+``BatchGenerator`` has none of it (``insert`` and ``next``, answers as they come). This
+loop follows the same arrivals by the same rule (a request is due at its ``arrival_s``)
+and records the same ``Trace``, so every metric reads both alike.
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ their simplest right form: what the checkers must accept. The wrong pieces of
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from batchlab.core.batch import Batch
 from batchlab.core.engine import EngineBase
-from batchlab.core.policies import Policy
+from batchlab.core.policies import AdmissionBase, Policy
 from batchlab.core.request import State
 from batchlab.core.scheduler import ContinuousScheduler, Scheduler
 
@@ -159,3 +161,17 @@ class MyEngine(EngineBase):
             self._finish(req, "cancelled")
             self._cancelled.append(req)
             return True
+
+
+@dataclass(frozen=True)
+class MyAdmission(AdmissionBase):
+    """Lesson 9: shed the queued requests that never started and waited over max_wait_s."""
+
+    def to_shed(self, queue, now):
+        if self.max_wait_s is None:
+            return []
+        return [
+            r
+            for r in queue
+            if r.state is State.QUEUED and not r.output_ids and now - r.arrival_s > self.max_wait_s
+        ]

@@ -155,8 +155,38 @@ def test_a_learners_policy_from_the_command_line(new_kind):
     assert type(options["policy"]).__name__ == "OldestGivesWay" and options["min_prompt"] == 2
     engine = make_engine(new_kind, FakeModel(), runner=FakeRunner, **options)
     assert engine.scheduler.policy is options["policy"]
-    with pytest.raises(SystemExit, match="not a Policy subclass"):
+    with pytest.raises(SystemExit, match="not a subclass of Policy"):
         cli.main(["serve", "--engine", "mykinds:LongestFirst", "--policy", "mykinds:LongestFirst"])
+
+
+def test_a_learners_front_and_shedding_from_the_command_line():
+    """``batchlab serve --front ... --shedding ... --max-wait S`` hands the learner's classes
+    to the server, which builds the engine with them (the real server: the test below)."""
+    import learner_pieces
+
+    args = cli.build_parser().parse_args(
+        [
+            "serve",
+            "--front",
+            "learner_pieces:MyEngine",
+            "--shedding",
+            "learner_pieces:MyAdmission",
+            "--max-wait",
+            "5",
+        ]
+    )
+    pieces = cli.serve_pieces(args)
+    assert pieces == {
+        "engine_class": learner_pieces.MyEngine,
+        "shedding": learner_pieces.MyAdmission,
+        "max_wait_s": 5.0,
+    }
+    for flag, spec, base in [
+        ("--front", "learner_pieces:MyAdmission", "EngineBase"),
+        ("--shedding", "learner_pieces:MyEngine", "AdmissionBase"),
+    ]:
+        with pytest.raises(SystemExit, match=f"not a subclass of {base}"):
+            cli.main(["serve", flag, spec])
 
 
 def test_a_new_kind_in_the_demo(new_kind):
@@ -215,6 +245,46 @@ def test_a_new_kind_serves_the_openai_client(new_kind, lm):
         reply = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
     expected = generate(lm, messages, max_new_tokens=12)
     assert reply.choices[0].message.content == expected.text
+
+
+@pytest.mark.slow
+def test_the_server_runs_a_learners_front_and_shedding(lm):
+    """The served engine is the learner's front (its poll answers every request) with the
+    learner's shedding consulted each step, and answers as the reference engine does."""
+    from openai import OpenAI
+
+    import learner_pieces
+    from batchlab import generate
+    from batchlab.serving.server import serve_in_thread
+
+    calls = {"poll": 0, "to_shed": 0}
+
+    class CountingFront(learner_pieces.MyEngine):
+        def poll(self, req_id):
+            calls["poll"] += 1
+            return super().poll(req_id)
+
+    class CountingShedding(learner_pieces.MyAdmission):
+        def to_shed(self, queue, now):
+            calls["to_shed"] += 1
+            return super().to_shed(queue, now)
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    server = serve_in_thread(
+        lm, "stallfree", engine_class=CountingFront, shedding=CountingShedding, max_wait_s=600.0
+    )
+    try:
+        assert isinstance(server.engine, CountingFront)
+        assert (
+            isinstance(server.engine.admission, CountingShedding)
+            and server.engine.admission.max_wait_s == 600.0
+        )
+        client = OpenAI(base_url=server.base_url + "/v1", api_key="unused")
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+    finally:
+        server.stop()
+    assert reply.choices[0].message.content == generate(lm, messages, max_new_tokens=12).text
+    assert calls["poll"] > 0 and calls["to_shed"] > 0
 
 
 def test_the_command_line_runs_a_learner_module_from_the_current_folder(tmp_path):

@@ -133,16 +133,38 @@ def engine_options(args) -> dict:
     return options
 
 
+def class_from(spec: str, flag: str, base: type) -> type:
+    """A subclass of ``base`` named as module:Class, imported from the current folder
+    (e.g. the learner's ``my_engine.front:MyEngine``)."""
+    from .core.engine import import_from_here
+
+    found = import_from_here(spec, flag)
+    if not (isinstance(found, type) and issubclass(found, base)):
+        raise ValueError(f"{flag} {spec}: not a subclass of {base.__name__}")
+    return found
+
+
 def policy_from(spec: str):
     """A ``Policy`` subclass named as module:Class (e.g. the learner's
     ``my_engine.memory:MyVictimPolicy``), made with no arguments."""
-    from .core.engine import import_from_here
     from .core.policies import Policy
 
-    found = import_from_here(spec, "--policy")
-    if not (isinstance(found, type) and issubclass(found, Policy)):
-        raise ValueError(f"--policy {spec}: not a Policy subclass")
-    return found()
+    return class_from(spec, "--policy", Policy)()
+
+
+def serve_pieces(args) -> dict:
+    """``batchlab serve``'s learner pieces beyond the scheduler: ``--front`` (an
+    ``EngineBase`` subclass: poll and cancel) and ``--shedding`` (an ``AdmissionBase``
+    subclass) with its ``--max-wait``."""
+    from .core.engine import EngineBase
+    from .core.policies import AdmissionBase
+
+    pieces = {"max_wait_s": args.max_wait}
+    if args.front:
+        pieces["engine_class"] = class_from(args.front, "--front", EngineBase)
+    if args.shedding:
+        pieces["shedding"] = class_from(args.shedding, "--shedding", AdmissionBase)
+    return pieces
 
 
 def _cmd_generate(args) -> int:
@@ -212,7 +234,7 @@ def _cmd_serve(args) -> int:
     from .serving.server import check_exposure, serve
 
     check_exposure(args.host, args.api_key, args.insecure)  # before the model takes its seconds to load
-    options = engine_options(args)  # a bad --policy fails before the model loads, too
+    options = engine_options(args) | serve_pieces(args)  # a bad class fails before the model loads, too
     serve(
         load_model(args.model),
         args.scheduler_cls,
@@ -418,6 +440,19 @@ def _serve_parser(sub, extra) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429")
+    srv.add_argument(
+        "--max-wait",
+        type=float,
+        default=None,
+        metavar="S",
+        help="shed a request still waiting to start after S s",
+    )
+    srv.add_argument(
+        "--front", metavar="MODULE:CLASS", help="your poll/cancel front, e.g. my_engine.front:MyEngine"
+    )
+    srv.add_argument(
+        "--shedding", metavar="MODULE:CLASS", help="your shedding policy, e.g. my_engine.policy:MyAdmission"
+    )
     srv.add_argument(
         "--api-key",
         default=os.environ.get("BATCHLAB_API_KEY"),

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .dashboard import add_dashboard
 from .loop import EngineLoop
 from ..model.load import LoadedModel
-from ..core.policies import Admission, QueueFull
+from ..core.policies import Admission, AdmissionBase, QueueFull
 from ..core.trace import RequestRecord
 
 DEFAULT_MAX_TOKENS = 512
@@ -716,18 +716,20 @@ def _start(
     show_prompts: bool,
     engine_options: dict,
     uvicorn_config: dict,
+    shedding: type[AdmissionBase] = Admission,
+    max_wait_s: float | None = None,
 ):
     """What ``batchlab serve`` and :func:`serve_in_thread` share: refuse an exposed ``host``
     without a key, make the engine, start its loop, and put the app on a uvicorn server
-    (``uvicorn_config``: its ``uvicorn.Config`` arguments). Returns (uvicorn server, loop):
+    (``uvicorn_config``: its ``uvicorn.Config`` arguments). ``shedding`` is the admission
+    class, made with ``max_queue`` and ``max_wait_s``. Returns (uvicorn server, loop):
     the caller runs the one, blocking or in a thread, and stops the other. If this fails
     after the loop started, it stops the loop."""
     from ..core.engine import make_engine
 
     check_exposure(host, api_key, insecure)
-    engine = make_engine(
-        kind, lm, trace_limit=trace_limit, admission=Admission(max_queue=max_queue), **engine_options
-    )
+    admission = shedding(max_queue=max_queue, max_wait_s=max_wait_s)
+    engine = make_engine(kind, lm, trace_limit=trace_limit, admission=admission, **engine_options)
     loop = EngineLoop(engine).start()
     try:
         server = Server(lm, loop, model_id or lm.info.name, max_running_per_user)
@@ -747,9 +749,13 @@ def serve(
     insecure: bool = False,
     max_running_per_user: int | None = None,
     show_prompts: bool = False,
+    shedding: type[AdmissionBase] = Admission,
+    max_wait_s: float | None = None,
     **engine_options,
 ) -> None:
-    """Run the server until interrupted (``batchlab serve``)."""
+    """Run the server until interrupted (``batchlab serve``). ``shedding`` (an
+    ``AdmissionBase`` class, e.g. a learner's) sheds what waited over ``max_wait_s``;
+    ``engine_options`` go to ``make_engine`` (``engine_class``: a learner's front)."""
     uv, loop = _start(
         lm,
         kind,
@@ -763,6 +769,8 @@ def serve(
         show_prompts=show_prompts,
         engine_options=engine_options,
         uvicorn_config={"host": host, "port": port, "log_level": "info"},
+        shedding=shedding,
+        max_wait_s=max_wait_s,
     )
     try:
         uv.run()  # here, until SIGTERM or Ctrl+C
@@ -806,13 +814,15 @@ def serve_in_thread(
     insecure: bool = False,
     max_running_per_user: int | None = None,
     show_prompts: bool = False,
+    shedding: type[AdmissionBase] = Admission,
+    max_wait_s: float | None = None,
     **engine_options,
 ) -> ServerThread:
     """Start the server in a background thread of this process (a notebook or a test) and
     return once it accepts connections. ``port=0`` takes a free port; the socket is bound
     here, before the thread starts, so no other process can take it in between.
-    ``api_key``, ``insecure``, ``max_running_per_user`` and ``show_prompts`` are as for
-    ``batchlab serve``."""
+    ``api_key``, ``insecure``, ``max_running_per_user``, ``show_prompts``, ``shedding`` and
+    ``max_wait_s`` are as for ``batchlab serve``."""
     import socket
     import threading
 
@@ -829,6 +839,8 @@ def serve_in_thread(
         show_prompts=show_prompts,
         engine_options=engine_options,
         uvicorn_config={"log_level": "warning"},  # the socket is given to run() instead
+        shedding=shedding,
+        max_wait_s=max_wait_s,
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:

@@ -32,6 +32,8 @@ import re
 import sys
 from pathlib import Path
 
+from . import guard
+
 PACKAGE = "my_engine"
 HISTORY = ".history"
 _root: Path | None = None  # the folder holding my_engine/ (set by setup)
@@ -180,14 +182,28 @@ def piece(module: str, name: str):
     for loaded in [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]:
         del sys.modules[loaded]  # pieces import each other: reload them all from their files
     importlib.invalidate_caches()
-    try:
-        found = importlib.import_module(f"{PACKAGE}.{module}")
-    except Exception as e:  # a learner's file that does not import: say where
-        where = f" (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else ""
-        return Missing(name, f"{PACKAGE}/{module}.py does not import: {type(e).__name__}: {e}{where}")
+    found, why = _load(module)
+    if why:
+        return Missing(name, f"{PACKAGE}/{module}.py {why}")
     if not hasattr(found, name):
         return Missing(name, f"{PACKAGE}/{module}.py defines no {name}")
     return getattr(found, name)
+
+
+def _load(module: str):
+    """``my_engine.<module>`` imported within the checkers' time limit: (the module, None), or (None,
+    why not: it does not import, says where; it never finishes; it changes batchlab, which is put back)."""
+    before = guard.snapshot()
+    outcome = guard.run_guarded(lambda: importlib.import_module(f"{PACKAGE}.{module}"))
+    changed = guard.restore(before)
+    e = outcome.error
+    if outcome.late:
+        return None, f"does not finish importing: it {outcome.late}"
+    if e is not None:  # a learner's file that does not import: say what and where
+        return None, f"does not import: {type(e).__name__}: {e}{guard.where_raised(e)}"
+    if changed:
+        return None, f"does not import cleanly: {guard.library_changed(changed)}"
+    return outcome.value, None
 
 
 def _reference(spec: str):
@@ -212,12 +228,9 @@ def earlier(module: str, name: str | None = None, quiet: bool = True):
     elif is_stub(path.read_text(encoding="utf-8")):
         why = "is not written yet (its file still holds the empty exercise)"
     else:
-        try:
-            found = importlib.import_module(f"{PACKAGE}.{module}")
-            if not hasattr(found, name):
-                why = f"is missing ({PACKAGE}/{module}.py defines no {name})"
-        except Exception as e:  # noqa: BLE001 -- say what, and carry on with the reference
-            why = f"does not import ({type(e).__name__}: {e})"
+        found, why = _load(module)
+        if why is None and not hasattr(found, name):
+            why = f"is missing ({PACKAGE}/{module}.py defines no {name})"
     ref = _reference(reference)
     if why:
         print(

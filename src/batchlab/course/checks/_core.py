@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import math
 import operator
-import os
-import sysconfig
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -14,6 +12,9 @@ from typing import Any, Callable
 from ... import _blas  # noqa: F401  (before mlx)
 import mlx.core as mx
 import numpy as np
+
+from .. import guard
+from ..guard import ours as _ours
 
 OK, FAIL = "✓", "✗"
 
@@ -79,16 +80,6 @@ class CheckFailed(AssertionError):
     """Raised by ``Verdict.raise_if_failed`` for code that wants a hard failure."""
 
 
-_NOT_THE_LEARNERS = (
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),  # batchlab
-    sysconfig.get_paths()["stdlib"],
-)  # e.g. json.loads raising on a bad line
-
-
-def _ours(name: str) -> bool:
-    return name.startswith(_NOT_THE_LEARNERS) or "site-packages" in name or "dist-packages" in name
-
-
 def _where(exc: BaseException) -> str:
     """The learner's line that raised, as ' at `code`', if we can find it."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _ours(f.filename)]
@@ -102,6 +93,15 @@ def run_cases(name: str, fn: Any, cases: list[Case]) -> Verdict:
     return verdict
 
 
+MAX_LATE_CASES = 2  # after this many cases ran out of time, the rest are not run
+_NOT_RUN = "    not run"
+
+
+class WrongType(Exception):
+    """Raised by a checker's call when the learner's code returned or yielded the wrong kind of
+    thing; its message says which method and what it gave, and is the verdict's detail."""
+
+
 def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
     total, labels = len(cases), [c.label for c in cases]
     missing = getattr(fn, "missing_reason", None)  # course.Missing: no usable piece yet
@@ -112,26 +112,26 @@ def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
         why = f"expected your function, got {show(fn)}. Pass the function itself: check.{name}({name})"
         return Verdict(name, 0, total, f"{FAIL} {name}: {why}", labels)
     failures: list[tuple[int, Case, str]] = []
+    late = 0
     for number, case in enumerate(cases, 1):
-        try:
-            got = case.call(fn)
-        except NotImplementedError as e:
+        if late >= MAX_LATE_CASES:
+            failures += [(n, c, _NOT_RUN) for n, c in enumerate(cases[number - 1 :], number)]
+            break
+        before = guard.snapshot()  # the case runs in a thread of its own, its result is judged there too
+        outcome = guard.run_guarded(lambda: _attempt(case, fn))  # (MLX arrays belong to their thread)
+        changed = guard.restore(before)
+        if isinstance(outcome.error, NotImplementedError):
+            e = outcome.error
             why = f"NotImplementedError: {e}" if str(e) else "it still raises NotImplementedError"
             then = "Write your code where it says # YOUR CODE HERE, run that cell, then run this check again."
             why = f"{FAIL} {name}: not written yet ({why}). {then}"
             return Verdict(name, 0, total, why, labels, not_written=True)
-        except Exception as e:  # the learner's code crashed on this case
-            failures.append((number, case, f"    your function raised {type(e).__name__}: {e}{_where(e)}"))
-            continue
-        try:
-            problem = case.compare(got, case.expected)
-        except Exception as e:  # a result so odd that comparing it failed
-            problem = f"it could not be compared with the answer ({type(e).__name__}: {e})"
-        if problem is not None:
-            lines = [f"    expected: {case.show(case.expected)}", f"    got:      {case.show(got)}"]
-            if problem:
-                lines.append(f"    {problem}")
-            failures.append((number, case, "\n".join(lines)))
+        detail = _detail(outcome)
+        late += outcome.late is not None
+        if changed:
+            detail = "\n".join(filter(None, [detail, f"    {guard.library_changed(changed)}"]))
+        if detail is not None:
+            failures.append((number, case, detail))
     passed = total - len(failures)
     if not failures:
         return Verdict(name, passed, total, f"{OK} {name}: {passed}/{total} cases match")
@@ -139,8 +139,42 @@ def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
     head = f"{FAIL} {name}: {passed}/{total} cases match. The first that does not:"
     lines = [head, f"  case {number} of {total}: {case.label}", detail]
     lines += [f"    hint: {case.hint}"] if case.hint else []
-    lines += [f"  case {number} fails too: {case.label}" for number, case, _ in failures[1:]]
+    for number, case, detail in failures[1:]:
+        lines.append(f"  case {number} {'was not run' if detail is _NOT_RUN else 'fails too'}: {case.label}")
+        lines += [detail] if "did not finish" in detail else []
+    if late >= MAX_LATE_CASES and failures[-1][2] is _NOT_RUN:
+        lines.append(f"  ({late} cases ran out of time, so the rest were not run)")
     return Verdict(name, passed, total, "\n".join(lines), [c.label for _, c, _ in failures])
+
+
+def _detail(outcome: guard.Outcome) -> str | None:
+    """The verdict's lines for one case's outcome (None: right)."""
+    if outcome.late is not None:
+        return f"    {FAIL} {outcome.late}"
+    e = outcome.error
+    if e is not None:  # e.g. SystemExit: reported, never raised into the notebook
+        return f"    your function raised {type(e).__name__}: {e}{_where(e)}"
+    return outcome.value
+
+
+def _attempt(case: Case, fn: Any) -> str | None:
+    """Run ``case`` on ``fn`` and judge what came back: the verdict's lines, or None if right."""
+    try:
+        got = case.call(fn)
+    except NotImplementedError:
+        raise  # not written yet: _run says so
+    except WrongType as e:
+        return f"    {e}"
+    except Exception as e:  # the learner's code crashed on this case
+        return f"    your function raised {type(e).__name__}: {e}{_where(e)}"
+    try:
+        problem = case.compare(got, case.expected)
+    except Exception as e:  # a result so odd that comparing it failed
+        problem = f"it could not be compared with the answer ({type(e).__name__}: {e})"
+    if problem is None:
+        return None
+    lines = [f"    expected: {case.show(case.expected)}", f"    got:      {case.show(got)}"]
+    return "\n".join(lines + ([f"    {problem}"] if problem else []))
 
 
 # Comparing what came back. Each ``*_compare`` rejects an answer of the wrong kind with a

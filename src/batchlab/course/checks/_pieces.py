@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 from ...measurement.driver import EngineStuck, run_workload
+from ...core.batch import Batch
 from ...core.engine import make_engine
 from ...core.fake import FakeModel, FakeRunner, TickClock, reference_output
-from ...core.request import clamp_new_tokens
+from ...core.request import Request, clamp_new_tokens
+from ...core.scheduler import Scheduler
 from ...core.trace import Trace
 from ...measurement.workloads import Workload, WorkloadRequest
-from ._core import Case, _where, table, whole_number_compare
+from ..guard import describe, kind_of, ours
+from ._core import Case, WrongType, _where, show, table, whole_number_compare
 
 VOCAB = 64
 MAX_PASSES = 5000  # far more than any case needs: a scheduler that loops is stopped here
@@ -65,6 +70,8 @@ def run_piece(cls, workload: Workload, *, max_seq_len=None, hints=None, prioriti
         engine = make_engine(cls, FakeModel(vocab_size=VOCAB, max_seq_len=4096), **options)
     except Exception as e:
         return Run(None, f"make_engine could not build an engine from your class: {type(e).__name__}: {e}")
+    if type(engine.scheduler).passes is Scheduler.passes:  # what it yields is checked as it comes
+        engine.scheduler.passes = partial(checked_passes, engine.scheduler)
     problem = None
     try:
         trace = run_workload(engine, workload, progress=False, priorities=priorities)
@@ -74,6 +81,8 @@ def run_piece(cls, workload: Workload, *, max_seq_len=None, hints=None, prioriti
         trace, problem = engine.trace, f"the engine got stuck: {e}" + _then(hints.get("stuck"))
     except _TooManyPasses as e:
         trace, problem = engine.trace, f"{e} (does batches() yield passes with nothing in them?)"
+    except WrongType as e:
+        trace, problem = engine.trace, str(e)
     except MemoryError as e:
         blocks = engine.stats()["num_kv_blocks"]
         why = f"the KV pool ran out ({blocks} blocks): MemoryError: {e}{_where(e)}"
@@ -87,6 +96,70 @@ def run_piece(cls, workload: Workload, *, max_seq_len=None, hints=None, prioriti
 
 def _then(hint: str | None) -> str:
     return f"; {hint}" if hint else ""
+
+
+def checked_passes(scheduler: Scheduler):
+    """``Scheduler.passes``, refusing with words (``WrongType``) what is not a ``Batch`` of requests."""
+    scheduler.preempted = []
+    planned = scheduler.batches()
+    if not isinstance(planned, Iterable):
+        where = f"{type(scheduler).__name__}.batches"
+        why = "write it as a generator: `yield Batch(...)` for each forward pass"
+        raise WrongType(f"{where} returned {show(planned)} ({kind_of(planned)}), not passes: {why}")
+    try:
+        for batch in planned:
+            problem = batch_problem(batch)
+            if problem:
+                raise WrongType(f"{_yielder(planned, scheduler)} yielded {problem}")
+            yield batch
+    finally:
+        getattr(planned, "close", lambda: None)()
+
+
+def _yielder(planned, scheduler) -> str:
+    """The learner's generator that yielded last: the innermost of ``planned``'s ``yield from`` chain."""
+    found, gen = None, planned
+    while gen is not None and hasattr(gen, "gi_code"):
+        if gen.gi_frame is not None and not ours(gen.gi_code.co_filename):
+            found = gen
+        gen = gen.gi_yieldfrom
+    return (
+        describe(found.gi_code, found.gi_frame.f_lineno) if found else f"{type(scheduler).__name__}.batches"
+    )
+
+
+def batch_problem(batch) -> str | None:
+    """What is not a ``Batch`` of requests about ``batch``, in words (None: it is one)."""
+    if not isinstance(batch, Batch):
+        return f"{_brief(batch)} ({kind_of(batch)}), not a Batch: yield Batch(decode=..., prefill=...)"
+    for name in ("decode", "padding"):
+        rows = getattr(batch, name)
+        if not isinstance(rows, (list, tuple)):
+            return f"a Batch whose {name} is {_brief(rows)} ({kind_of(rows)}), not a list of requests"
+        odd = next((r for r in rows if not isinstance(r, Request)), None)
+        if odd is not None:
+            return f"a Batch whose {name} holds {_brief(odd)} ({kind_of(odd)}), not a request"
+    if not isinstance(batch.prefill, (list, tuple)):
+        return f"a Batch whose prefill is {_brief(batch.prefill)}, not a list of (request, tokens) pairs"
+    for item in batch.prefill:
+        pair = isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], Request)
+        if not (pair and isinstance(item[1], int) and not isinstance(item[1], bool)):
+            return (
+                f"a Batch whose prefill holds {_brief(item)}: each item is a pair (request, number of tokens)"
+            )
+    return None
+
+
+def _brief(value, depth: int = 0) -> str:
+    """``show``, with a request as ``<request r0>`` (its whole record is pages long)."""
+    if isinstance(value, Request):
+        return f"<request {value.id}>"
+    if depth < 2 and isinstance(value, (list, tuple)) and len(value) <= 8:
+        inner = ", ".join(_brief(v, depth + 1) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner}{',' if len(value) == 1 else ''})"
+    if depth < 2 and isinstance(value, dict) and len(value) <= 8:
+        return "{" + ", ".join(f"{k!r}: {_brief(v, depth + 1)}" for k, v in value.items()) + "}"
+    return show(value)
 
 
 # ---------------------------------------------------------------------------------------

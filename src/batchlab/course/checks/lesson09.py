@@ -7,7 +7,8 @@ from typing import Any
 
 from ...core.policies import Admission, AdmissionBase
 from ...core.request import State
-from ._core import Case, Verdict, mistakes, number_compare, run_cases, table
+from ..guard import kind_of
+from ._core import Case, Verdict, WrongType, mistakes, number_compare, run_cases, show, table
 from ._lineage import lineage_case
 from ._pieces import piece_case
 
@@ -44,7 +45,7 @@ def to_shed(fn: Any) -> Verdict:
 
     def compare(got, expected):
         if not isinstance(got, (list, tuple)):
-            return f"return a list of request ids, not a {type(got).__name__}"
+            return f"return a list of request ids, not {kind_of(got)}"
         if list(got) == expected:
             return None
         if sorted(got) == sorted(expected):
@@ -93,6 +94,27 @@ def _shed_run(admission, name):
     return reasons, sum(len(s.preempted) for s in trace.steps), preempted
 
 
+def _shed(admission, queue, now, ask=None):
+    """``admission.to_shed(queue, now)`` (or ``ask``'s), refused with words (``WrongType``) unless a
+    list of queued requests."""
+    got = (ask or admission.to_shed)(queue, now)
+    where = f"{type(admission).__name__}.to_shed"
+    if not isinstance(got, (list, tuple)):
+        raise WrongType(f"{where} returned {show(got)} ({kind_of(got)}), not a list of requests")
+    odd = next((r for r in got if not any(r is q for q in queue)), None)
+    if odd is not None:
+        why = "return the requests themselves (items of the queue), e.g. [req for req in queue if ...]"
+        raise WrongType(f"{where} returned a list holding {show(odd)}, which is not a queued request: {why}")
+    return got
+
+
+def _checked(admission):
+    """``admission``, its ``to_shed`` answers checked as the engine asks (``_shed``)."""
+    ask = admission.to_shed
+    object.__setattr__(admission, "to_shed", lambda queue, now: _shed(admission, queue, now, ask))  # frozen
+    return admission
+
+
 SHED = "shed if it never started and now - arrival_s > max_wait_s"
 LATE = [("x", 0.5), ("y", 9.0), ("z", 1.0), ("w", 1.5)]
 
@@ -102,7 +124,7 @@ def admission_policy(cls: Any) -> Verdict:
 
     def unit(label, queue, now, max_wait_s):
         def call(f):  # the ids shed; Admission answers
-            return [getattr(r, "id", r) for r in f(max_wait_s=max_wait_s).to_shed(list(queue), now)]
+            return [r.id for r in _shed(f(max_wait_s=max_wait_s), list(queue), now)]
 
         def compare(got, want):
             if got == want:
@@ -130,7 +152,7 @@ def admission_policy(cls: Any) -> Verdict:
             raise AssertionError("checker case 'tight': the reference run had no preemption")
 
         def judge(f):
-            reasons, _, preempted = _shed_run(f(max_wait_s=8.0), name)
+            reasons, _, preempted = _shed_run(_checked(f(max_wait_s=8.0)), name)
             wrong = sorted(r for r in want if reasons.get(r) != want[r])
             if not wrong:
                 return None

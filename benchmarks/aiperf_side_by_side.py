@@ -5,7 +5,8 @@ servers, with the same prompts and settings.
         [--isl 128] [--osl 32] [--seed 0] [--rounds 3] [--batch-size 8] [--model-dir DIR]
         [--json OUT.json] [--md OUT.md]
 
-(``pip install -e .[bench]`` installs aiperf; ``scripts/setup.sh --test`` does.)
+(``scripts/setup.sh --test`` installs aiperf in ``.venv-aiperf``, apart from the course's
+environment: it brings Dash, whose JupyterLab extension would break the lessons' JupyterLab.)
 
 Both servers serve the same weights: ``batchlab serve`` (stall-free, ``--batch-size`` slots)
 and ``mlx_lm.server`` on the folder ``batchlab export-mlx`` writes (the same number of
@@ -75,12 +76,14 @@ SERVER_CPU = ["taskset", "-c", "0"]
 CLIENT_CPU = ["taskset", "-c", "1"]
 
 
+AIPERF_HOME = Path(__file__).resolve().parents[1] / ".venv-aiperf" / "bin" / "aiperf"
+
+
 def aiperf_command() -> str:
-    """The aiperf beside this Python (the bench extra), else the one on PATH."""
-    here = Path(sys.executable).parent / "aiperf"
-    found = str(here) if here.exists() else shutil.which("aiperf")
+    """The aiperf of ``.venv-aiperf`` (``scripts/setup.sh --test``), else the one on PATH."""
+    found = str(AIPERF_HOME) if AIPERF_HOME.exists() else shutil.which("aiperf")
     if found is None:
-        raise SystemExit("aiperf is not installed: pip install -e .[bench]")
+        raise SystemExit("aiperf is not installed: bash scripts/setup.sh --test puts it in .venv-aiperf")
     return found
 
 

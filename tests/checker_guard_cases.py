@@ -92,7 +92,7 @@ def test_an_endless_loop_in_admit_is_stopped_and_named(small_limit):
     assert "did not finish within 0.5 s: still running LoopsInAdmit.admit" in verdict.message
     assert f"(checker_guard_cases.py, line {line_of('while True:  # the endless loop')})" in verdict.message
     assert "an endless loop?" in verdict.message
-    assert "case 3 was not run" in verdict.message  # not 8 x the limit: after 2 cases ran out of time
+    assert "case 4 was not run" in verdict.message  # not 13 x the limit: after 2 cases ran out of time
     assert "(2 cases ran out of time, so the rest were not run)" in verdict.message
     assert_passes("continuous_scheduler", learner_pieces.MyContinuousScheduler)
 
@@ -139,7 +139,7 @@ class ReturnsNothing(learner_pieces.MyStaticScheduler):
 
 
 class YieldsAPair(learner_pieces.MyContinuousScheduler):
-    def prefill_chunk(self):
+    def prefill(self):
         for req in self.running[:1]:
             yield (req, req.prefill_left)  # a pair, not a Batch
 
@@ -180,7 +180,7 @@ class ShedsIds(learner_pieces.MyAdmission):
         (
             "continuous_scheduler",
             YieldsAPair,
-            "YieldsAPair.prefill_chunk (checker_guard_cases.py, line {}) yielded (",
+            "YieldsAPair.prefill (checker_guard_cases.py, line {}) yielded (",
         ),
         ("static_scheduler", PrefillWithoutCounts, "prefill holds <request r0>: each item is a pair"),
         ("engine_front", PollsNone, "poll returns three things"),

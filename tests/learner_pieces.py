@@ -4,18 +4,20 @@ their simplest right form: what the checkers must accept. The wrong pieces of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from batchlab.core.batch import Batch
 from batchlab.core.engine import EngineBase
 from batchlab.core.policies import AdmissionBase, Policy
 from batchlab.core.request import State
-from batchlab.core.scheduler import ContinuousScheduler, Scheduler
+from batchlab.core.scheduler import OnDemandKV, Scheduler
 
 
 class MyStaticScheduler(Scheduler):
     """Lesson 1: start a batch (reserve + begin + take_slot, up to B from the queue front),
-    one prefill pass, decode passes with finished rows as padding, release at the end."""
+    one prefill pass, decode passes with finished rows as padding, release at the end; and
+    the finishing rules."""
 
     kind = "my-static"
     rectangular = True  # a finished row keeps its slot until the whole batch ends
@@ -40,22 +42,46 @@ class MyStaticScheduler(Scheduler):
             for r in list(self.running):
                 self.release(r)
 
+    def finish_reason(self, req, token):
+        if token in req.stop_ids:
+            return "stop"
+        if len(req.output_ids) >= req.max_new_tokens:
+            return "length"
+        return None
 
-class MyContinuousScheduler(ContinuousScheduler):
-    """Lesson 2: one admission at a time (only if it fits), the whole prompt as one pass,
-    awaiting requests into free slots in order."""
+
+class MyContinuousScheduler(MyStaticScheduler):
+    """Lesson 2: the step in phases: admit one request at a time (only if it fits), its
+    whole prompt as a pass of its own, awaiting requests into free slots in order, one
+    decode pass over every slot."""
+
+    kind = "my-continuous"
+    rectangular = False  # a finished request gives its slot back at once
+    prefill_lane = True  # a prefilling request holds no slot yet
+
+    def batches(self):
+        self.admit()
+        yield from self.prefill()
+        self.place()
+        yield from self.decode()
 
     def admit(self):
         if self.queue and not self.in_state(State.PREFILLING, State.AWAITING_SLOT):
-            req = self.policy.next_queued(self.queue)
-            if self.fits(req, self.prefill_step):
-                self.start(req, self.prefill_step)
+            self.admit_next(math.inf)
 
-    def prefill_chunk(self):
+    def admit_next(self, max_tokens):
+        req = self.policy.next_queued(self.queue)
+        n = min(max_tokens, self.chunk(req))
+        if not self.fits(req, n):
+            return None
+        return req, self.start(req, n)
+
+    def chunk(self, req):
+        return req.prefill_left
+
+    def prefill(self):
         for req in self.in_state(State.PREFILLING)[:1]:
-            n = req.prefill_left
-            if self.make_room(req, n):
-                yield Batch(prefill=[(req, n)])
+            yield Batch(prefill=[(req, self.chunk(req))])
 
     def place(self):
         for req in self.in_state(State.AWAITING_SLOT):
@@ -64,20 +90,34 @@ class MyContinuousScheduler(ContinuousScheduler):
             self.take_slot(req)
             req.set_state(State.DECODING, self.clock())
 
+    def decode(self):
+        rows = [r for r in self.slots if r is not None]
+        if rows:
+            yield Batch(decode=rows)
+
 
 class MyChunkedScheduler(MyContinuousScheduler):
     """Lesson 4: at most ``prefill_step`` tokens of the prefilling request a step."""
 
-    def prefill_chunk(self):
-        for req in self.in_state(State.PREFILLING)[:1]:
-            n = min(self.prefill_step, req.prefill_left)
-            if self.make_room(req, n):
-                yield Batch(prefill=[(req, n)])
+    kind = "my-chunked"
+
+    def __init__(self, blocks, clock, max_batch_size=8, prefill_step=None, policy=None):
+        super().__init__(blocks, clock, max_batch_size, policy=policy)
+        if prefill_step is not None and (
+            isinstance(prefill_step, bool) or not isinstance(prefill_step, int) or prefill_step < 1
+        ):
+            raise ValueError(f"prefill_step must be an integer >= 1 or None, got {prefill_step!r}")
+        self.prefill_step = prefill_step or math.inf
+
+    def chunk(self, req):
+        return min(self.prefill_step, req.prefill_left)
 
 
 class MyStallFreeScheduler(MyChunkedScheduler):
-    """Lesson 5a: the token-budget planner, written whole (no library helpers)."""
+    """Lesson 5a: the token-budget planner (Sarathi-Serve's Algorithm 3) on the learner's
+    admission and chunk rule."""
 
+    kind = "my-stallfree"
     prefill_lane = False
 
     def __init__(self, blocks, clock, max_batch_size=8, token_budget=64, policy=None):
@@ -91,33 +131,26 @@ class MyStallFreeScheduler(MyChunkedScheduler):
 
     def plan(self):
         decode = self.in_state(State.DECODING)
-        for req in sorted(decode, key=self.policy.importance):
-            if req.slot is not None:
-                self.make_room(req, 1)
-        decode = [r for r in decode if r.slot is not None]
         budget = self.token_budget - len(decode)
         prefill = []
         for req in self.in_state(State.PREFILLING):
-            n = min(budget, req.prefill_left)
-            if n > 0 and req.state is State.PREFILLING and self.make_room(req, n):
+            n = min(budget, self.chunk(req))
+            if n > 0:
                 prefill.append((req, n))
                 budget -= n
         while budget > 0 and self.queue and self.free_slot() is not None:
-            req = self.policy.next_queued(self.queue)
-            if req.id in self.preempted or not self.fits(req, budget):
+            started = self.admit_next(budget)
+            if started is None:
                 break
-            n = self.start(req, budget)
+            req, n = started
             self.take_slot(req)
             prefill.append((req, n))
             budget -= n
-        held = set(map(id, self.running))
-        return Batch(
-            decode=[r for r in decode if id(r) in held], prefill=[(r, n) for r, n in prefill if id(r) in held]
-        )
+        return Batch(decode=decode, prefill=prefill)
 
 
-class MyMemoryScheduler(MyStallFreeScheduler):
-    """Lesson 8: admission by free blocks."""
+class MyMemoryScheduler(OnDemandKV, MyStallFreeScheduler):
+    """Lesson 8: blocks on demand (the mechanism), admission by free blocks (the rule)."""
 
     def fits(self, req, max_tokens):
         hits, cached, n = self.first_chunk(req, max_tokens)

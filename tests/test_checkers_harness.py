@@ -12,14 +12,25 @@ from batchlab.core.scheduler import ContinuousScheduler, StallFreeScheduler, Sta
 
 
 class EmptyPassesForever(ContinuousScheduler):
-    """Yields a pass with nothing in it, every step, for ever."""
+    """Yields a pass with nothing in it, every step, for ever (the base drops empty passes)."""
 
     def batches(self):
         yield Batch()
 
 
+class NeverFinishes(ContinuousScheduler):
+    """Finishing rules that never end a request: it decodes for ever."""
+
+    def finish_reason(self, req, token):
+        return None
+
+
 def test_a_scheduler_that_never_stops_is_stopped_with_words():
     run = _pieces.run_piece(EmptyPassesForever, _pieces.fake_workload("w", [(5, 3)]), max_batch_size=2)
+    assert run.problem and "the engine got stuck" in run.problem and "batches() yields nothing" in run.problem
+    run = _pieces.run_piece(
+        NeverFinishes, _pieces.fake_workload("w", [(5, 3)]), max_batch_size=2, num_kv_blocks=400
+    )
     assert run.problem and "the scheduler never stops" in run.problem
 
 

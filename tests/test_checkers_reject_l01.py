@@ -44,10 +44,65 @@ def end_batch(self):
 
 
 class Static(Scheduler):
-    """What the lesson's stub gives: the base, and a finished row keeps its slot."""
+    """What the lesson's stub gives: the base, and a finished row keeps its slot (with the
+    lesson's finishing rules, so that each wrong piece below has one mistake)."""
 
     kind = "my-static"
     rectangular = True
+    finish_reason = learner_pieces.MyStaticScheduler.finish_reason
+
+
+class Rules(learner_pieces.MyStaticScheduler):
+    """The lesson's batches, with one wrong finishing rule each (below)."""
+
+
+class NeverStops(Rules):
+    """Forgets the stop tokens: EOS never ends a request."""
+
+    def finish_reason(self, req, token):
+        return "length" if len(req.output_ids) >= req.max_new_tokens else None
+
+
+class StopsOnTokenZero(Rules):
+    """Hard-codes EOS as token 0: ignore_eos and stop_token_ids are not honoured."""
+
+    def finish_reason(self, req, token):
+        if token == 0:
+            return "stop"
+        return "length" if len(req.output_ids) >= req.max_new_tokens else None
+
+
+class OneTokenLate(Rules):
+    """Off by one: ends a request only after max_new_tokens + 1 tokens."""
+
+    def finish_reason(self, req, token):
+        if token in req.stop_ids:
+            return "stop"
+        return "length" if len(req.output_ids) > req.max_new_tokens else None
+
+
+class SaysTrue(Rules):
+    """Returns True/False, not a reason."""
+
+    def finish_reason(self, req, token):
+        return token in req.stop_ids or len(req.output_ids) >= req.max_new_tokens
+
+
+class FreesOnlyCleanEndings(Rules):
+    """Ends the batch only when every row stopped or reached its length: a row that ended
+    with an error (a failed pass) keeps the batch, and the engine, stuck."""
+
+    def batches(self):
+        if not self.running:
+            if not start_batch(self):
+                return
+            yield prefill(self)
+        live = [r for r in self.running if not r.finished]
+        if live:
+            yield Batch(decode=live, padding=[r for r in self.running if r.finished])
+        if all(r.finish_reason in ("stop", "length") for r in self.running):
+            for r in list(self.running):
+                self.release(r)
 
 
 class JoinsMidBatch(Static):
@@ -184,13 +239,42 @@ class ForgetsTheBlocks(Static):
         (NeverBegins, 2, "its state was never set to DECODING"),
         (NeverBegins, 2, "self.begin(req)"),
         (ForgetsTheBlocks, 2, "KV block(s) were still held"),
+        (NeverStops, 10, "its first token, made by its prefill, is EOS"),
+        (StopsOnTokenZero, 5, "got only 1 of its 8 tokens"),
+        (OneTokenLate, 2, "should have finished after"),
+        (SaysTrue, 2, "finish_reason returned False"),
+        (FreesOnlyCleanEndings, 12, "the engine got stuck"),
     ],
 )
 def test_static_scheduler_rejects(wrong, first_case, names):
     verdict = checker_quiet("static_scheduler", wrong)
     assert not verdict and not verdict.not_written
-    assert f"The first that does not:\n  case {first_case} of 9" in verdict.message, verdict.message
+    assert f"The first that does not:\n  case {first_case} of 12" in verdict.message, verdict.message
     assert names in verdict.message, verdict.message
+
+
+def test_the_max_seq_len_case_rejects_a_rule_that_reads_max_seq_len_wrong():
+    """max_seq_len is folded into max_new_tokens at submit; a rule that adds the prompt to the
+    count ends requests early at the boundary."""
+
+    class CountsThePrompt(Rules):
+        def finish_reason(self, req, token):
+            if token in req.stop_ids:
+                return "stop"
+            return "length" if req.prompt_len + len(req.output_ids) >= req.max_new_tokens else None
+
+    verdict = checker_quiet("static_scheduler", CountsThePrompt)
+    assert not verdict and "got only" in verdict.message, verdict.message
+
+
+def test_a_piece_without_finishing_rules_is_not_written():
+    class NoRules(Scheduler):
+        kind = "my-static"
+        rectangular = True
+        batches = learner_pieces.MyStaticScheduler.batches
+
+    verdict = checker_quiet("static_scheduler", NoRules)
+    assert not verdict and verdict.not_written and "must write finish_reason" in verdict.message
 
 
 def test_static_scheduler_passes_the_lessons_piece():

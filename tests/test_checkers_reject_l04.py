@@ -1,8 +1,9 @@
-"""Lesson 4's checkers reject known-wrong solutions and name the mistake. The chunked
-scheduler's wrong versions are subclasses of the library's ``ContinuousScheduler`` (the
-learner's extends their own lesson-2 class; the checker sees only the class)."""
+"""Lesson 4's checkers reject known-wrong solutions and name the mistake. Each wrong
+version is the lesson's piece with one mistake."""
 
 from __future__ import annotations
+
+import math
 
 import batchlab  # noqa: F401  (first: OpenBLAS before mlx)
 import pytest
@@ -28,80 +29,112 @@ class NoLastChunk(MyChunkedScheduler):
     """Sends the request to wait for a slot when only the last chunk is left, so that chunk
     (the one that samples the first token) never runs."""
 
-    def prefill_chunk(self):
+    def prefill(self):
         for req in self.in_state(State.PREFILLING)[:1]:
-            n = min(self.prefill_step, req.prefill_left)
+            n = self.chunk(req)
             if n == req.prefill_left and req.num_computed > 0:
                 req.set_state(State.AWAITING_SLOT, self.clock())
                 return
-            if self.make_room(req, n):
-                yield Batch(prefill=[(req, n)])
+            yield Batch(prefill=[(req, n)])
 
 
 class ChunkWithTheDecodes(MyChunkedScheduler):
     """Runs the chunk and the decode rows as one pass (lesson 5's idea, not this engine's)."""
 
-    def prefill_chunk(self):
+    def prefill(self):
         for req in self.in_state(State.PREFILLING)[:1]:
-            n = min(self.prefill_step, req.prefill_left)
-            if self.make_room(req, n):
-                yield Batch(decode=[r for r in self.slots if r is not None], prefill=[(req, n)])
+            yield Batch(decode=[r for r in self.slots if r is not None], prefill=[(req, self.chunk(req))])
 
 
-class NoMakeRoom(MyChunkedScheduler):
-    """Yields each chunk without taking its blocks: fine in a big pool, a MemoryError in a
-    small one."""
+class IgnoresTheStep(MyChunkedScheduler):
+    """Keeps lesson 2's rule: the whole rest of the prompt in one chunk."""
 
-    def prefill_chunk(self):
-        for req in self.in_state(State.PREFILLING)[:1]:
-            yield Batch(prefill=[(req, min(self.prefill_step, req.prefill_left))])
+    def chunk(self, req):
+        return req.prefill_left
+
+
+class OffByOneAtTheBoundary(MyChunkedScheduler):
+    """Leaves one token over when the rest is exactly a chunk: a 256-token prompt in 128 + 127 + 1."""
+
+    def chunk(self, req):
+        return min(self.prefill_step, req.prefill_left - 1) or 1
+
+
+class AdmitsWhilePrefilling(MyChunkedScheduler):
+    """With chunks, a prompt takes several steps: this admits the next one meanwhile, and
+    prefills both."""
+
+    def admit(self):
+        if self.queue and not self.in_state(State.AWAITING_SLOT):
+            self.admit_next(math.inf)
+
+    def prefill(self):
+        for req in self.in_state(State.PREFILLING):
+            yield Batch(prefill=[(req, self.chunk(req))])
+
+
+class StartsBlind(MyChunkedScheduler):
+    """Starts the next request whether or not the pool holds its KV memory."""
+
+    def admit_next(self, max_tokens):
+        req = self.policy.next_queued(self.queue)
+        return req, self.start(req, min(max_tokens, self.chunk(req)))
+
+
+class TakesAnyStep(MyChunkedScheduler):
+    """Never checks prefill_step: 0 silently means 'no chunking', 2.5 makes half tokens."""
+
+    def __init__(self, blocks, clock, max_batch_size=8, prefill_step=None, policy=None):
+        MyContinuousScheduler.__init__(self, blocks, clock, max_batch_size, policy=policy)
+        self.prefill_step = prefill_step or math.inf
 
 
 class NotWritten(MyContinuousScheduler):
-    def prefill_chunk(self):
-        raise NotImplementedError("write prefill_chunk")
+    def __init__(self, blocks, clock, max_batch_size=8, prefill_step=None, policy=None):
+        super().__init__(blocks, clock, max_batch_size, policy=policy)
+        self.prefill_step = prefill_step
+
+    def chunk(self, req):
+        raise NotImplementedError("write chunk")
 
 
-@pytest.mark.parametrize("solution", [ContinuousScheduler, MyChunkedScheduler])
-def test_the_reference_and_the_lessons_piece_pass(solution):
-    verdict = check.chunked_scheduler(solution)
+def test_the_lessons_piece_passes_and_ours_fails_only_the_lineage():
+    verdict = check.chunked_scheduler(MyChunkedScheduler)
     assert verdict, verdict.message
+    ours = check.chunked_scheduler(ContinuousScheduler)
+    assert ours.passed == ours.total - 1 and ours.failed[0].startswith("derives from Scheduler"), ours.message
 
 
-def test_a_chunk_that_ignores_prefill_step_is_rejected():
-    """The lesson-2 piece, not extended: its whole-prompt prefill_chunk ignores prefill_step."""
-    assert_rejected(
-        check.chunked_scheduler(MyContinuousScheduler),
-        "1 of 10",
-        "more than prefill_step=128",
-        "min(prefill_step, tokens left)",
-    )
+@pytest.mark.parametrize(
+    "wrong, first_case, says",
+    [
+        (IgnoresTheStep, "2 of 13", ["more than prefill_step=128", "min(prefill_step, tokens left)"]),
+        (
+            NoLastChunk,
+            "2 of 13",
+            ["r2 went on to awaiting a slot with only 256 of its 300 prompt", "last chunk never ran"],
+        ),
+        (ChunkWithTheDecodes, "2 of 13", ["a pass of its own"]),
+        (
+            OffByOneAtTheBoundary,
+            "2 of 13",
+            ["were [(0, 128), (128, 128), (256, 43), (299, 1)]"],
+        ),
+        (AdmitsWhilePrefilling, "7 of 13", ["step 1 prefilled 2 chunks: one chunk a step"]),
+        (
+            StartsBlind,
+            "12 of 13",
+            ["the KV pool ran out (16 blocks): MemoryError: start(r", "self.fits(req, n)"],
+        ),
+        (TakesAnyStep, "13 of 13", ["prefill_step=0 was accepted"]),
+    ],
+)
+def test_chunked_scheduler_rejects(wrong, first_case, says):
+    assert_rejected(check.chunked_scheduler(wrong), first_case, *says)
 
 
-def test_a_last_chunk_that_never_runs_is_rejected():
-    verdict = check.chunked_scheduler(NoLastChunk)
-    assert_rejected(
-        verdict,
-        "1 of 10",
-        "r2 went on to awaiting a slot with only 256 of its 300 prompt",
-        "last chunk never ran",
-    )
-    assert "fails too: a whole workload" in verdict.message
-
-
-def test_a_chunk_fused_with_the_decodes_is_rejected():
-    assert_rejected(check.chunked_scheduler(ChunkWithTheDecodes), "1 of 10", "a pass of its own")
-
-
-def test_a_chunk_without_make_room_is_rejected_in_the_small_pool():
-    verdict = check.chunked_scheduler(NoMakeRoom)
-    assert_rejected(
-        verdict,
-        "10 of 10",
-        "the KV pool ran out (16 blocks): MemoryError",
-        "self.make_room(req, n) before yielding it",
-    )
-    assert verdict.passed == 9
+def test_a_last_chunk_that_never_runs_fails_the_whole_workloads_too():
+    assert "fails too: a whole workload" in check.chunked_scheduler(NoLastChunk).message
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from batchlab.course import checks
 from batchlab.core.policies import Policy, PriorityPolicy
 
-from learner_pieces import MyVictimPolicy
+from learner_pieces import MyMemoryScheduler, MyVictimPolicy
 from batchlab.core.request import State
 from batchlab.core.scheduler import StallFreeScheduler
 
@@ -14,7 +14,7 @@ def _headroom(scheduler):
     return sum(r.state is State.DECODING for r in scheduler.running)
 
 
-class RightFits(StallFreeScheduler):
+class RightFits(MyMemoryScheduler):
     def fits(self, req, max_tokens):
         hits, cached, n = self.first_chunk(req, max_tokens)
         taken = (
@@ -23,7 +23,7 @@ class RightFits(StallFreeScheduler):
         return taken + _headroom(self) <= self.blocks.num_free
 
 
-class NoHeadroom(StallFreeScheduler):
+class NoHeadroom(MyMemoryScheduler):
     def fits(self, req, max_tokens):
         hits, cached, n = self.first_chunk(req, max_tokens)
         taken = (
@@ -32,12 +32,12 @@ class NoHeadroom(StallFreeScheduler):
         return taken <= self.blocks.num_free
 
 
-class WholePrompt(StallFreeScheduler):
+class WholePrompt(MyMemoryScheduler):
     def fits(self, req, max_tokens):
         return self.blocks.blocks_for(req.prefill_len) + _headroom(self) <= self.blocks.num_free
 
 
-class IgnoresCache(StallFreeScheduler):
+class IgnoresCache(MyMemoryScheduler):
     def fits(self, req, max_tokens):
         n = min(max_tokens, req.prefill_len)
         return self.blocks.blocks_for(n) + _headroom(self) <= self.blocks.num_free
@@ -60,6 +60,35 @@ def test_the_reference_fits_with_the_lessons_victim_passes():
 def test_our_victim_policy_passes_every_case_but_the_lineage():
     verdict = checks.memory_scheduler(RightFits, PriorityPolicy)
     assert verdict.passed == verdict.total - 1 and verdict.failed[0].startswith("the victim policy derives")
+
+
+def test_our_scheduler_passes_every_case_but_the_lineage():
+    verdict = checks.memory_scheduler(StallFreeScheduler, MyVictimPolicy)
+    assert verdict.passed == verdict.total - 1, verdict.message
+    assert verdict.failed[0].startswith("the scheduler mixes OnDemandKV into your own planner")
+
+
+def test_fits_that_only_calls_super_is_not_written():
+    """OnDemandKV is the mechanism: its fits is the kind's to write, so super() reaches nothing."""
+
+    from learner_pieces import MyStallFreeScheduler
+
+    from batchlab.core.scheduler import OnDemandKV
+
+    class OnlySuper(OnDemandKV, MyStallFreeScheduler):
+        def fits(self, req, max_tokens):
+            return super().fits(req, max_tokens)
+
+    verdict = checks.memory_scheduler(OnlySuper, MyVictimPolicy)
+    assert not verdict and verdict.not_written and "must write fits(req, max_tokens)" in verdict.message
+
+
+def test_a_planner_without_on_demand_memory_is_rejected():
+    """The lesson-5a planner alone reserves whole requests: not this lesson's memory."""
+    from learner_pieces import MyStallFreeScheduler
+
+    verdict = checks.memory_scheduler(MyStallFreeScheduler, MyVictimPolicy)
+    assert not verdict and "must derive from OnDemandKV" in verdict.message
 
 
 def test_a_victim_that_only_calls_super_is_not_written():

@@ -14,7 +14,7 @@ import pytest
 
 from batchlab import generate, make_engine
 from batchlab.core.fake import FakeModel, FakeRunner, reference_output
-from batchlab.core.scheduler import ContinuousScheduler, OnDemandKV, Scheduler
+from batchlab.core.scheduler import ContinuousScheduler, OnDemandKV, Scheduler, StopRules
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PROMPTS = {"long": list(range(1, 41)), "short": [3, 4, 5], "mid": list(range(7, 22)), "tiny": [9, 8]}
@@ -78,7 +78,7 @@ def test_readme_scheduler_on_the_real_model(lm):
     assert first_prefill_order(engine)[0] == "tiny"
 
 
-class Threshold(OnDemandKV, Scheduler):
+class Threshold(StopRules, OnDemandKV, Scheduler):
     """A minimal scheduler of its own on the base and the on-demand KV mixin: prefill whole
     prompts one at a time, decode everyone together, but admit only prompts up to
     ``max_prompt`` tokens long at once."""
@@ -88,6 +88,10 @@ class Threshold(OnDemandKV, Scheduler):
     def __init__(self, blocks, clock, max_batch_size: int = 2, max_prompt: int = 16):
         super().__init__(blocks, clock, max_batch_size)
         self.max_prompt = max_prompt
+
+    def fits(self, req, max_tokens):  # its whole prompt, and a block for each decoding row
+        decoding = sum(r.slot is not None for r in self.running)
+        return self.blocks.blocks_for(req.prefill_len) + decoding <= self.blocks.num_free
 
     def batches(self):
         if self.queue and self.free_slot() is not None:
@@ -140,4 +144,8 @@ def test_a_scheduler_that_only_calls_super_is_told_which_method_to_write():
     engine.submit([1, 2, 3], max_new_tokens=2)
     with pytest.raises(NotImplementedError, match=r"Lazy must write batches\(\)"):
         engine.step()
-    assert not any(hasattr(Scheduler, m) for m in ("admit", "place", "plan", "fits", "make_room"))
+    assert not any(hasattr(Scheduler, m) for m in ("admit", "place", "plan", "victim", "make_room"))
+    with pytest.raises(NotImplementedError, match=r"must write finish_reason"):
+        Scheduler.finish_reason(engine.scheduler, None, 0)
+    with pytest.raises(NotImplementedError, match=r"Lazy must write fits"):  # on demand: the kind's rule
+        engine.scheduler.fits(None, 1)

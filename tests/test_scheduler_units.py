@@ -17,6 +17,7 @@ from batchlab.core.scheduler import (
     SequentialScheduler,
     StallFreeScheduler,
     StaticScheduler,
+    StopRules,
 )
 
 EOS = 0
@@ -151,14 +152,20 @@ def test_request_lifecycle_and_finish_reasons():
     r.set_state(State.PREFILLING, 1.0)
     r.num_computed = 3
     assert r.prefill_left == 0
-    assert r.add_token(5, 2.0) is None and r.pending == [5]
-    assert r.add_token(EOS, 3.0) == "stop"
+    rules = StopRules()
+    r.add_token(5, 2.0)
+    assert rules.finish_reason(r, 5) is None and r.pending == [5]
+    r.add_token(EOS, 3.0)
+    assert rules.finish_reason(r, EOS) == "stop"
     r.finish("stop", 3.0)
     assert r.finished and r.record.finish_reason == "stop"
     assert [s for _, s in r.record.state_times] == ["queued", "prefilling", "finished"]
     assert r.record.first_token_s == 2.0 and r.record.token_times_s == [2.0, 3.0]
     long = request("l", 2, 2)
-    assert long.add_token(4, 0.0) is None and long.add_token(4, 0.0) == "length"
+    long.add_token(4, 0.0)
+    assert rules.finish_reason(long, 4) is None
+    long.add_token(4, 0.0)
+    assert rules.finish_reason(long, 4) == "length"
 
 
 def test_preempted_request_recomputes_prompt_and_outputs():

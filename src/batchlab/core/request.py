@@ -103,19 +103,15 @@ class Request:
         """The token a decode step feeds in: the last one generated."""
         return [self.output_ids[-1]]
 
-    def add_token(self, token: int, now: float) -> str | None:
-        """Record a new token; return the finish reason if this token ends the request."""
+    def add_token(self, token: int, now: float) -> None:
+        """Record a new token (whether it ends the request is the scheduler's
+        ``finish_reason``)."""
         self.output_ids.append(token)
         self.pending.append(token)
         self.record.token_times_s.append(now)
         if self.record.first_token_s is None:
             self.record.first_token_s = now
         self._ban_stops_until_min()
-        if token in self.stop_ids:
-            return "stop"
-        if len(self.output_ids) >= self.max_new_tokens:
-            return "length"
-        return None
 
     def _ban_stops_until_min(self) -> None:
         """vLLM's ``min_tokens``: until the request has that many tokens, its sampler may not

@@ -39,6 +39,7 @@ blocks taken as requests grow, preemption), one file per kind, and ``registry``.
 
 from .base import Option, Scheduler
 from .continuous import ContinuousScheduler
+from .finishing import StopRules
 from .on_demand import OnDemandKV
 from .registry import KINDS, import_from_here, register, scheduler_class
 from .sequential import SequentialScheduler
@@ -60,6 +61,7 @@ __all__ = [
     "SequentialScheduler",
     "StallFreeScheduler",
     "StaticScheduler",
+    "StopRules",
     "import_from_here",
     "register",
     "scheduler_class",

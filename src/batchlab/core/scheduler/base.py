@@ -1,6 +1,7 @@
 """The scheduler base: what every kind shares and nothing a kind decides. A queue, B decode
-slots, the KV blocks, and the flow of a pass: ``prepare`` before the runner, ``postprocess``
-after it, ``remove`` / ``release`` when a request leaves, ``fail`` when a pass raises."""
+slots, the KV blocks (reserved whole: ``fits``, ``start``), and the flow of a pass: ``grow``
+and ``prepare`` before the runner, ``postprocess`` after it (asking the kind's
+``finish_reason``), ``remove`` / ``release`` when a request leaves, ``fail`` when a pass raises."""
 
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ class Scheduler:
     """What every policy shares: a queue, B decode slots, the KV blocks, and the flow of
     a pass (``prepare`` before the runner, ``postprocess`` after it).
 
-    It decides nothing: planning (``batches``) is each kind's own code, and a kind that
-    does not write it is told so. Static and sequential batching reserve a request's whole
-    KV memory up front (``reserve``); continuous and stall-free take blocks on demand with
-    ``OnDemandKV`` (``fits``, ``start``, ``make_room``) and preempt when the pool runs dry.
-    ``running`` lists every admitted request (it holds KV blocks), in admission order.
+    It decides nothing: planning (``batches``) and the finishing rules (``finish_reason``)
+    are each kind's own code, and a kind that does not write them is told so. Its KV memory
+    is the simplest there is: ``fits`` / ``start`` reserve a request's whole KV memory
+    (prompt + every token it may generate) when it starts, so nothing ever runs out later.
+    ``OnDemandKV`` replaces that with blocks taken as requests grow, and preemption when the
+    pool runs dry (lesson 8). ``running`` lists every admitted request (it holds KV
+    blocks), in admission order.
     """
 
     kind = "base"
@@ -116,6 +119,23 @@ class Scheduler:
         self.blocks.reserve(req.id, req.prompt_len + req.max_new_tokens)
         return True
 
+    def fits(self, req: Request, max_tokens: float) -> bool:
+        """Can ``req`` start now, its first chunk at most ``max_tokens`` tokens? Here: can the
+        pool promise its whole KV memory (``OnDemandKV`` asks for less)."""
+        return self.blocks.can_reserve(req.prompt_len + req.max_new_tokens)
+
+    def start(self, req: Request, max_tokens: float) -> int:
+        """``req`` (checked with ``fits``) leaves the queue and starts prefilling, its KV memory
+        reserved; returns its first chunk's length: at most ``max_tokens``."""
+        if not self.reserve(req):
+            raise MemoryError(
+                f"start({req.id}): the KV pool cannot hold its {req.prompt_len} + "
+                f"{req.max_new_tokens} tokens now ({self.blocks.num_free} blocks free); "
+                f"start a request only if self.fits(req, ...)"
+            )
+        self.begin(req)
+        return min(max_tokens, req.prefill_left)
+
     def begin(self, req: Request) -> None:
         """``req`` leaves the queue and starts prefilling: it joins ``running``."""
         if req in self.queue:
@@ -153,10 +173,26 @@ class Scheduler:
             )
 
     def passes(self) -> Iterator[Batch]:
-        """This step's passes: what the engine iterates. Starts the step's bookkeeping,
-        then runs the kind's own planning, ``batches()``."""
+        """This step's passes: what the engine iterates. Starts the step's bookkeeping, then
+        runs the kind's own planning, ``batches()``, giving each pass its KV memory (``grow``)."""
         self.preempted = []
-        yield from self.batches()
+        for batch in self.batches():
+            batch = self.grow(batch)
+            if batch.decode or batch.prefill:
+                yield batch
+
+    def grow(self, batch: Batch) -> Batch:
+        """Give ``batch``'s rows the KV memory they write; return the batch that can run. Here
+        nothing to do: every request's memory was reserved whole when it started."""
+        return batch
+
+    def finish_reason(self, req: Request, token: int) -> str | None:
+        """The finishing rules, after ``req`` got ``token`` (already in ``req.output_ids``):
+        "stop", "length", or None to go on (the kind's own code)."""
+        raise NotImplementedError(
+            f'{type(self).__name__} must write finish_reason(req, token): "stop" when token is '
+            f'one of req.stop_ids, "length" when req has max_new_tokens tokens, else None'
+        )
 
     def batches(self) -> Iterator[Batch]:
         """Planning: yield this step's passes, one ``Batch`` each (the kind's own code)."""
@@ -207,7 +243,12 @@ class Scheduler:
         for req, token in zip(batch.requests, tokens):
             if token is None or req.finished:  # nothing sampled, or cancelled during the pass
                 continue
-            reason = req.add_token(token, now)
+            req.add_token(token, now)
+            reason = self.finish_reason(req, token)
+            if reason not in (None, "stop", "length"):
+                raise TypeError(
+                    f'{type(self).__name__}.finish_reason returned {reason!r}: "stop", "length" or None'
+                )
             if reason is not None:
                 req.finish(reason, now)
                 self.remove(req)

@@ -11,10 +11,11 @@ from ..kv import BlockManager
 from ..policies import Policy
 from ..request import State
 from .base import Option, Scheduler
+from .finishing import StopRules
 from .on_demand import OnDemandKV
 
 
-class ContinuousScheduler(OnDemandKV, Scheduler):
+class ContinuousScheduler(StopRules, OnDemandKV, Scheduler):
     """Continuous (iteration-level) batching. Each step:
 
     1. (engine) sweep cancelled requests out;
@@ -64,6 +65,17 @@ class ContinuousScheduler(OnDemandKV, Scheduler):
         yield from self.prefill_chunk()
         self.place()
         yield from self.decode_rows()
+
+    def fits(self, req, max_tokens: float) -> bool:
+        """Admission by free blocks: the pool must hold the first chunk (at most
+        ``max_tokens``, after any cached prefix) and still keep one block of headroom for
+        every decoding request, so that admitting does not at once force a preemption."""
+        hits, cached, n = self.first_chunk(req, max_tokens)
+        taken = (
+            self.blocks.blocks_for(cached + n) - len(hits) + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        )  # evictable hits leave the free pool
+        headroom = sum(r.state is State.DECODING for r in self.running)
+        return taken + headroom <= self.blocks.num_free
 
     def admit(self) -> None:
         """2. Admit one request at a time, and none while another prefills or waits for a

@@ -1,11 +1,13 @@
 """KV memory on demand, for the kinds that let requests grow (continuous, stall-free):
-admission by free blocks (``fits``), starting a request on its cached prefix (``start``),
-taking blocks as it grows and preempting by recompute when the pool runs dry
-(``make_room``, ``preempt``). A mixin: ``class Kind(OnDemandKV, Scheduler)``."""
+starting a request on its cached prefix (``start``), taking blocks as it grows and
+preempting by recompute when the pool runs dry (``make_room``, ``grow``, ``preempt``). The
+admission rule by free blocks, ``fits``, is the kind's own. A mixin:
+``class Kind(OnDemandKV, Scheduler)``."""
 
 from __future__ import annotations
 
-from ..request import Request, State
+from ..batch import Batch
+from ..request import Request
 
 
 class OnDemandKV:
@@ -21,15 +23,12 @@ class OnDemandKV:
         return hits, cached, min(max_tokens, req.prefill_len - cached)
 
     def fits(self, req: Request, max_tokens: float) -> bool:
-        """Admission by free blocks: the pool must hold the first chunk (at most
-        ``max_tokens``, after any cached prefix) and still keep one block of headroom for
-        every decoding request, so that admitting does not at once force a preemption."""
-        hits, cached, n = self.first_chunk(req, max_tokens)
-        taken = (
-            self.blocks.blocks_for(cached + n) - len(hits) + sum(self.blocks.ref_counts[b] == 0 for b in hits)
-        )  # evictable hits leave the free pool
-        headroom = sum(r.state is State.DECODING for r in self.running)
-        return taken + headroom <= self.blocks.num_free
+        """Admission by free blocks: the kind's own rule (the base's reserves whole requests)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must write fits(req, max_tokens): True if the free KV blocks "
+            f"hold req's first chunk of at most max_tokens tokens (after its cached prefix), "
+            f"keeping headroom for the requests already decoding"
+        )
 
     def start(self, req: Request, max_tokens: float) -> int:
         """Admit ``req`` (checked with ``fits``) into prefilling: share its cached prefix,
@@ -51,6 +50,24 @@ class OnDemandKV:
                 return False
         self.blocks.ensure(req.id, req.num_computed + num_tokens)
         return True
+
+    def grow(self, batch: Batch) -> Batch:
+        """Take the blocks every row of ``batch`` writes, the most important rows first, so
+        that when the pool is short the least important give way (``make_room``). Returns the
+        batch without the rows that were preempted. (The shipped kinds took them while
+        planning; a planner that did not gets them here.)"""
+        rows = [(r, 1) for r in batch.decode] + list(batch.prefill)
+        for req, n in sorted(rows, key=lambda row: self.policy.importance(row[0])):
+            if req in self.running:
+                self.make_room(req, n)
+        held = set(map(id, self.running))
+        if all(id(r) in held for r, _ in rows):
+            return batch
+        decode = [r for r in batch.decode if id(r) in held]
+        prefill = [(r, n) for r, n in batch.prefill if id(r) in held]
+        return Batch(
+            decode=decode, prefill=prefill, padding=batch.padding, padding_tokens=batch.padding_tokens
+        )
 
     def preempt(self, req: Request) -> None:
         """Preemption by recompute: free all of ``req``'s blocks and put it back at the

@@ -5,9 +5,10 @@ from __future__ import annotations
 from ..batch import Batch
 from ..kv import BlockManager
 from .base import Option, Scheduler
+from .finishing import StopRules
 
 
-class SequentialScheduler(Scheduler):
+class SequentialScheduler(StopRules, Scheduler):
     """One request at a time: prefill its whole prompt, decode it to the end, next."""
 
     kind = "sequential"

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from ..batch import Batch
 from .base import Scheduler
+from .finishing import StopRules
 
 
-class StaticScheduler(Scheduler):
+class StaticScheduler(StopRules, Scheduler):
     """Static batching: take up to B queued requests, prefill them together, decode until
     the longest is done. Finished rows stay in the batch as padding (computed, thrown
     away, their KV memory held) because a rectangular batch cannot shrink: the batch is

@@ -6,8 +6,18 @@ from __future__ import annotations
 
 from functools import partial
 
+from ...core.scheduler import (
+    ContinuousScheduler,
+    SequentialScheduler,
+    StallFreeScheduler,
+    StaticScheduler,
+    StopRules,
+)
 from ._core import Case
 from ._pieces import piece_case
+
+# every shipped scheduler kind and its finishing rules: what no learner scheduler may extend
+KINDS_OF_OURS = (StaticScheduler, ContinuousScheduler, StallFreeScheduler, SequentialScheduler, StopRules)
 
 
 def ancestry_problem(base: type, references: tuple[type, ...], cls) -> str | None:
@@ -23,7 +33,9 @@ def ancestry_problem(base: type, references: tuple[type, ...], cls) -> str | Non
     if ours:
         return (
             f"{cls.__name__} derives from our {ours[0].__name__}, so it could pass by calling ours: "
-            f"derive from {base.__name__} (or your own earlier piece) and write the methods yourself"
+            f"derive from {base.__name__} (or your own earlier piece) and write the methods yourself. "
+            f"(If it builds on course.earlier(...), an earlier lesson's piece is not written yet and ours "
+            f"stood in for it: write that piece first.)"
         )
     return None
 

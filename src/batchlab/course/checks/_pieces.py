@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -99,7 +101,8 @@ def _then(hint: str | None) -> str:
 
 
 def checked_passes(scheduler: Scheduler):
-    """``Scheduler.passes``, refusing with words (``WrongType``) what is not a ``Batch`` of requests."""
+    """``Scheduler.passes`` (each pass given its KV memory by ``grow``), refusing with words
+    (``WrongType``) what is not a ``Batch`` of requests."""
     scheduler.preempted = []
     planned = scheduler.batches()
     if not isinstance(planned, Iterable):
@@ -111,7 +114,9 @@ def checked_passes(scheduler: Scheduler):
             problem = batch_problem(batch)
             if problem:
                 raise WrongType(f"{_yielder(planned, scheduler)} yielded {problem}")
-            yield batch
+            batch = scheduler.grow(batch)
+            if batch.decode or batch.prefill:
+                yield batch
     finally:
         getattr(planned, "close", lambda: None)()
 
@@ -329,3 +334,164 @@ def count_exercise(name: str, fn, rows, truth: Callable, diagnose: Callable, hin
         return whole_number_compare(lambda got, want: diagnose(lens, B, got, want))
 
     return table(name, fn, rows, truth, judge, hint)
+
+
+# ---------------------------------------------------------------------------------------
+# The finishing rules and a fault: requests submitted one by one (EOS on), judged by outcome.
+
+
+def _prompt_ending_at(index: int, seed: int, stop: int = 0) -> list[int]:
+    """A prompt whose fake answer has ``stop`` first at position ``index`` (0: the prefill's token)."""
+    rng = random.Random(seed)
+    while True:
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 12))]
+        out = reference_output(prompt, index + 1, VOCAB, frozenset())
+        if out[-1] == stop and stop not in out[:-1]:
+            return prompt
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One request of a finishing case: what ``submit`` gets, and the rule it tests, in words."""
+
+    why: str
+    prompt: list[int]
+    max_new_tokens: int
+    ignore_eos: bool = False
+    stop_token_ids: tuple = ()
+
+    def expected(self, max_seq_len: int) -> tuple[list[int], str]:
+        stops = frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else {0})
+        new = clamp_new_tokens(len(self.prompt), self.max_new_tokens, max_seq_len)
+        out = reference_output(self.prompt, new, VOCAB, stops)
+        return out, "stop" if out[-1] in stops else "length"
+
+
+def finishing_asks(seed: int = 0) -> list[Ask]:
+    """The finishing rules at their edges (EOS is token 0 of the fake model)."""
+    eos_first, eos_fourth = _prompt_ending_at(0, seed), _prompt_ending_at(3, seed + 1)
+    plain = [(7 * i + seed) % (VOCAB - 1) + 1 for i in range(9)]
+    stop_at = reference_output(plain, 6, VOCAB, frozenset())
+    stop = next(t for i, t in enumerate(stop_at) if i >= 2 and t not in stop_at[:i] and t != 0)
+    return [
+        Ask("its first token, made by its prefill, is EOS: it ends at once with 'stop'", eos_first, 8),
+        Ask("its 4th token is EOS: 'stop' after 4 tokens", eos_fourth, 10),
+        Ask("ignore_eos: the same prompt runs past EOS to max_new_tokens=6", eos_fourth, 6, ignore_eos=True),
+        Ask(f"stop_token_ids=[{stop}] ends it on that token with 'stop'", plain, 9, True, (stop,)),
+        Ask("max_new_tokens=1: the prefill's token is its last ('length')", plain[:5], 1, True),
+        Ask("exactly max_new_tokens=7 tokens, then 'length'", plain[2:], 7, True),
+    ]
+
+
+def finishing_problem(cls, asks: list[Ask], max_seq_len: int = 4096, fail_pass: int | None = None, **options):
+    """``asks`` submitted together to a fake-model engine around ``cls``; the first request whose
+    tokens or finish reason differ, in words (None: all right). ``fail_pass``: that forward pass
+    raises, and the requests it carried must end with "error" while the rest run on."""
+    runner = _BoundedRunner if fail_pass is None else partial(_FaultyRunner, fail_pass)
+    try:
+        model = FakeModel(vocab_size=VOCAB, max_seq_len=max_seq_len)
+        engine = make_engine(cls, model, runner=runner, clock=TickClock(), max_seq_len=max_seq_len, **options)
+    except Exception as e:
+        return f"make_engine could not build an engine from your class: {type(e).__name__}: {e}"
+    if type(engine.scheduler).passes is Scheduler.passes:
+        engine.scheduler.passes = partial(checked_passes, engine.scheduler)
+    quiet = contextlib.nullcontext() if fail_pass is None else _quiet_log()
+    ids = [
+        engine.submit(a.prompt, a.max_new_tokens, ignore_eos=a.ignore_eos, stop_token_ids=a.stop_token_ids)
+        for a in asks
+    ]
+    try:
+        with quiet:
+            idle = 0  # steps in a row that ran no pass while requests waited
+            while engine.step():
+                idle = 0 if engine.trace.steps[-1].passes else idle + 1
+                if idle > 3:
+                    return "the engine got stuck: batches() yields nothing while requests wait"
+    except (NotImplementedError, _TooManyPasses):
+        raise
+    except WrongType as e:
+        return str(e)
+    except Exception as e:
+        return f"your scheduler raised {type(e).__name__}: {e}{_where(e)}"
+    failed = {rid for s in engine.trace.steps for rid, why in s.finished.items() if why == "error"}
+    for rid, ask in zip(ids, asks):
+        rec = engine.trace.requests[rid]
+        want, reason = ask.expected(max_seq_len)
+        if rid in failed:
+            continue  # its pass was the faulty one
+        if rec.finish_reason is None:
+            return f"{rid} ({ask.why}) never finished: it has {len(rec.output_ids)} tokens"
+        got = list(rec.output_ids)
+        if got != want or rec.finish_reason != reason:
+            said = f"{rid} ({ask.why}) produced {got[:10]} and ended {rec.finish_reason!r}"
+            return f"{said}; expected {want[:10]} ending {reason!r}"
+    if fail_pass is not None and not failed:
+        return (
+            f"the faulty pass (pass {fail_pass}) carried no request, or its requests did not end with 'error'"
+        )
+    stats = engine.stats()
+    held = stats["num_kv_blocks"] - stats["free_kv_blocks"]
+    busy = [r for r in engine.scheduler.slots if r is not None]
+    if held:
+        return f"at the end {held} {HELD}"
+    if busy or engine.scheduler.running or engine.scheduler.queue:
+        return f"at the end requests were still in the scheduler: slots {[r.id for r in busy]}"
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_log():
+    """The engine logs a failed pass with its traceback; the checker's own fault needs no page of it."""
+    log = logging.getLogger("batchlab")
+    was, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = was
+
+
+class _FaultyRunner(_BoundedRunner):
+    """The fake runner whose ``fail_pass``-th forward pass (from 1) raises, as a real device fault would."""
+
+    def __init__(self, fail_pass: int, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fail_pass = fail_pass
+
+    def forward(self, chunks):
+        if len(self.passes) + 1 == self.fail_pass:
+            self.passes.append(chunks)
+            raise RuntimeError("an injected fault in this forward pass (the checker's)")
+        return super().forward(chunks)
+
+
+def finishing_cases(max_batch_size: int, seed: int = 0, hint: str = "") -> list[Case]:
+    """The finishing rules' cases and a fault's, for any scheduler kind."""
+    asks = finishing_asks(seed)
+    long_prompt = [(3 * i + seed) % (VOCAB - 1) + 1 for i in range(60)]
+    edge = [
+        Ask("a 60-token prompt with max_seq_len=64: 4 tokens, then 'length'", long_prompt, 10, True),
+        Ask(
+            "a 63-token prompt with max_seq_len=64: 1 token, then 'length'", long_prompt + [5, 6, 7], 10, True
+        ),
+    ]
+    B = max_batch_size
+    rules = (
+        "finish_reason: 'stop' on a token in req.stop_ids, 'length' at req.max_new_tokens tokens, else None"
+    )
+    return [
+        piece_case(
+            "finishing rules: EOS first, EOS 4th, ignore_eos, a stop token, 1 and 7 tokens",
+            lambda cls: finishing_problem(cls, asks, max_batch_size=B),
+            hint or rules,
+        ),
+        piece_case(
+            "finishing rules: max_seq_len=64 cuts a 60- and a 63-token prompt's outputs",
+            lambda cls: finishing_problem(cls, edge, 64, max_batch_size=B),
+            hint or rules,
+        ),
+        piece_case(
+            "a fault: the 2nd forward pass raises; its requests end 'error', the rest run on",
+            lambda cls: finishing_problem(cls, asks, fail_pass=2, max_batch_size=B),
+            "a pass that fails ends its requests (the base's fail); keep no request of your own",
+        ),
+    ]

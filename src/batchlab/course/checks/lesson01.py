@@ -10,8 +10,16 @@ import numpy as np
 from ...core.scheduler import Scheduler, StaticScheduler
 from ...core.trace import Trace
 from ._core import Verdict, run_cases
-from ._lineage import lineage_case
-from ._pieces import MIXED_OUTPUTS, count_exercise, fake_workload, memory_case, output_problem, piece_case
+from ._lineage import KINDS_OF_OURS, lineage_case
+from ._pieces import (
+    MIXED_OUTPUTS,
+    count_exercise,
+    fake_workload,
+    finishing_cases,
+    memory_case,
+    output_problem,
+)
+from ._pieces import piece_case
 from ._pieces import piece_judge, run_piece, schedule_problem, slot_problem, state_problem
 
 __all__ = ["static_scheduler", "wasted_slot_steps", "static_steps"]
@@ -106,7 +114,8 @@ def _static_judge(rows, B, seed=0, **pool):
 
 
 def static_scheduler(cls) -> Verdict:
-    """Check ``MyStaticScheduler`` (a ``Scheduler`` subclass with the learner's ``batches()``)."""
+    """Check ``MyStaticScheduler`` (a ``Scheduler`` subclass with the learner's ``batches()`` and
+    ``finish_reason()``)."""
     rng = np.random.default_rng(0)  # lengths drawn like the mixed workload's
     mixed = list(zip(rng.integers(40, 301, 16).tolist(), rng.integers(4, 65, 16).tolist()))
     thirty = list(zip(rng.integers(3, 30, 30).tolist(), rng.integers(1, 41, 30).tolist()))
@@ -126,8 +135,9 @@ def static_scheduler(cls) -> Verdict:
     ]
     tight = _static_judge([(20 + 7 * i % 25, 8 + 5 * i % 30) for i in range(12)], 8, seed=7, num_kv_blocks=16)
     label = "memory: 12 requests on a KV pool of 16 blocks of 16 tokens, B=8"
-    lineage = lineage_case(Scheduler, (StaticScheduler,))
-    return run_cases("static_scheduler", cls, [lineage, *cases, memory_case(label, tight, False, hint)])
+    lineage = lineage_case(Scheduler, KINDS_OF_OURS)
+    cases += [memory_case(label, tight, False, hint), *finishing_cases(3, seed=1)]
+    return run_cases("static_scheduler", cls, [lineage, *cases])
 
 
 def _static_trace(output_lens: list[int], B: int) -> Trace:

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 from functools import partial
-from operator import attrgetter
 from typing import Callable
 
 import numpy as np
 
-from ...core.scheduler import ContinuousScheduler
+from ...core.scheduler import ContinuousScheduler, Scheduler
 from ._core import Verdict, run_cases
-from ._pieces import MIXED_OUTPUTS, count_exercise, early_decode_problem, fake_workload, gap_problem
-from ._pieces import memory_case, output_problem, piece_case, piece_judge, run_piece, schedule_problem
+from ._lineage import KINDS_OF_OURS, lineage_case
+from ._pieces import MIXED_OUTPUTS, count_exercise, early_decode_problem, fake_workload, finishing_cases
+from ._pieces import gap_problem, memory_case, output_problem, piece_case, piece_judge, run_piece
 from ._pieces import slot_problem, state_problem
 from .lesson01 import static_step_count
 
 __all__ = ["continuous_scheduler", "continuous_steps"]
 
 HINTS = {
-    "memory": "admit only a request that self.fits(req, self.prefill_step); a chunk's blocks: make_room",
+    "memory": "start a request (self.start) only if self.fits(req, n) says its KV memory is there",
     "stuck": "nothing stood in the way of the next queued request: admit it (self.start) when it fits",
 }
 PLACED = "place() must set each request it places DECODING (req.set_state(State.DECODING, self.clock()))"
@@ -51,6 +51,9 @@ def continuous_invariants(trace, B: int) -> str | None:
         if placed != awaiting[: len(placed)]:
             return f"step {k}: {placed[0]} was placed before {awaiting[0]}, which had waited longer"
         awaiting = awaiting[len(placed) :]
+        for rid in step.slots:
+            if rid is not None and rid not in step.decoded and rid not in step.finished:
+                return f"after step {k}: {rid} holds a slot but made no token"
         if awaiting and len(step.decoded) < B and not step.preempted:
             return f"step {k}: {awaiting[0]} awaited beside a free slot: place() must fill every free slot"
         for rid in step.decoded:
@@ -59,31 +62,11 @@ def continuous_invariants(trace, B: int) -> str | None:
                 return f"step {k}: {rid} moved from slot {slot_of[rid]} to slot {slot}: it keeps its slot"
             if slot is not None:
                 slot_of[rid] = slot
-        for rid in step.slots:
-            if rid is not None and rid not in step.decoded and rid not in step.finished:
-                return f"after step {k}: {rid} holds a slot but made no token"
         for rid in step.preempted:  # it gave everything back and starts over from the queue
             slot_of.pop(rid, None)
             awaiting = [r for r in awaiting if r != rid]
             prefilling = None if prefilling == rid else prefilling
     return None
-
-
-def _words(s, other=None) -> str:
-    pre = ", ".join(f"{rid} ({n} tokens)" for rid, _, n in s.prefill) or "none"
-    slots = ", ".join(r or "free" for r in s.slots)
-    return f"prefill {pre}; decode rows {', '.join(s.decoded) or 'none'}; slots after [{slots}]"
-
-
-def _hint(g, e) -> str | None:
-    if g.slots != e.slots and set(filter(None, g.slots)) == set(filter(None, e.slots)):
-        return "the first waiting request takes the LOWEST free slot (self.take_slot)"
-    if e.prefill and not g.prefill:
-        return "nothing stood in the way here: admit the next queued request (self.policy.next_queued)"
-    return None
-
-
-_schedule = partial(schedule_problem, key=attrgetter("prefill", "decoded", "slots"), words=_words, hint=_hint)
 
 
 def continuous_judge(rules, hints, placed, rows, B, seed=0, max_seq_len=None, **options):
@@ -111,12 +94,13 @@ def continuous_judge(rules, hints, placed, rows, B, seed=0, max_seq_len=None, **
     early = [decoding_set_by_place, no_decode_before_the_whole_prompt]  # also for a run that broke off
     checks = early + [prompts_prefilled_in_order, the_kinds_own_rules, one_request_a_slot_within_B]
     checks.append(outputs_as_the_fake_model_makes_them)
-    options.update(broken=early, schedule=_schedule, hints=hints, max_seq_len=max_seq_len, max_batch_size=B)
-    return piece_judge(ContinuousScheduler, ContinuousScheduler, w, checks, **options)
+    options.update(broken=early, hints=hints, max_seq_len=max_seq_len, max_batch_size=B)
+    return piece_judge(Scheduler, ContinuousScheduler, w, checks, **options)
 
 
 def continuous_scheduler(cls) -> Verdict:
-    """Check ``MyContinuousScheduler``: the rules, the tokens, the library's schedule, every block back."""
+    """Check ``MyContinuousScheduler``: its lineage, the rules of continuous batching on every step
+    (any schedule that keeps them passes), the tokens, the finishing rules, every block back."""
     rng = np.random.default_rng(2)
     short = [int(o) for o in np.clip(np.ceil(rng.exponential(24, 24)), 1, 100)]
     p24, p16 = [int(p) for p in rng.integers(20, 60, 24)], [int(p) for p in rng.integers(40, 120, 16)]
@@ -129,7 +113,7 @@ def continuous_scheduler(cls) -> Verdict:
         ("whole workload: 24 requests, outputs 1 to 100 tokens (most short), B=8", 8, short, p24),
         ("whole workload: 16 requests with the mixed workload's output lengths, B=8", 8, MIXED_OUTPUTS, p16),
     ]
-    admit = "admit(): start the next queued request if it fits and nobody prefills or awaits a slot; "
+    admit = "admit(): start the next queued request if it fits, while nobody prefills or awaits a slot; "
     hint = admit + "place(): move the first awaiting request into a free slot and set it DECODING"
     judge = partial(continuous_judge, continuous_invariants, HINTS, PLACED)
     cases = [
@@ -138,12 +122,14 @@ def continuous_scheduler(cls) -> Verdict:
     ]
     ten = [(20 + 9 * i % 40, 40 + 7 * i % 30) for i in range(10)]
     twelve = [(30 + 23 * i % 90, 30 + 11 * i % 40) for i in range(12)]
-    pressure = [  # (label, rows, B, KV blocks of 16 tokens): the reference preempts in each
-        ("memory: 10 requests on a KV pool of 16 blocks, B=4", ten, 4, 16),
+    pressure = [  # (label, rows, B, KV blocks of 16 tokens): a pool for two or three whole requests
+        ("memory: 10 requests on a KV pool of 16 blocks, B=4: most must wait to start", ten, 4, 16),
         ("memory: 12 requests on 24 blocks, B=6", twelve, 6, 24),
+        ("memory: a pool of 8 blocks holds one request at a time, B=4", ten[:5], 4, 8),
     ]
-    cases += [memory_case(label, judge(w, B, 9, num_kv_blocks=n), True, hint) for label, w, B, n in pressure]
-    return run_cases("continuous_scheduler", cls, cases)
+    cases += [memory_case(label, judge(w, B, 9, num_kv_blocks=n), False, hint) for label, w, B, n in pressure]
+    lineage = lineage_case(Scheduler, KINDS_OF_OURS)
+    return run_cases("continuous_scheduler", cls, [lineage, *cases, *finishing_cases(3, seed=2)])
 
 
 def continuous_steps(fn: Callable) -> Verdict:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from ...core.engine import make_engine
+from ...core.fake import FakeModel
+from ...core.scheduler import Scheduler
 from ._core import Verdict, mistakes, number_compare, optional_compare, run_cases, table, whole_number_compare
+from ._lineage import KINDS_OF_OURS, lineage_case
 from ._pieces import memory_case, piece_case, prefill_chunks, random_rows
 from .lesson02 import continuous_judge
 
@@ -16,7 +20,7 @@ def _n_chunks(prompt_len: int, prefill_step: int | None) -> int:
     return 1 if prefill_step is None else math.ceil(prompt_len / prefill_step)
 
 
-HINTS = {"memory": "take each chunk's blocks with self.make_room(req, n) before yielding it"}
+HINTS = {"memory": "start a request (self.start) only if self.fits(req, n) says its KV memory is there"}
 PLACED = "a request whose prompt is done awaits a slot, then place() sets it DECODING"
 
 
@@ -58,10 +62,10 @@ def _judge(rows, prefill_step, batch=3, max_seq_len=None, chunks_of=None, seed=0
 
 
 def chunked_scheduler(cls) -> Verdict:
-    """Check a ``ContinuousScheduler`` subclass whose ``prefill_chunk()`` yields one chunk a step."""
+    """Check ``MyChunkedScheduler``: its lineage, its ``prefill_step``, chunks at the boundaries,
+    decodes going on between chunks, outputs equal to a whole-prompt prefill's."""
     two = [(5, 12), (5, 12)]  # two short requests that decode while the long prompt prefills
-    hint = "n = min(self.prefill_step, req.prefill_left); "
-    hint += "if self.make_room(req, n): yield Batch(prefill=[(req, n)])"
+    hint = "chunk(req): the next chunk takes min(self.prefill_step, req.prefill_left) tokens"
 
     def chunk_case(label, prompt_len, step, chunks, hint=hint):
         return piece_case(label, _judge(two + [(prompt_len, 3)], step, chunks_of=("r2", chunks)), hint)
@@ -72,6 +76,12 @@ def chunked_scheduler(cls) -> Verdict:
     cases = [
         chunk_case("a 300-token prompt in chunks of 128, two requests decoding", 300, 128, three),
         chunk_case("a 256-token prompt in chunks of 128: exactly two chunks", 256, 128, halves),
+        chunk_case(
+            "a 257-token prompt in chunks of 128: one token over, a third chunk of 1",
+            257,
+            128,
+            halves + [(256, 1)],
+        ),
         chunk_case("a 100-token prompt, shorter than one chunk of 128", 100, 128, [(0, 100)]),
         chunk_case("prefill_step=None: a 520-token prompt in one chunk", 520, None, [(0, 520)], infinite),
         chunk_case("chunks of 1 token: a 5-token prompt in 5 steps", 5, 1, [(i, 1) for i in range(5)]),
@@ -85,9 +95,28 @@ def chunked_scheduler(cls) -> Verdict:
         ("a whole workload: 10 requests, 3 slots, chunks of 7 tokens", ten, 7, {"batch": 3, "seed": 2}),
     ]
     cases += [piece_case(label, _judge(w, step, **options)) for label, w, step, options in rows]
-    label = "memory: 10 requests in chunks of 16 on a KV pool of 16 blocks (preemptions must happen)"
-    cases.append(memory_case(label, _judge(tight, 16, batch=4, seed=5, num_kv_blocks=16), True, hint))
-    return run_cases("chunked_scheduler", cls, cases)
+    label = "memory: 10 requests in chunks of 16 on a KV pool of 16 blocks (most must wait to start)"
+    cases.append(memory_case(label, _judge(tight, 16, batch=4, seed=5, num_kv_blocks=16), False, hint))
+    cases.append(
+        piece_case(
+            "prefill_step=0 or 2.5 is refused with a ValueError",
+            _bad_steps,
+            "__init__: raise ValueError unless prefill_step is None or an integer >= 1",
+        )
+    )
+    return run_cases("chunked_scheduler", cls, [lineage_case(Scheduler, KINDS_OF_OURS), *cases])
+
+
+def _bad_steps(cls) -> str | None:
+    for bad in (0, 2.5, -3):
+        try:
+            make_engine(cls, FakeModel(), prefill_step=bad)
+        except ValueError:
+            continue
+        except Exception as e:
+            return f"prefill_step={bad!r} raised {type(e).__name__}: {e}; a bad option raises ValueError"
+        return f"prefill_step={bad!r} was accepted: a chunk has at least one token, a whole number of them"
+    return None
 
 
 UP = "a last, shorter chunk is a step too (round up)"

@@ -10,11 +10,11 @@ from ...core.kv import BlockManager
 from ...core.policies import Policy, PriorityPolicy
 from ...core.request import State
 from ...core.runner import Chunk
-from ...core.scheduler import OnDemandKV
+from ...core.scheduler import ContinuousScheduler, OnDemandKV, Scheduler
 from ...measurement.workloads import Workload, WorkloadRequest as _W
 from ._core import Case, Verdict, answer_compare, run_cases, show, table
 from ._pieces import VOCAB, piece_case, run_piece
-from ._lineage import ancestry_problem
+from ._lineage import KINDS_OF_OURS, ancestry_problem
 
 __all__ = ["kv_slots", "cached_prefix", "memory_scheduler"]
 
@@ -139,7 +139,7 @@ SCENARIOS = {  # name: (in words, requests arriving at once, (engine options, pr
 
 
 def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
-    """The likely mistake when the learner's fits disagrees with ``OnDemandKV.fits``, from the situation."""
+    """The likely mistake when the learner's fits disagrees with ours, from the situation."""
     hits, _, _ = sched.first_chunk(req, max_tokens)
     decoding = len(sched.in_state(State.DECODING))
     situation = f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, {len(hits)} cached block(s), "
@@ -161,7 +161,7 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
     class Probe(scheduler_cls):
         def fits(self, req, max_tokens):
             got = super().fits(req, max_tokens)
-            if bool(got) != OnDemandKV.fits(self, req, max_tokens) and "fits" not in notes:
+            if bool(got) != ContinuousScheduler.fits(self, req, max_tokens) and "fits" not in notes:
                 notes["fits"] = f"fits: {_why_fits_differs(self, req, max_tokens, bool(got))}"
             return got
 
@@ -194,7 +194,7 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
 
 
 def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
-    """Check ``MyMemoryOnDemandKV.fits(req, max_tokens)`` and ``MyVictimPolicy.victim(running)``."""
+    """Check ``MyMemoryScheduler.fits(req, max_tokens)`` and ``MyVictimPolicy.victim(running)``."""
     missing = next((p for p in (scheduler_cls, policy_cls) if getattr(p, "missing_reason", None)), None)
 
     def victim_case(label, *running):
@@ -228,8 +228,15 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
         "the victim policy derives from Policy (not from our PriorityPolicy)",
         lambda pieces: ancestry_problem(Policy, (PriorityPolicy,), pieces()[1]),
     )
+    on_demand = piece_case(
+        "the scheduler mixes OnDemandKV into your own planner (none of our kinds)",
+        lambda pieces: (
+            ancestry_problem(Scheduler, KINDS_OF_OURS, pieces()[0])
+            or ancestry_problem(OnDemandKV, (), pieces()[0])
+        ),
+    )
     cases = (
-        [lineage]
+        [lineage, on_demand]
         + [victim_case(*row) for row in rows]
         + [
             piece_case(f"a whole run: {words}", lambda pieces, name=name: _whole_run(*pieces(), name))

@@ -120,3 +120,66 @@ def test_no_learner_class_has_a_reference_in_its_ancestry(tmp_path):
         if ours:
             on_a_reference[key] = ours[0]
     assert not on_a_reference, f"pieces on a reference: {on_a_reference}"
+
+
+def delegating(cls: type) -> type:
+    """``cls`` with every method it defines (but ``__init__``) replaced by a call to ``super()``:
+    the piece a learner would write to pass without writing anything."""
+    import inspect
+
+    made: list[type] = []
+
+    def through_super(name, generator):
+        if generator:
+
+            def method(self, *args, **kwargs):
+                yield from getattr(super(made[0], self), name)(*args, **kwargs)
+        else:
+
+            def method(self, *args, **kwargs):
+                return getattr(super(made[0], self), name)(*args, **kwargs)
+
+        return method
+
+    body = {
+        name: through_super(name, inspect.isgeneratorfunction(value))
+        if inspect.isfunction(value) and name != "__init__"
+        else value
+        for name, value in vars(cls).items()
+        if name not in ("__dict__", "__weakref__")
+    }
+    made.append(type(cls.__name__, cls.__bases__, body))
+    return made[0]
+
+
+def _pieces_and_checkers():
+    import learner_pieces as L
+
+    return [
+        ("static_scheduler", (L.MyStaticScheduler,), 0),
+        ("continuous_scheduler", (L.MyContinuousScheduler,), 0),
+        ("chunked_scheduler", (L.MyChunkedScheduler,), 0),
+        ("stallfree_planner", (L.MyStallFreeScheduler,), 0),
+        ("memory_scheduler", (L.MyMemoryScheduler, L.MyVictimPolicy), 0),
+        ("memory_scheduler", (L.MyMemoryScheduler, L.MyVictimPolicy), 1),
+        ("engine_front", (L.MyEngine,), 0),
+        ("admission_policy", (L.MyAdmission,), 0),
+    ]
+
+
+@pytest.mark.parametrize("checker, pieces, which", _pieces_and_checkers(), ids=lambda v: getattr(v, "__name__", None))
+def test_no_checker_accepts_a_piece_that_only_delegates_to_super(checker, pieces, which):
+    """Every lesson's piece, each of its methods replaced by ``super()``: the call reaches a base
+    that decides nothing (it raises "must write"), or the learner's own earlier piece, which does
+    not do this lesson's new thing. Either way the checker refuses it; the right piece passes."""
+    import contextlib
+    import io
+
+    from batchlab.course import checks
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert getattr(checks, checker)(*pieces), f"{checker}: the lesson's own piece must pass"
+        lazy = list(pieces)
+        lazy[which] = delegating(pieces[which])
+        verdict = getattr(checks, checker)(*lazy)
+    assert not verdict, f"{checker} accepted {pieces[which].__name__} whose methods only call super()"

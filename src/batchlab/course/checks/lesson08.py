@@ -165,6 +165,8 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
                 notes["fits"] = f"fits: {_why_fits_differs(self, req, max_tokens, bool(got))}"
             return got
 
+    Probe.__name__ = Probe.__qualname__ = scheduler_cls.__name__  # what its messages name
+
     class PolicyProbe(policy_cls):
         def victim(self, running):
             got, want = super().victim(running), PriorityPolicy.victim(self, running)
@@ -175,6 +177,7 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
                 raise RuntimeError(f"victim returned {show(got)}, not one of the running requests")
             return got
 
+    PolicyProbe.__name__ = PolicyProbe.__qualname__ = policy_cls.__name__
     hints = {"stuck": "does your fits ever say True?"}
     options = dict(options, kv_block_size=4, policy=PolicyProbe(), priorities=priorities, hints=hints)
     run = run_piece(Probe, Workload(name, name, reqs), **options)

@@ -167,7 +167,9 @@ def _pieces_and_checkers():
     ]
 
 
-@pytest.mark.parametrize("checker, pieces, which", _pieces_and_checkers(), ids=lambda v: getattr(v, "__name__", None))
+@pytest.mark.parametrize(
+    "checker, pieces, which", _pieces_and_checkers(), ids=lambda v: getattr(v, "__name__", None)
+)
 def test_no_checker_accepts_a_piece_that_only_delegates_to_super(checker, pieces, which):
     """Every lesson's piece, each of its methods replaced by ``super()``: the call reaches a base
     that decides nothing (it raises "must write"), or the learner's own earlier piece, which does

@@ -190,6 +190,8 @@ def test_with_arrivals_head_capped(tok):
     assert [r.prompt_ids for r in p] == [r.prompt_ids for r in w]
     assert p.arrivals[0] == 0 and all(b > a for a, b in zip(p.arrivals, p.arrivals[1:]))
     assert p.arrivals == w.with_arrivals("poisson", rate=4.0).arrivals
+    assert "at once" in w.description and "at once" not in p.description  # it says how they arrive
+    assert "arriving Poisson at 4/s" in p.description
     assert max(w.output_lens[:3]) > 5  # so capping changes something
     h = w.head(3).capped(5)
     assert [r.id for r in h] == [r.id for r in w][:3]

@@ -136,8 +136,16 @@ class Workload:
         seed = self.seed if seed is None else seed
         rng = np.random.default_rng([seed if seed is not None else 0, 1])
         times = arrival_times(len(self.requests), arrivals, rate=rate, cv=cv, rng=rng)
+        when = _arrivals_text(arrivals, rate, cv)
+        if "all at once" in self.description:
+            description = self.description.replace("all at once", when)
+        elif "at once" in self.description:
+            description = self.description.replace("at once", f"arriving {when}")
+        else:
+            description = f"{self.description}; arriving {when}"
         return replace(
             self,
+            description=description,
             requests=[replace(r, arrival_s=float(t)) for r, t in zip(self.requests, times)],
             params={**self.params, "arrivals": arrivals, "rate": rate, "cv": cv},
         )

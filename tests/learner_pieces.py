@@ -150,7 +150,18 @@ class MyStallFreeScheduler(MyChunkedScheduler):
 
 
 class MyMemoryScheduler(OnDemandKV, MyStallFreeScheduler):
-    """Lesson 8: blocks on demand (the mechanism), admission by free blocks (the rule)."""
+    """Lesson 8: blocks on demand, admission by free blocks, and preemption by recompute."""
+
+    def grow(self, batch):
+        rows = [(r, 1) for r in batch.decode] + list(batch.prefill)
+        for req, n in sorted(rows, key=lambda row: self.policy.importance(row[0])):
+            while req in self.running and self.blocks.blocks_to_grow(req.id, req.num_computed + n) > self.blocks.num_free:
+                self.preempt(self.policy.victim(self.running))
+            if req in self.running:
+                self.blocks.ensure(req.id, req.num_computed + n)
+        decode = [r for r in batch.decode if r in self.running]
+        prefill = [(r, n) for r, n in batch.prefill if r in self.running]
+        return Batch(decode=decode, prefill=prefill)
 
     def fits(self, req, max_tokens):
         hits, cached, n = self.first_chunk(req, max_tokens)

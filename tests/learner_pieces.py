@@ -155,7 +155,10 @@ class MyMemoryScheduler(OnDemandKV, MyStallFreeScheduler):
     def grow(self, batch):
         rows = [(r, 1) for r in batch.decode] + list(batch.prefill)
         for req, n in sorted(rows, key=lambda row: self.policy.importance(row[0])):
-            while req in self.running and self.blocks.blocks_to_grow(req.id, req.num_computed + n) > self.blocks.num_free:
+            while (
+                req in self.running
+                and self.blocks.blocks_to_grow(req.id, req.num_computed + n) > self.blocks.num_free
+            ):
                 self.preempt(self.policy.victim(self.running))
             if req in self.running:
                 self.blocks.ensure(req.id, req.num_computed + n)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from batchlab.course import checks
 from batchlab.core.policies import Policy, PriorityPolicy
 
@@ -160,3 +162,63 @@ def test_a_prefix_lookup_that_shares_the_last_block_is_rejected():
 
     verdict = checks.cached_prefix(greedy)
     assert not verdict and "the block holding the last prompt token is always computed" in verdict.message
+
+
+class GrowsNothing(MyMemoryScheduler):
+    """Hands the batch on without taking its blocks: the pass writes where no block is."""
+
+    def grow(self, batch):
+        return batch
+
+
+class KeepsThePreempted(MyMemoryScheduler):
+    """Preempts while the pool is short, but returns the whole batch, the preempted rows too."""
+
+    def grow(self, batch):
+        MyMemoryScheduler.grow(self, batch)
+        return batch
+
+
+class PreemptsTheNewestAlways(MyMemoryScheduler):
+    """Takes blocks in the batch's order, not the most important first, and makes room by
+    preempting whoever asks last, ignoring the policy."""
+
+    def grow(self, batch):
+        from batchlab.core.batch import Batch
+
+        rows = [(r, 1) for r in batch.decode] + list(batch.prefill)
+        for req, n in rows:
+            while (
+                req in self.running
+                and self.blocks.blocks_to_grow(req.id, req.num_computed + n) > self.blocks.num_free
+            ):
+                self.preempt(req)
+            if req in self.running:
+                self.blocks.ensure(req.id, req.num_computed + n)
+        return Batch(
+            decode=[r for r in batch.decode if r in self.running],
+            prefill=[(r, n) for r, n in batch.prefill if r in self.running],
+        )
+
+
+@pytest.mark.parametrize("wrong", [GrowsNothing, KeepsThePreempted])
+def test_a_grow_that_does_not_take_or_give_back_blocks_is_rejected_on_the_small_pools(wrong):
+    verdict = checks.memory_scheduler(wrong, MyVictimPolicy)
+    assert not verdict and not verdict.not_written, verdict.message
+    assert all(label.startswith("a whole run") for label in verdict.failed), verdict.message
+
+
+def test_a_grow_that_ignores_the_victim_policy_is_rejected():
+    verdict = checks.memory_scheduler(PreemptsTheNewestAlways, MyVictimPolicy)
+    assert not verdict, verdict.message
+
+
+def test_a_grow_that_only_calls_super_is_not_written():
+    class OnlySuper(MyMemoryScheduler):
+        def grow(self, batch):
+            from batchlab.core.scheduler import OnDemandKV
+
+            return OnDemandKV.grow(self, batch)
+
+    verdict = checks.memory_scheduler(OnlySuper, MyVictimPolicy)
+    assert not verdict and verdict.not_written and "must write grow(batch)" in verdict.message

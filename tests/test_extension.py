@@ -93,6 +93,9 @@ class Threshold(StopRules, OnDemandKV, Scheduler):
         decoding = sum(r.slot is not None for r in self.running)
         return self.blocks.blocks_for(req.prefill_len) + decoding <= self.blocks.num_free
 
+    def grow(self, batch):  # its planning took every row's blocks (make_room) already
+        return batch
+
     def batches(self):
         if self.queue and self.free_slot() is not None:
             req = self.queue[0]
@@ -147,5 +150,7 @@ def test_a_scheduler_that_only_calls_super_is_told_which_method_to_write():
     assert not any(hasattr(Scheduler, m) for m in ("admit", "place", "plan", "victim", "make_room"))
     with pytest.raises(NotImplementedError, match=r"must write finish_reason"):
         Scheduler.finish_reason(engine.scheduler, None, 0)
-    with pytest.raises(NotImplementedError, match=r"Lazy must write fits"):  # on demand: the kind's rule
+    with pytest.raises(NotImplementedError, match=r"Lazy must write fits"):  # on demand: the kind's rules
         engine.scheduler.fits(None, 1)
+    with pytest.raises(NotImplementedError, match=r"Lazy must write grow"):
+        engine.scheduler.grow(None)

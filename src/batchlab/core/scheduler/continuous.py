@@ -77,6 +77,24 @@ class ContinuousScheduler(StopRules, OnDemandKV, Scheduler):
         headroom = sum(r.state is State.DECODING for r in self.running)
         return taken + headroom <= self.blocks.num_free
 
+    def grow(self, batch: Batch) -> Batch:
+        """Take the blocks every row of ``batch`` writes, the most important rows first, so
+        that when the pool is short the least important give way (``make_room``). Returns the
+        batch without the rows that were preempted. (Our planning took them already, so
+        here this finds nothing to do; a planner that did not gets them here.)"""
+        rows = [(r, 1) for r in batch.decode] + list(batch.prefill)
+        for req, n in sorted(rows, key=lambda row: self.policy.importance(row[0])):
+            if req in self.running:
+                self.make_room(req, n)
+        held = set(map(id, self.running))
+        if all(id(r) in held for r, _ in rows):
+            return batch
+        decode = [r for r in batch.decode if id(r) in held]
+        prefill = [(r, n) for r, n in batch.prefill if id(r) in held]
+        return Batch(
+            decode=decode, prefill=prefill, padding=batch.padding, padding_tokens=batch.padding_tokens
+        )
+
     def admit(self) -> None:
         """2. Admit one request at a time, and none while another prefills or waits for a
         slot; only if the free blocks hold its first chunk."""

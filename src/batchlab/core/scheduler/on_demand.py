@@ -1,8 +1,8 @@
 """KV memory on demand, for the kinds that let requests grow (continuous, stall-free):
 starting a request on its cached prefix (``start``), taking blocks as it grows and
-preempting by recompute when the pool runs dry (``make_room``, ``grow``, ``preempt``). The
-admission rule by free blocks, ``fits``, is the kind's own. A mixin:
-``class Kind(OnDemandKV, Scheduler)``."""
+preempting by recompute when the pool runs dry (``make_room``, ``preempt``). The admission
+rule by free blocks (``fits``) and the per-pass growth with its preemptions (``grow``) are
+the kind's own. A mixin: ``class Kind(OnDemandKV, Scheduler)``."""
 
 from __future__ import annotations
 
@@ -52,21 +52,12 @@ class OnDemandKV:
         return True
 
     def grow(self, batch: Batch) -> Batch:
-        """Take the blocks every row of ``batch`` writes, the most important rows first, so
-        that when the pool is short the least important give way (``make_room``). Returns the
-        batch without the rows that were preempted. (The shipped kinds took them while
-        planning; a planner that did not gets them here.)"""
-        rows = [(r, 1) for r in batch.decode] + list(batch.prefill)
-        for req, n in sorted(rows, key=lambda row: self.policy.importance(row[0])):
-            if req in self.running:
-                self.make_room(req, n)
-        held = set(map(id, self.running))
-        if all(id(r) in held for r, _ in rows):
-            return batch
-        decode = [r for r in batch.decode if id(r) in held]
-        prefill = [(r, n) for r, n in batch.prefill if id(r) in held]
-        return Batch(
-            decode=decode, prefill=prefill, padding=batch.padding, padding_tokens=batch.padding_tokens
+        """Preemption by recompute, the kind's own rule: take the blocks every row of ``batch``
+        writes, giving way to the pool's limits; return the batch that can run."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must write grow(batch): take the KV blocks of every row (one for a "
+            f"decode row, n for a chunk), the most important first, preempting the policy's victim "
+            f"while the pool is short; return the Batch of the rows still running"
         )
 
     def preempt(self, req: Request) -> None:

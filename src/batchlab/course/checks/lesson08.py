@@ -165,6 +165,15 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
                 notes["fits"] = f"fits: {_why_fits_differs(self, req, max_tokens, bool(got))}"
             return got
 
+        def preempt(self, req):
+            want = self.policy.victim(list(self.running))
+            if req is not want and "grow" not in notes:
+                notes["grow"] = (
+                    f"grow: preempted {req.id}, but the policy's victim among the running was {want.id}: "
+                    f"while the pool is short, give way with self.preempt(self.policy.victim(self.running))"
+                )
+            return super().preempt(req)
+
     Probe.__name__ = Probe.__qualname__ = scheduler_cls.__name__  # what its messages name
 
     class PolicyProbe(policy_cls):
@@ -182,7 +191,7 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
     options = dict(options, kv_block_size=4, policy=PolicyProbe(), priorities=priorities, hints=hints)
     run = run_piece(Probe, Workload(name, name, reqs), **options)
     if run.problem or notes:
-        return run.problem or notes.get("fits") or notes["victim"]
+        return run.problem or notes.get("fits") or notes.get("victim") or notes["grow"]
     right = {r.id: reference_output(r.prompt_ids, r.max_new_tokens, VOCAB, frozenset()) for r in reqs}
     wrong = [rid for rid in right if run.trace.requests[rid].output_ids != right[rid]]
     over = [s.index for s in run.trace.steps if s.num_tokens > options["token_budget"]]

@@ -58,3 +58,21 @@ def test_learner_copy_points_at_the_my_course_workflow(path):
     for stale in ("Save Notebook As", "git pull", "notebooks/learner/", "%%writefile"):
         assert stale not in text, f"{path.name} still says {stale!r}"
     assert "solved/" in text
+
+
+@pytest.mark.parametrize("path", COPIES, ids=[p.stem for p in COPIES])
+def test_no_prediction_is_answered_in_static_text(path):
+    """After a "Predict first" question, the cells that measure the answer come next, and the
+    first text after them is no static "What to see": the answer is printed by a cell that
+    reads the measurement, so the learner meets it only by running that cell."""
+    cells = nbformat.read(path, as_version=4).cells
+    answered = []
+    for i, cell in enumerate(cells):
+        if cell.cell_type != "markdown" or "Predict first" not in cell.source:
+            continue
+        k = next((j for j in range(i + 1, len(cells)) if cells[j].cell_type == "code"), len(cells))
+        while k < len(cells) and cells[k].cell_type == "code":
+            k += 1
+        if k < len(cells) and cells[k].source.lstrip().lower().startswith(("**what to see", "what to see")):
+            answered.append(f"cell {k}: {cells[k].source[:60]!r}")
+    assert not answered, f"{path.name}: a prediction answered in static text: {answered}"

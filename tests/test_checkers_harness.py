@@ -25,6 +25,33 @@ class NeverFinishes(ContinuousScheduler):
         return None
 
 
+class YieldsAFailedRequestForever(ContinuousScheduler):
+    """Keeps yielding its first request's chunk, also once that request has failed and left."""
+
+    def batches(self):
+        self.admit()
+        for req in list(self.running)[:1]:
+            while True:
+                yield Batch(prefill=[(req, 1)])
+
+
+def test_a_planner_that_yields_only_departed_requests_is_stopped():
+    """Its passes empty out (the request left after a failed pass): the base stops the step
+    after MAX_EMPTY_PASSES of them, in the checker and in a plain engine alike."""
+    from batchlab import make_engine
+    from batchlab.core.fake import FakeModel, FakeRunner
+
+    run = _pieces.run_piece(
+        YieldsAFailedRequestForever, _pieces.fake_workload("w", [(5, 3)]), max_batch_size=2
+    )
+    assert run.problem and "passes in a row with nothing left to run" in run.problem, run.problem
+    engine = make_engine(YieldsAFailedRequestForever, FakeModel(), runner=FakeRunner, max_batch_size=2)
+    engine.submit([1, 2, 3, 4, 5], max_new_tokens=3)
+    with pytest.raises(RuntimeError, match="nothing left to run"):
+        for _ in range(50):
+            engine.step()
+
+
 def test_a_scheduler_that_never_stops_is_stopped_with_words():
     run = _pieces.run_piece(EmptyPassesForever, _pieces.fake_workload("w", [(5, 3)]), max_batch_size=2)
     assert run.problem and "the engine got stuck" in run.problem and "batches() yields nothing" in run.problem

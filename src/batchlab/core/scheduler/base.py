@@ -174,12 +174,29 @@ class Scheduler:
 
     def passes(self) -> Iterator[Batch]:
         """This step's passes: what the engine iterates. Starts the step's bookkeeping, then
-        runs the kind's own planning, ``batches()``, giving each pass its KV memory (``grow``)."""
+        runs the kind's own planning, ``batches()``, through ``runnable``."""
         self.preempted = []
-        for batch in self.batches():
+        yield from self.runnable(self.batches())
+
+    MAX_EMPTY_PASSES = 1000  # in a row, within one step: a planner that will never stop
+
+    def runnable(self, planned: Iterator[Batch]) -> Iterator[Batch]:
+        """The passes of ``planned`` that can run: each given its KV memory (``grow``), an
+        empty one (nothing planned, or every row gone) dropped. A planner that keeps yielding
+        passes with nothing left to run is stopped with a RuntimeError, not followed for ever."""
+        empty = 0
+        for batch in planned:
             batch = self.grow(batch)
             if batch.decode or batch.prefill:
+                empty = 0
                 yield batch
+                continue
+            empty += 1
+            if empty >= self.MAX_EMPTY_PASSES:
+                raise RuntimeError(
+                    f"{type(self).__name__}.batches() yielded {empty} passes in a row with nothing "
+                    f"left to run in them: yield a Batch only for requests still in self.running"
+                )
 
     def grow(self, batch: Batch) -> Batch:
         """Give ``batch``'s rows the KV memory they write; return the batch that can run. Here

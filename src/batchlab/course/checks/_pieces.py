@@ -111,14 +111,16 @@ def checked_passes(scheduler: Scheduler):
         where = f"{type(scheduler).__name__}.batches"
         why = "write it as a generator: `yield Batch(...)` for each forward pass"
         raise WrongType(f"{where} returned {show(planned)} ({kind_of(planned)}), not passes: {why}")
-    try:
+
+    def checked():
         for batch in planned:
             problem = batch_problem(batch)
             if problem:
                 raise WrongType(f"{_yielder(planned, scheduler)} yielded {problem}")
-            batch = scheduler.grow(batch)
-            if batch.decode or batch.prefill:
-                yield batch
+            yield batch
+
+    try:
+        yield from scheduler.runnable(checked())
     finally:
         getattr(planned, "close", lambda: None)()
 

@@ -26,6 +26,7 @@ from jupyterlab_driver import (
     open_notebook,
     run_all_cells,
     stop,
+    wait_for_idle_kernel,
     wait_until_serving,
 )
 
@@ -37,6 +38,8 @@ EXPECTED_SLOTS = 8  # max_batch_size of the run the notebook's first slot view s
 SCREENSHOT = (
     Path(os.environ.get("BATCHLAB_SCREENSHOTS") or tempfile.mkdtemp(prefix="batchlab-shots-")) / "widget.png"
 )
+ALL_RUN_JS = """() => [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')]
+    .every(p => /\\[\\d+\\]/.test(p.textContent))"""  # every code cell has its execution number
 RUN_ALL_TIMEOUT_MS = 600_000  # from "Run All Cells" until the first slot grid is on the page
 # (lesson 2 loads the model and runs two engines on the real model first: ~1 min on a quiet
 # 2-core CPU, several times that on a busy one)
@@ -107,6 +110,10 @@ def test_slot_animation_plays_in_jupyterlab(jupyterlab):
 
             grid = page.locator(".batchlab-slots").first
             grid.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
+            # the player steps through the kernel, which stays busy while the lesson's later cells
+            # run (lesson 2's arrivals-over-time rounds): press play once every cell has run
+            page.wait_for_function(ALL_RUN_JS, timeout=RUN_ALL_TIMEOUT_MS)
+            wait_for_idle_kernel(page, RUN_ALL_TIMEOUT_MS)
             assert grid.locator(".bl-lane[data-slot]").count() == EXPECTED_SLOTS
             assert int(grid.get_attribute("data-num-slots")) == EXPECTED_SLOTS
             first_step = int(grid.get_attribute("data-step"))

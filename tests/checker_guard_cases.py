@@ -106,6 +106,19 @@ def test_a_poll_that_blocks_forever_is_left_behind_and_named(small_limit):
     assert_passes("engine_front", learner_pieces.MyEngine)
 
 
+class LoopsInNextQueued(learner_pieces.MyAgingPolicy):
+    def next_queued(self, queue):
+        while True:  # the queue order that never decides
+            pass
+
+
+def test_an_endless_loop_in_a_policy_is_stopped_and_named(small_limit):
+    verdict = verdict_of("aging_policy", LoopsInNextQueued)
+    assert not verdict
+    assert "did not finish within 0.5 s: still running LoopsInNextQueued.next_queued" in verdict.message
+    assert_passes("aging_policy", learner_pieces.MyAgingPolicy)
+
+
 def test_a_case_that_finishes_in_time_is_judged_as_before():
     outcome = guard.run_guarded(lambda: 6 * 7)
     assert (outcome.value, outcome.error, outcome.late) == (42, None, None)

@@ -222,3 +222,19 @@ class MyAdmission(AdmissionBase):
             for r in queue
             if r.state is State.QUEUED and not r.output_ids and now - r.arrival_s > self.max_wait_s
         ]
+
+
+class MyAgingPolicy(MyVictimPolicy):
+    """Lesson 10: priorities with aging: a waiting request gains one level every age_s seconds,
+    which orders the queue by arrival_s + age_s * priority (the clock cancels out)."""
+
+    def __init__(self, age_s=30.0):
+        if isinstance(age_s, bool) or not isinstance(age_s, (int, float)) or not 0 < age_s < math.inf:
+            raise ValueError(f"age_s must be a number of seconds > 0, got {age_s!r}")
+        self.age_s = age_s
+
+    def importance(self, req):
+        return req.arrival_s + self.age_s * req.priority, req.priority
+
+    def next_queued(self, queue):
+        return min(queue, key=self.importance)

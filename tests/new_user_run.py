@@ -80,6 +80,8 @@ LESSONS = [
     ("5a", "05a_the_token_budget", "stallfree", ["MyStallFreeScheduler"]),
     ("6", "06_the_poll_interface", "front", ["MyStallFreeScheduler", "MyEngine"]),
     ("8", "08_memory", "memory", ["MyMemoryScheduler", "MyVictimPolicy"]),
+    ("9", "09_policies_and_overload", "policy", ["MyAdmission"]),
+    ("10", "10_priorities_and_the_finish_line", "aging", ["MyAdmission", "MyAgingPolicy"]),
 ]
 RERUN_LESSON = "02_continuous_batching"
 SCREENSHOTS = {"02_continuous_batching", "08_memory"}  # + the re-run's stub cell: 3 PNGs

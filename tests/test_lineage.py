@@ -23,6 +23,7 @@ LINEAGE = {
     "chunked": "MyContinuousScheduler",
     "stallfree": "MyChunkedScheduler",
     "memory": "MyStallFreeScheduler",
+    "aging": "MyVictimPolicy",
 }
 
 
@@ -72,7 +73,7 @@ BASES = {
     "batchlab.core.scheduler.on_demand.OnDemandKV",  # a mechanism: its admission rule is the kind's
     "builtins.object",
 }
-PIECES = {"static", "continuous", "chunked", "stallfree", "front", "memory", "policy"}
+PIECES = {"static", "continuous", "chunked", "stallfree", "front", "memory", "policy", "aging"}
 
 WALK = """
 import json, sys
@@ -164,6 +165,7 @@ def _pieces_and_checkers():
         ("memory_scheduler", (L.MyMemoryScheduler, L.MyVictimPolicy), 1),
         ("engine_front", (L.MyEngine,), 0),
         ("admission_policy", (L.MyAdmission,), 0),
+        ("aging_policy", (L.MyAgingPolicy,), 0),
     ]
 
 

@@ -248,43 +248,76 @@ def test_a_new_kind_serves_the_openai_client(new_kind, lm):
 
 
 @pytest.mark.slow
-def test_the_server_runs_a_learners_front_and_shedding(lm):
-    """The served engine is the learner's front (its poll answers every request) with the
-    learner's shedding consulted each step, and answers as the reference engine does."""
+def test_the_server_runs_the_learners_whole_engine(lm):
+    """The served engine is the learner's whole engine, as the finish line runs it: every piece,
+    from lesson 1's finishing rules to lesson 10's aging policy, inside the learner's front with
+    the learner's shedding consulted each step; it answers as the reference engine does."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from openai import OpenAI
 
-    import learner_pieces
+    import learner_pieces as L
     from batchlab import generate
     from batchlab.serving.server import serve_in_thread
 
-    calls = {"poll": 0, "to_shed": 0}
+    calls: dict[str, int] = {}
 
-    class CountingFront(learner_pieces.MyEngine):
-        def poll(self, req_id):
-            calls["poll"] += 1
-            return super().poll(req_id)
+    def counted(cls, *names):
+        """``cls`` with each of ``names`` counting its calls (the learner's own code still runs)."""
 
-    class CountingShedding(learner_pieces.MyAdmission):
-        def to_shed(self, queue, now):
-            calls["to_shed"] += 1
-            return super().to_shed(queue, now)
+        def wrap(name):
+            def method(self, *args, **kwargs):
+                calls[name] = calls.get(name, 0) + 1
+                return getattr(super(made, self), name)(*args, **kwargs)
 
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+            return method
+
+        made = type(cls.__name__, (cls,), {name: wrap(name) for name in names})
+        return made
+
+    Scheduler = counted(L.MyMemoryScheduler, "finish_reason", "admit_next", "chunk", "plan", "fits", "grow")
+    Aging = counted(L.MyAgingPolicy, "next_queued")
+    Front = counted(L.MyEngine, "poll")
+    Shedding = counted(L.MyAdmission, "to_shed")
+    questions = ["What is the capital of France?", "Name a colour.", "Count to five."]
     server = serve_in_thread(
-        lm, "stallfree", engine_class=CountingFront, shedding=CountingShedding, max_wait_s=600.0
+        lm,
+        Scheduler,
+        engine_class=Front,
+        shedding=Shedding,
+        max_wait_s=600.0,
+        policy=Aging(),
+        max_batch_size=2,
+        token_budget=32,
     )
     try:
-        assert isinstance(server.engine, CountingFront)
-        assert (
-            isinstance(server.engine.admission, CountingShedding)
-            and server.engine.admission.max_wait_s == 600.0
-        )
+        assert isinstance(server.engine, Front) and isinstance(server.engine.scheduler, Scheduler)
+        assert isinstance(server.engine.scheduler.policy, Aging)
         client = OpenAI(base_url=server.base_url + "/v1", api_key="unused")
-        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+
+        def ask(question):
+            messages = [{"role": "user", "content": question}]
+            reply = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
+            return reply.choices[0].message.content
+
+        with ThreadPoolExecutor(len(questions)) as pool:
+            replies = list(pool.map(ask, questions))
     finally:
         server.stop()
-    assert reply.choices[0].message.content == generate(lm, messages, max_new_tokens=12).text
-    assert calls["poll"] > 0 and calls["to_shed"] > 0
+    for question, reply in zip(questions, replies):
+        assert reply == generate(lm, [{"role": "user", "content": question}], max_new_tokens=12).text
+    pieces = [
+        "finish_reason",
+        "admit_next",
+        "chunk",
+        "plan",
+        "fits",
+        "grow",
+        "next_queued",
+        "poll",
+        "to_shed",
+    ]
+    assert not [name for name in pieces if not calls.get(name)], calls
 
 
 def test_the_command_line_runs_a_learner_module_from_the_current_folder(tmp_path):

@@ -56,6 +56,27 @@ class PriorityPolicy(Policy):
         return max(reversed(running), key=self.importance)  # ties: the latest admitted
 
 
+class AgingPolicy(PriorityPolicy):
+    """Ours, with *aging*: a waiting request gains importance as it waits, one priority level
+    every ``age_s`` seconds, so a request of a less important class is never starved: it
+    starts before every more important request that arrived ``age_s`` (per level) after it.
+    Aging at a steady rate never needs the clock: two requests' aged priorities
+    ``priority - (now - arrival_s) / age_s`` compare as ``arrival_s + age_s * priority`` do,
+    whatever ``now`` is. So the order is fixed at arrival, a deadline of sorts: the earlier
+    deadline is more important, the more important class on a tie."""
+
+    def __init__(self, age_s: float = 30.0):
+        if isinstance(age_s, bool) or not isinstance(age_s, (int, float)) or not 0 < age_s < math.inf:
+            raise ValueError(f"age_s must be a number of seconds > 0, got {age_s!r}")
+        self.age_s = age_s
+
+    def importance(self, req: Request) -> tuple:
+        return req.arrival_s + self.age_s * req.priority, req.priority  # smaller is more important
+
+    def next_queued(self, queue: deque[Request]) -> Request:
+        return min(queue, key=self.importance)  # the first in queue order among equals
+
+
 class QueueFull(Exception):
     """``submit`` was refused because the queue is at its bound (a server's HTTP 429)."""
 

@@ -47,6 +47,11 @@ PIECES: dict[str, tuple[str, str, str]] = {
     "front": ("6", "MyEngine", "batchlab.core.engine:Engine"),
     "memory": ("8", "MyMemoryScheduler", "batchlab.core.scheduler:StallFreeScheduler"),
     "policy": ("9", "MyAdmission", "batchlab.core.engine:Admission"),
+    "aging": ("10", "MyAgingPolicy", "batchlab.core.policies:AgingPolicy"),
+}
+# a second class of a piece's file, and the library's class standing in for it
+OTHERS: dict[tuple[str, str], str] = {
+    ("memory", "MyVictimPolicy"): "batchlab.core.policies:PriorityPolicy",
 }
 _STUB = re.compile(r"^\s*# YOUR CODE HERE\s*\n\s*raise NotImplementedError\(", re.M)
 
@@ -219,6 +224,7 @@ def earlier(module: str, name: str | None = None, quiet: bool = True):
     too). Whether the learner's piece is *right* is its own lesson's checker's business."""
     lesson, default_name, reference = PIECES[module]
     name = name or default_name
+    reference = OTHERS.get((module, name), reference)
     if _root is None:
         setup()
     path = _root / PACKAGE / f"{module}.py"

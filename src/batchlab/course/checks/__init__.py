@@ -12,3 +12,4 @@ from .lesson06 import engine_front, stream_text  # noqa: F401
 from .lesson07 import goodput, parse_sse, stream_metrics  # noqa: F401
 from .lesson08 import cached_prefix, kv_slots, memory_scheduler  # noqa: F401
 from .lesson09 import admission_policy, mean_in_system, to_shed  # noqa: F401
+from .lesson10 import aging_policy, overtaken_after  # noqa: F401

@@ -2,7 +2,7 @@
 returns it (``verdict.raise_if_failed()`` raises). New ones: ``_core.table``, ``run_cases``, ``_pieces``."""
 
 from ._core import FAIL, OK, Case, CheckFailed, Verdict, run_cases, whole_number_compare  # noqa: F401
-from .lesson00 import greedy_generate, greedy_pick, tokens_per_second  # noqa: F401
+from .lesson00 import decode_intensity, greedy_generate, greedy_pick, tokens_per_second  # noqa: F401
 from .lesson01 import static_scheduler, static_steps, wasted_slot_steps  # noqa: F401
 from .lesson02 import continuous_scheduler, continuous_steps  # noqa: F401
 from .lesson03 import percentile_linear, predict_stall, time_between_tokens  # noqa: F401

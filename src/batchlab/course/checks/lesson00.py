@@ -12,7 +12,7 @@ import numpy as np
 
 from ._core import Case, Verdict, answer_compare, mistakes, number_compare, run_cases, show, table
 
-__all__ = ["greedy_pick", "greedy_generate", "tokens_per_second"]
+__all__ = ["greedy_pick", "greedy_generate", "tokens_per_second", "decode_intensity"]
 
 
 def _not_python_int(got: Any) -> str | None:
@@ -196,3 +196,54 @@ def tokens_per_second(fn: Callable) -> Verdict:
 
     hint = "tokens made = batch x number of steps; time taken = the sum of the step times"
     return table("tokens_per_second", fn, rows, lambda s, b: b * len(s) / sum(s), judge, hint=hint)
+
+
+SMOL = dict(
+    parameters=134_515_008, weight_bytes=538_060_032, kv_bytes_per_token=46_080
+)  # about the course model, float32
+
+
+def decode_intensity(fn: Any) -> Verdict:
+    """Check ``fn(parameters, weight_bytes, batch, context, kv_bytes_per_token)``: a decode step's
+    arithmetic intensity, FLOP per byte read (the weights once, each sequence's KV cache)."""
+    p, w, k = SMOL["parameters"], SMOL["weight_bytes"], SMOL["kv_bytes_per_token"]
+    rows = [
+        ("batch 1, no context yet: the weights alone", p, w, 1, 0, k),
+        ("batch 64, no context yet", p, w, 64, 0, k),
+        ("batch 64, 1,000 tokens of context each", p, w, 64, 1000, k),
+        ("batch 1, 8,000 tokens of context", p, w, 1, 8000, k),
+        (
+            "bfloat16 weights and cache (2 bytes a number), batch 16, 256 tokens each",
+            p,
+            w // 2,
+            16,
+            256,
+            k // 2,
+        ),
+    ]
+
+    def right(p, w, b, c, k):
+        return 2 * p * b / (w + b * c * k)
+
+    def judge(p, w, b, c, k):
+        flops, moved = 2 * p * b, w + b * c * k
+        return number_compare(
+            mistakes(
+                (
+                    flops / w if c else None,
+                    "count the KV cache too: each sequence reads its own context's keys and values",
+                ),
+                (
+                    flops / (w + c * k) if b > 1 and c else None,
+                    "every sequence of the batch reads its own cache: batch x context x kv_bytes_per_token",
+                ),
+                (flops / 2 / moved, "a multiply and an add per weight: 2 x parameters operations per token"),
+                (moved / flops, "intensity is operations per byte, not bytes per operation"),
+                (2 * p / moved, "the batch's operations: 2 x parameters for EACH of its sequences"),
+            )
+        )
+
+    hint = (
+        "operations 2 x parameters x batch; bytes: the weights once plus batch x context x kv_bytes_per_token"
+    )
+    return table("decode_intensity", fn, rows, right, judge, hint)

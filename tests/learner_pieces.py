@@ -152,6 +152,8 @@ class MyStallFreeScheduler(MyChunkedScheduler):
 class MyMemoryScheduler(OnDemandKV, MyStallFreeScheduler):
     """Lesson 8: blocks on demand, admission by free blocks, and preemption by recompute."""
 
+    kind = "my-memory"
+
     def grow(self, batch):
         rows = [(r, 1) for r in batch.decode] + list(batch.prefill)
         for req, n in sorted(rows, key=lambda row: self.policy.importance(row[0])):

@@ -29,6 +29,21 @@ def assert_rejected(verdict, first_case: str, *says: str) -> None:
 # Known-wrong solutions, each with the mistake it makes.
 
 
+def intensity_without_the_cache(parameters, weight_bytes, batch, context, kv_bytes_per_token):
+    """Reads the weights only: the KV cache's bytes are forgotten."""
+    return 2 * parameters * batch / weight_bytes
+
+
+def intensity_one_cache(parameters, weight_bytes, batch, context, kv_bytes_per_token):
+    """Counts one sequence's KV cache for the whole batch."""
+    return 2 * parameters * batch / (weight_bytes + context * kv_bytes_per_token)
+
+
+def intensity_upside_down(parameters, weight_bytes, batch, context, kv_bytes_per_token):
+    """Bytes per operation instead of operations per byte."""
+    return (weight_bytes + batch * context * kv_bytes_per_token) / (2 * parameters * batch)
+
+
 def logit_not_id(logits):
     """Returns the largest logit instead of its position."""
     return float(mx.max(logits))
@@ -262,6 +277,24 @@ WRONG = [
         forgot_return,
         "1 of 5: 10 steps of 0.1 s at batch 1",
         ["got:      None", "expected a number (a Python float), but you returned None"],
+    ),
+    (
+        check.decode_intensity,
+        intensity_without_the_cache,
+        "3 of 5: batch 64, 1,000 tokens of context each",
+        ["count the KV cache too"],
+    ),
+    (
+        check.decode_intensity,
+        intensity_one_cache,
+        "3 of 5: batch 64, 1,000 tokens of context each",
+        ["every sequence of the batch reads its own cache"],
+    ),
+    (
+        check.decode_intensity,
+        intensity_upside_down,
+        "1 of 5: batch 1, no context yet",
+        ["intensity is operations per byte, not bytes per operation"],
     ),
     # lesson 3
     (

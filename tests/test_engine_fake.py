@@ -584,3 +584,66 @@ def test_bad_requests_are_refused_and_the_engine_serves_the_others(bad, says):
     engine.run_until_idle()
     assert engine.poll(kept) == (reference_output([4, 5, 6], 5, LM.vocab_size, frozenset()), "done", "length")
     assert engine.stats()["finished"] == {"length": 1}, "the refused request left nothing behind"
+
+
+def _raising_planner(trigger_len):
+    """The continuous kind, except that planning raises while a request with a ``trigger_len``-token
+    prompt is running: a learner's planner with a bug that only one request shows."""
+    from batchlab.core.scheduler import ContinuousScheduler
+
+    class Raises(ContinuousScheduler):
+        kind = "raises-on-one"
+
+        def batches(self):
+            if any(r.prompt_len == trigger_len for r in self.running):
+                raise ZeroDivisionError("a planner's bug, shown by one request")
+            yield from super().batches()
+
+    return Raises
+
+
+def test_a_step_whose_scheduler_raises_ends_what_it_held_and_leaves_the_engine_clean():
+    engine = fake_engine(_raising_planner(7), max_batch_size=2)
+    bystander = engine.submit([1, 2, 3], max_new_tokens=20, ignore_eos=True)
+    engine.step()
+    culprit = engine.submit([5] * 7, max_new_tokens=4, ignore_eos=True)
+    queued = engine.submit([4, 4], max_new_tokens=3, ignore_eos=True)
+    with pytest.raises(ZeroDivisionError):
+        for _ in range(10):
+            engine.step()
+    assert isinstance(engine.contained, ZeroDivisionError)
+    for rid in (bystander, culprit, queued):
+        tokens, status, reason = engine.poll(rid)
+        assert (status, reason) == ("done", "error"), rid
+    s = engine.scheduler
+    assert not s.running and not s.queue and all(slot is None for slot in s.slots)
+    assert s.blocks.num_free == s.blocks.num_blocks
+    assert engine.finished_by_reason.get("error") == 3
+    after = engine.submit([9, 8, 7], max_new_tokens=5, ignore_eos=True)  # the engine serves on
+    engine.run_until_idle()
+    tokens, status, reason = engine.poll(after)
+    assert (status, reason) == ("done", "length")
+    assert tokens == reference_output([9, 8, 7], 5, LM.vocab_size, frozenset())
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_the_engine_loop_serves_on_after_a_scheduler_error_but_not_after_its_own():
+    engine = fake_engine(_raising_planner(7), max_batch_size=2)
+    with EngineLoop(engine) as loop:
+        culprit = loop.submit([5] * 7, max_new_tokens=4, ignore_eos=True)
+        seen = []
+        wait_for(lambda: seen.append(loop.poll(culprit)) or seen[-1][1] == "done", 30, "the culprit ending")
+        assert seen[-1][2] == "error"
+        later = loop.submit([3, 1, 4], max_new_tokens=6, ignore_eos=True)
+        got = []
+        wait_for(lambda: got.append(loop.poll(later)) or got[-1][1] == "done", 30, "a later request")
+        assert got[-1][2] == "length" and sum((t for t, _, _ in got), []) == reference_output(
+            [3, 1, 4], 6, LM.vocab_size, frozenset()
+        )
+        assert loop.error is None
+    broken = fake_engine("continuous", max_batch_size=2)  # an error not contained by step ends the loop
+    broken.step = lambda: (_ for _ in ()).throw(RuntimeError("the engine itself is broken"))
+    loop = EngineLoop(broken).start()
+    wait_for(lambda: loop.error is not None, 30, "the loop ending")
+    assert "itself is broken" in str(loop.error)
+    loop.stop()

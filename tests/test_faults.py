@@ -138,6 +138,34 @@ def test_a_failed_forward_pass_ends_its_requests_with_an_error_event_and_others_
         assert again.json()["choices"][0]["message"]["content"] == expected
 
 
+def test_a_scheduler_that_raises_ends_its_requests_with_an_error_and_the_server_serves_on(lm):
+    """A learner's scheduler with a bug one request shows (here: 13 new tokens asked): that step's
+    requests end with an error event, the engine is left clean, and the server answers the next
+    request as before, its loop alive and healthy."""
+    from batchlab.core.scheduler import StallFreeScheduler
+
+    class Buggy(StallFreeScheduler):
+        kind = "buggy"
+
+        def batches(self):
+            if any(r.max_new_tokens == 13 for r in self.running):
+                raise IndexError("a planner's bug")
+            yield from super().batches()
+
+    question = chat("What is the capital of France?", 12)
+    expected = generate(lm, question["messages"], 12).text
+    with serve_in_thread(lm, Buggy, max_batch_size=2) as srv:
+        thread, out = start_stream(srv.base_url, chat("Tell me a story.", 13))
+        thread.join(timeout=60)
+        assert not thread.is_alive() and out["error"] is not None and out["done"], out
+        assert srv.loop.error is None and isinstance(srv.engine.contained, IndexError)
+        again = httpx.post(srv.base_url + "/v1/chat/completions", json=question, timeout=60)
+        assert again.json()["choices"][0]["message"]["content"] == expected
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        stats = srv.engine.stats()
+        assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
+
+
 class BrokenRunner(ModelRunner):
     """Every forward pass raises, as every masked pass did on the Mac path before its mask
     took the queries' dtype."""

@@ -169,7 +169,42 @@ class EngineBase:
 
     # -- the engine side -------------------------------------------------------------------
     def step(self) -> bool:
-        """One iteration. Returns False when there was nothing to do."""
+        """One iteration. Returns False when there was nothing to do.
+
+        If the scheduler's code raises (its planning, its finishing rules, the shedding
+        policy: a learner's, say), the step is lost: every request the scheduler held ends
+        with reason "error" and gives back its slot and KV blocks, the engine is left clean
+        for the next step (``contained`` names the error), and the error is raised to the
+        caller. ``EngineLoop`` logs it and serves on; a checker reports it."""
+        try:
+            return self._step()
+        except Exception as e:
+            self._contain(e)
+            raise
+
+    def _contain(self, e: Exception) -> None:
+        with self._lock:
+            now = self.clock()
+            for req in self._inbox:  # submitted, not yet handed over: they end too
+                if not req.finished:
+                    req.finish("error", now)
+                    req.error = e
+            ended = [r for r in self._inbox if r.error is e] + self.scheduler.abandon(e, now)
+            self._inbox.clear()
+            for _ in ended:
+                self._count("error")
+            self.passes_failed += 1
+            self.first_error = self.first_error or e
+            self.contained = e
+        log.error(
+            "the scheduler raised; the %d request(s) it held finish with reason 'error'",
+            len(ended),
+            exc_info=e,
+        )
+
+    contained: BaseException | None = None  # the last error a step raised after cleaning up
+
+    def _step(self) -> bool:
         with self._lock:
             self._sweep()  # 1. cancelled requests leave, freeing their slots and KV blocks
             for req in self._inbox:

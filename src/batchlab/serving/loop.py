@@ -19,6 +19,10 @@ class EngineLoop:
     When there is nothing to do the thread sleeps on an event that ``submit`` sets, so an
     idle engine uses no CPU and a new request starts at once.
 
+    A step whose scheduler raised (``Engine.step``: its requests end with "error", the engine
+    is left clean) does not stop the loop: it serves on. Anything else ends it, with ``error``
+    set.
+
     Callbacks given to ``add_listener`` run in the loop's thread after every step that did
     work and once when the loop ends (stopped, or died with ``error`` set), so a waiting
     client (the server's streams) can wake on progress instead of polling on a timer.
@@ -46,7 +50,13 @@ class EngineLoop:
     def _loop(self) -> None:
         try:
             while not self._stopping:
-                if self.engine.step():
+                try:
+                    worked = self.engine.step()
+                except Exception as e:
+                    if getattr(self.engine, "contained", None) is not e:
+                        raise  # not the scheduler's: the engine itself is broken
+                    worked = True  # its requests ended with "error"; the engine is clean: serve on
+                if worked:
                     self._notify()
                 else:
                     self._wake.wait()

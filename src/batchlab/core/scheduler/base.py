@@ -287,6 +287,19 @@ class Scheduler:
             self.remove(req)
         return ended
 
+    def abandon(self, cause: BaseException, now: float) -> list[Request]:
+        """The step raised ``cause`` in the scheduler's own code, so its state cannot be trusted:
+        every request it holds, queued or running, finishes with reason "error" and gives
+        back everything it holds. Returns the requests it finished."""
+        ended = []
+        for req in [*self.queue, *self.running]:
+            if not req.finished:
+                req.finish("error", now)
+                req.error = cause
+                ended.append(req)
+            self.release(req)
+        return ended
+
     def kv_usage(self) -> dict:
         """What KV memory looks like now (for the trace and ``stats``)."""
         b = self.blocks

@@ -78,7 +78,8 @@ def run_piece(cls, workload: Workload, *, max_seq_len=None, hints=None, prioriti
         engine.scheduler.passes = partial(checked_passes, engine.scheduler)
     problem = None
     try:
-        trace = run_workload(engine, workload, progress=False, priorities=priorities)
+        with _quiet_log():  # a raising scheduler is logged by the engine; the verdict says it here
+            trace = run_workload(engine, workload, progress=False, priorities=priorities)
     except NotImplementedError:
         raise  # "not written yet": run_cases says so
     except EngineStuck as e:

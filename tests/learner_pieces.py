@@ -187,7 +187,19 @@ class MyVictimPolicy(Policy):
 class MyEngine(EngineBase):
     """Lesson 6: poll drains the new tokens and reads the status under one hold of the
     lock, and forgets a request once "done" is reported; cancel finishes a running
-    request as "cancelled" and leaves freeing its slot to the next step's sweep."""
+    request as "cancelled" and leaves freeing its slot to the next step's sweep; submit checks
+    the request first, then chooses its id, refuses an id in use, checks the queue's room and
+    enqueues it under one hold of the lock."""
+
+    def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
+        fields = self.check_request(prompt_ids, **params)
+        with self._lock:
+            rid = request_id if request_id is not None else self.new_id()
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self.admission.check_room(self._queue_depth)
+            self.enqueue(rid, fields, arrival_s)
+        return rid
 
     def poll(self, req_id):
         with self._lock:

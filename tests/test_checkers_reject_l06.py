@@ -88,6 +88,9 @@ def test_our_front_passes_every_case_but_the_lineage():
 
 def test_a_front_that_hands_poll_to_super_is_not_written():
     class OnlySuper(EngineBase):
+        def submit(self, prompt_ids, **params):
+            return super().submit(prompt_ids, **params)
+
         def poll(self, req_id):
             return super().poll(req_id)
 
@@ -95,7 +98,90 @@ def test_a_front_that_hands_poll_to_super_is_not_written():
             return super().cancel(req_id)
 
     verdict = checks.engine_front(OnlySuper)
-    assert not verdict and "must write poll()" in verdict.message, verdict.message
+    assert not verdict and "must write submit()" in verdict.message, verdict.message
+
+    class PollOnlySuper(MyEngine):
+        def poll(self, req_id):
+            return super().poll(req_id)
+
+    verdict = checks.engine_front(PollOnlySuper)
+    assert verdict, "a poll handed to the learner's own earlier poll is the learner's"
+
+
+class RoomOutsideTheLock(MyEngine):
+    """Checks the queue's room, then enqueues in another hold: two threads can take the last place."""
+
+    def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
+        fields = self.check_request(prompt_ids, **params)
+        self.admission.check_room(self.queue_depth)
+        with self._lock:
+            rid = request_id if request_id is not None else self.new_id()
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self.enqueue(rid, fields, arrival_s)
+        return rid
+
+
+class TakesAnyId(MyEngine):
+    """Never refuses an id in use: the second request replaces the first in self._requests."""
+
+    def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
+        fields = self.check_request(prompt_ids, **params)
+        with self._lock:
+            rid = request_id if request_id is not None else self.new_id()
+            self.admission.check_room(self._queue_depth)
+            self.enqueue(rid, fields, arrival_s)
+        return rid
+
+
+class IdFromTheCount(MyEngine):
+    """Makes an id from how many requests it knows, outside the lock: two threads get the same one."""
+
+    def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
+        import time
+
+        fields = self.check_request(prompt_ids, **params)
+        rid = request_id if request_id is not None else f"r{len(self._requests)}"
+        time.sleep(0.0005)  # whatever happens between reading the count and taking the lock
+        with self._lock:
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self.admission.check_room(self._queue_depth)
+            self.enqueue(rid, fields, arrival_s)
+        return rid
+
+
+class EnqueuesLater(MyEngine):
+    """Returns the id before the request is known: a poll right after says 'unknown'."""
+
+    def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
+        fields = self.check_request(prompt_ids, **params)
+        with self._lock:
+            rid = request_id if request_id is not None else self.new_id()
+        self._later = getattr(self, "_later", []) + [(rid, fields, arrival_s)]
+        return rid
+
+    def step(self):
+        with self._lock:
+            for rid, fields, arrival_s in getattr(self, "_later", []):
+                self.enqueue(rid, fields, arrival_s)
+            self._later = []
+        return super().step()
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (RoomOutsideTheLock, "got into a queue with room for 3"),
+        (TakesAnyId, "the id 'a', already in use was accepted"),
+        (IdFromTheCount, "ids"),
+        (EnqueuesLater, "enqueue the request before submit returns"),
+    ],
+    ids=lambda v: getattr(v, "__name__", None),
+)
+def test_a_wrong_submit_is_refused_with_its_mistake_named(wrong, says):
+    verdict = checks.engine_front(wrong)
+    assert not verdict and says in verdict.message, verdict.message
 
 
 def test_a_poll_that_drains_and_reads_the_status_in_two_holds_is_rejected():

@@ -89,7 +89,7 @@ class EngineBase:
         self._said_failing = False
 
     # -- the client side ------------------------------------------------------------------
-    def submit(
+    def check_request(
         self,
         prompt_ids: Sequence[int],
         max_new_tokens: int = 32,
@@ -98,21 +98,18 @@ class EngineBase:
         top_k: int = 0,
         seed: int | None = None,
         ignore_eos: bool = False,
-        request_id: str | None = None,
         priority: int = 0,
-        arrival_s: float | None = None,
         min_new_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
-    ) -> str:
-        """Queue a request; return its id. Bad arguments raise ValueError and change nothing;
-        a full queue (see ``policies.Admission``) raises ``QueueFull``.
+    ) -> dict:
+        """Check every argument of a request and return its fields for ``enqueue``; bad ones
+        raise ValueError (nothing changes: this touches no shared state, so it needs no lock).
 
         ``priority``: lower is more important (as in vLLM); continuous and stall-free
         engines serve the queue by it and preempt the least important first. Static and
-        sequential engines serve first come, first served. ``arrival_s`` (default: now)
-        lets a driver that submits between steps give the time the request was due.
-        ``stop_token_ids`` end the request too (also with ``ignore_eos``, as in vLLM), and no
-        stop token is sampled before it has ``min_new_tokens`` tokens (vLLM's ``min_tokens``)."""
+        sequential engines serve first come, first served. ``stop_token_ids`` end the
+        request too (also with ``ignore_eos``, as in vLLM), and no stop token is sampled
+        before it has ``min_new_tokens`` tokens (vLLM's ``min_tokens``)."""
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
             raise ValueError("submit takes a list of token ids; encode text with the tokenizer first")
         prompt_ids = list(prompt_ids)
@@ -128,29 +125,49 @@ class EngineBase:
         bad = [t for t in extra_stops if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:3]!r}")
-        with self._lock:
-            self.scheduler.check_pool_holds(len(prompt_ids) + max_new)
-            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-            if rid in self._requests:
-                raise ValueError(f"request id {rid!r} is already in use")
-            self.admission.check_room(self._queue_depth)
-            stop = (frozenset() if ignore_eos else self.lm.tokenizer.eos_token_ids) | frozenset(extra_stops)
-            now = self.clock()
-            arrived = now if arrival_s is None else min(float(arrival_s), now)
-            req = Request(
-                rid,
-                prompt_ids,
-                max_new,
-                sampling,
-                stop,
-                arrived,
-                priority=priority,
-                min_new_tokens=min_new_tokens,
-            )
-            self._requests[rid] = req
-            self._inbox.append(req)
-            self.trace.requests[rid] = req.record
-        return rid
+        self.scheduler.check_pool_holds(len(prompt_ids) + max_new)  # the pool's size never changes
+        stop = (frozenset() if ignore_eos else self.lm.tokenizer.eos_token_ids) | frozenset(extra_stops)
+        return dict(
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new,
+            sampling=sampling,
+            stop_ids=stop,
+            priority=priority,
+            min_new_tokens=min_new_tokens,
+        )
+
+    def new_id(self) -> str:
+        """A request id nobody has had (call it under ``self._lock``)."""
+        return f"req-{next(self._ids)}"
+
+    def enqueue(self, req_id: str, fields: dict, arrival_s: float | None = None) -> Request:
+        """The request ``req_id`` with ``fields`` (from ``check_request``), arrived now (or at
+        ``arrival_s``, no later than now: a driver that submits between steps gives the time
+        the request was due): known to ``poll`` and ``cancel`` from here on, handed to the
+        next step. Call it under ``self._lock``."""
+        now = self.clock()
+        arrived = now if arrival_s is None else min(float(arrival_s), now)
+        req = Request(req_id, arrival_s=arrived, **fields)
+        self._requests[req_id] = req
+        self._inbox.append(req)
+        self.trace.requests[req_id] = req.record
+        return req
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        request_id: str | None = None,
+        arrival_s: float | None = None,
+        **params,
+    ) -> str:
+        """Queue a request; return its id. Bad arguments (``check_request``), an id in use
+        raise ValueError and change nothing; a full queue (see ``policies.Admission``) raises
+        ``QueueFull``. The front's to write (lesson 6)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must write submit(): check the request, then under one hold of "
+            f"self._lock give it an id (yours or a new one), refuse an id in use, check the queue's "
+            f"room and enqueue it"
+        )
 
     def poll(self, req_id: str) -> tuple[list[int], str, str | None]:
         """The request's new tokens and its status: ``(new_tokens, status, finish_reason)``,
@@ -376,7 +393,28 @@ class EngineBase:
 
 
 class Engine(EngineBase):
-    """The engine with our front: ``poll`` and ``cancel``, safe from any thread."""
+    """The engine with our front: ``submit``, ``poll`` and ``cancel``, safe from any thread."""
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        request_id: str | None = None,
+        arrival_s: float | None = None,
+        **params,
+    ) -> str:
+        """Queue a request; return its id. Every argument is checked first, outside the lock
+        (``check_request``: ValueError, nothing changes); then, under one hold of the lock,
+        the id is chosen and refused if in use, the queue's room checked (``QueueFull``) and
+        the request enqueued: no other thread can take the same id or the last place in the
+        queue in between, and ``poll`` knows the request as soon as ``submit`` returns."""
+        fields = self.check_request(prompt_ids, **params)
+        with self._lock:
+            rid = request_id if request_id is not None else self.new_id()
+            if rid in self._requests:
+                raise ValueError(f"request id {rid!r} is already in use")
+            self.admission.check_room(self._queue_depth)
+            self.enqueue(rid, fields, arrival_s)
+        return rid
 
     def poll(self, req_id: str) -> tuple[list[int], str, str | None]:
         """Drain the request's new tokens and read its status in one atomic step.

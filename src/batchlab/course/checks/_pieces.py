@@ -365,6 +365,12 @@ class Ask:
     ignore_eos: bool = False
     stop_token_ids: tuple = ()
 
+    def options(self) -> dict:
+        """``submit``'s arguments after the prompt."""
+        return dict(
+            max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids
+        )
+
     def expected(self, max_seq_len: int) -> tuple[list[int], str]:
         stops = frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else {0})
         new = clamp_new_tokens(len(self.prompt), self.max_new_tokens, max_seq_len)
@@ -403,10 +409,7 @@ def finishing_problem(cls, asks: list[Ask], max_seq_len: int = 4096, fail_pass: 
     if type(engine.scheduler).passes is Scheduler.passes:
         engine.scheduler.passes = partial(checked_passes, engine.scheduler)
     quiet = contextlib.nullcontext() if fail_pass is None else _quiet_log()
-    ids = [
-        engine.submit(a.prompt, a.max_new_tokens, ignore_eos=a.ignore_eos, stop_token_ids=a.stop_token_ids)
-        for a in asks
-    ]
+    ids = [engine.submit(a.prompt, **a.options()) for a in asks]
     try:
         with quiet:
             idle = 0  # steps in a row that ran no pass while requests waited

@@ -1,4 +1,4 @@
-"""Checkers for lesson 6 (the poll interface): poll and cancel under a spy lock, and streamed text."""
+"""Checkers for lesson 6 (the poll interface): submit, poll and cancel under threads and a spy lock, and streamed text."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from functools import partial
 from typing import Any, Callable
 
 from ...core.engine import Engine, EngineBase, make_engine
+from ...core.policies import Admission, QueueFull
 from ...core.fake import FakeModel, FakeRunner, reference_output
 from ...serving.loop import EngineLoop
 from ._core import Case, Verdict, answer_compare, run_cases, show
@@ -239,6 +240,107 @@ def cancel_mid_pass(f):
     return _blocks_back(engine)
 
 
+def submit_registers(f):
+    engine = _started(f)
+    rid = engine.submit(_PROMPTS["a"], max_new_tokens=3, ignore_eos=True)
+    if not isinstance(rid, str):
+        return f"submit returns the request's id (a str), not {show(rid)}"
+    polled = engine.poll(rid)
+    if isinstance(polled, (tuple, list)) and len(polled) == 3 and polled[1] == "unknown":
+        return "poll right after submit said 'unknown': enqueue the request before submit returns"
+    other = engine.submit(_PROMPTS["b"], max_new_tokens=2, ignore_eos=True)
+    if other == rid:
+        return f"two submits without a request_id both got the id {rid!r}: take a new one each time (self.new_id())"
+    given = engine.submit(_PROMPTS["a"], max_new_tokens=3, ignore_eos=True, request_id="mine")
+    if given != "mine":
+        return f"submit(..., request_id='mine') returned {show(given)}: a given id is the request's id"
+    engine.run_until_idle()
+    record = engine.trace.requests[rid]
+    if (list(record.output_ids), record.finish_reason) != (_right("a", 3), "length"):
+        return f"the submitted request should make {show(_right('a', 3))} and end 'length'"
+    return None
+
+
+def submit_refuses(f):
+    engine = _started(f, ("a", 4))
+    refused = [  # (in words, the prompt, submit's other arguments)
+        ("the id 'a', already in use", _PROMPTS["b"], dict(max_new_tokens=2, request_id="a")),
+        ("an empty prompt", [], dict(max_new_tokens=2)),
+        ("max_new_tokens=0", _PROMPTS["b"], dict(max_new_tokens=0)),
+        ("a string instead of token ids", "hello", dict(max_new_tokens=2)),
+    ]
+    for label, prompt, params in refused:
+        try:
+            engine.submit(prompt, **params)
+        except ValueError:
+            pass
+        except Exception as e:
+            return f"submit with {label} raised {type(e).__name__}: {e}, not ValueError"
+        else:
+            return f"submit with {label} was accepted: it must raise ValueError and change nothing"
+        if engine.queue_depth() != 1:
+            return f"after refusing {label}, {engine.queue_depth()} requests wait, not 1: refuse before enqueueing"
+    engine.run_until_idle()
+    record = engine.trace.requests["a"]
+    if (list(record.output_ids), record.finish_reason) != (_right("a", 4), "length"):
+        return "a, submitted first, should finish as if the refused submits never happened"
+    return None
+
+
+class _SlowRoom(Admission):
+    """Our admission, with a slow look at the queue: a window for two threads to both see room."""
+
+    def check_room(self, queue_depth):
+        depth = queue_depth() if self.max_queue is not None else 0
+        time.sleep(0.005)
+        if self.max_queue is not None and depth >= self.max_queue:
+            raise QueueFull(f"the queue is full ({self.max_queue} waiting); retry later")
+
+
+def submit_race(f):
+    """8 threads submit at once into a queue with room for 3 (no step runs): exactly 3 get in."""
+    engine = _started(f, admission=_SlowRoom(max_queue=3))
+    start, outcomes = threading.Barrier(8), []
+
+    def client(c):
+        start.wait()
+        try:
+            outcomes.append(engine.submit([1 + c, 2, 3], max_new_tokens=2, ignore_eos=True))
+        except QueueFull:
+            outcomes.append(None)
+
+    with ThreadPoolExecutor(8) as clients:
+        list(clients.map(client, range(8)))
+    taken = [o for o in outcomes if o is not None]
+    if len(taken) != 3:
+        return (
+            f"{len(taken)} of 8 submits at once got into a queue with room for 3: check the room and "
+            f"enqueue under ONE hold of self._lock, or several threads see the same last place"
+        )
+    if len(set(taken)) != 3:
+        return f"submits at once got the same id: {taken}"
+    return None
+
+
+def submit_many(f):
+    """8 threads submit 25 requests each without ids, then every one is served."""
+    engine = _started(f, slots=4)
+    ids = []
+
+    def client(c):
+        for j in range(25):
+            ids.append(engine.submit([1 + (c + j) % 60, 2], max_new_tokens=2, ignore_eos=True))
+
+    with ThreadPoolExecutor(8) as clients:
+        list(clients.map(client, range(8)))
+    if len(set(ids)) != 200:
+        return f"200 submits from 8 threads got {len(set(ids))} different ids: take each id under the lock"
+    engine.run_until_idle()
+    unserved = [rid for rid in ids if engine.trace.requests[rid].finish_reason != "length"]
+    return f"{len(unserved)} of 200 were never served, e.g. {unserved[0]}" if unserved else None
+
+
+SUBMIT = "check_request first; then under one `with self._lock:` choose the id, refuse one in use, check_room, enqueue"
 PENDING = "hand out all of req.pending, as a list"
 EMPTY = "after taking the tokens, leave req.pending empty"
 FORGET = "delete the request from self._requests when you report 'done'"
@@ -247,11 +349,23 @@ CANCEL = "self._finish(req, 'cancelled') and self._cancelled.append(req), under 
 
 
 def engine_front(cls: Any) -> Verdict:
-    """Check ``MyEngine``'s ``poll(rid) -> (new_tokens, status, finish_reason)`` and ``cancel(rid)``."""
+    """Check ``MyEngine``'s ``submit``, ``poll(rid) -> (new_tokens, status, finish_reason)`` and ``cancel(rid)``."""
 
     forgot = "after 'done' was reported, the engine forgets the request: 'unknown'"
     cases = [
         lineage_case(EngineBase, (Engine,)),
+        piece_case(
+            "submit: poll knows the request at once; new ids, or the one given", submit_registers, SUBMIT
+        ),
+        piece_case(
+            "submit refuses an id in use and bad arguments (ValueError), changing nothing",
+            submit_refuses,
+            SUBMIT,
+        ),
+        piece_case(
+            "8 threads submit at once into a queue with room for 3: exactly 3 get in", submit_race, SUBMIT
+        ),
+        piece_case("8 threads submit 200 requests without ids: 200 ids, all served", submit_many, SUBMIT),
         poll_case("a request just submitted, no step yet: ([], 'running', None)", "a"),
         poll_case("after 3 steps, one poll hands out every token made so far", "a", 3, PENDING),
         poll_case("a second poll with no step in between: ([], 'running', None)", "a", 3, EMPTY, again=True),

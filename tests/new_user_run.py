@@ -11,7 +11,7 @@ except ``--out`` and its screenshots in ``<out without .md>/``):
    ``PYTHONPATH`` (the kernels inherit it), so the clone's batchlab is what runs; the
    environment is this repository's ``.venv``. HOME and every Jupyter folder point into
    the temporary folder, so no user state leaks in.
-2. Debian's Chromium, driven by Playwright, opens lessons 1, 2, 4, 5a, 6 and 8 in turn from
+2. Debian's Chromium, driven by Playwright, opens lessons 1, 2, 4, 5a, 6, 8, 9 and 10 in turn from
    ``my-course/``; in each, the learner's piece is typed into its ``%%piece`` cell in place
    of the empty exercise (the pieces of ``tests/learner_pieces.py``; a piece not there --
    lesson 6's ``MyEngine`` -- is the solved lesson's), then Run > Run All Cells, and the

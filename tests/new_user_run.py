@@ -274,9 +274,13 @@ def screenshot(page, cells, first: int, last: int, path: Path) -> None:
     x1 = max(b["x"] + b["width"] for b in boxes)
     y1 = min(max(b["y"] + b["height"] for b in boxes), y0 + 640)
     path.parent.mkdir(parents=True, exist_ok=True)
-    page.screenshot(
-        path=str(path), clip={"x": x0, "y": max(y0, 0), "width": x1 - x0, "height": y1 - max(y0, 0)}
-    )
+    height = (page.viewport_size or {}).get("height", 0)
+    if y1 - max(y0, 0) < 20 or y0 >= height:  # outside the viewport (a windowed notebook): the verdict alone
+        cells.nth(first).screenshot(path=str(path))
+    else:
+        page.screenshot(
+            path=str(path), clip={"x": x0, "y": max(y0, 0), "width": x1 - x0, "height": y1 - max(y0, 0)}
+        )
     try:  # fewer colours: a much smaller file, as readable
         from PIL import Image
 

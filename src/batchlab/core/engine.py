@@ -202,11 +202,8 @@ class EngineBase:
     def _contain(self, e: Exception) -> None:
         with self._lock:
             now = self.clock()
-            for req in self._inbox:  # submitted, not yet handed over: they end too
-                if not req.finished:
-                    req.finish("error", now)
-                    req.error = e
-            ended = [r for r in self._inbox if r.error is e] + self.scheduler.abandon(e, now)
+            ended = [r for r in self._inbox if r.fail(e, now)]  # submitted, not yet handed over: they end too
+            ended += self.scheduler.abandon(e, now)
             self._inbox.clear()
             for _ in ended:
                 self._count("error")

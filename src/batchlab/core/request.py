@@ -99,6 +99,14 @@ class Request:
         self.record.finished_s = now
         self.set_state(State.FINISHED, now)
 
+    def fail(self, cause: BaseException, now: float) -> bool:
+        """Finish with reason "error" because of ``cause``; False if it had finished already."""
+        if self.finished:
+            return False
+        self.finish("error", now)
+        self.error = cause
+        return True
+
     def next_input(self) -> list[int]:
         """The token a decode step feeds in: the last one generated."""
         return [self.output_ids[-1]]

@@ -278,12 +278,8 @@ class Scheduler:
     def fail(self, batch: Batch, cause: BaseException, now: float) -> list[Request]:
         """The pass of ``batch`` raised ``cause``: its requests finish with reason "error"
         and give back everything they hold. Returns the requests it finished."""
-        ended = []
+        ended = [req for req in batch.requests if req.fail(cause, now)]
         for req in batch.requests:
-            if not req.finished:
-                req.finish("error", now)
-                req.error = cause
-                ended.append(req)
             self.remove(req)
         return ended
 
@@ -291,12 +287,9 @@ class Scheduler:
         """The step raised ``cause`` in the scheduler's own code, so its state cannot be trusted:
         every request it holds, queued or running, finishes with reason "error" and gives
         back everything it holds. Returns the requests it finished."""
-        ended = []
-        for req in [*self.queue, *self.running]:
-            if not req.finished:
-                req.finish("error", now)
-                req.error = cause
-                ended.append(req)
+        held = [*self.queue, *self.running]
+        ended = [req for req in held if req.fail(cause, now)]
+        for req in held:
             self.release(req)
         return ended
 

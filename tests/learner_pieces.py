@@ -4,6 +4,7 @@ their simplest right form: what the checkers must accept. The wrong pieces of
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass
 
@@ -12,6 +13,7 @@ from batchlab.core.engine import EngineBase
 from batchlab.core.policies import AdmissionBase, Policy
 from batchlab.core.request import State
 from batchlab.core.scheduler import OnDemandKV, Scheduler
+from batchlab.serving.server import HEARTBEAT_S, ServerBase, StopMatcher, StreamEnded
 
 
 class MyStaticScheduler(Scheduler):
@@ -222,6 +224,52 @@ class MyEngine(EngineBase):
             self._finish(req, "cancelled")
             self._cancelled.append(req)
             return True
+
+
+class MyServer(ServerBase):
+    """Lesson 7: each request's stream: poll after every engine step, one piece of text per
+    token (EOS adds none) with the count so far, a stop string cancels the request, the
+    finish reason last; StreamEnded for a failed request or a closing server; a stream
+    closed before its request ended cancels it."""
+
+    async def events(self, rid, stops):
+        detok, stopper = self.lm.tokenizer.detokenizer(), StopMatcher(stops)
+        eos, count, ended = self.lm.tokenizer.eos_token_ids, 0, False
+        try:
+            while True:
+                progress = self.next_progress()
+                tokens, status, reason = self.loop.poll(rid)
+                for token in tokens:
+                    count += 1
+                    text, hit = stopper.feed("" if token in eos else detok.add(token))
+                    if hit:
+                        self.loop.cancel(rid)
+                        ended = True
+                        yield text, "stop", count
+                        return
+                    if text:
+                        yield text, None, count
+                if reason == "error":
+                    ended = True
+                    raise StreamEnded("the engine failed while running this request", 500)
+                if status != "running":
+                    ended = True
+                    text, hit = stopper.feed(detok.flush())
+                    yield (
+                        text + ("" if hit else stopper.flush()),
+                        "stop" if hit or reason == "cancelled" else reason,
+                        count,
+                    )
+                    return
+                if self.unavailable():
+                    raise StreamEnded(self.unavailable(), 503)
+                try:
+                    await asyncio.wait_for(progress.wait(), HEARTBEAT_S)
+                except TimeoutError:
+                    pass
+        finally:
+            if not ended:
+                self.loop.cancel(rid)
 
 
 @dataclass(frozen=True)

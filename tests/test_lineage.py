@@ -71,9 +71,10 @@ BASES = {
     "batchlab.core.policies.Policy",
     "batchlab.core.policies.AdmissionBase",
     "batchlab.core.scheduler.on_demand.OnDemandKV",  # a mechanism: its admission rule is the kind's
+    "batchlab.serving.server.ServerBase",
     "builtins.object",
 }
-PIECES = {"static", "continuous", "chunked", "stallfree", "front", "memory", "policy", "aging"}
+PIECES = {"static", "continuous", "chunked", "stallfree", "front", "server", "memory", "policy", "aging"}
 
 WALK = """
 import json, sys
@@ -130,8 +131,13 @@ def delegating(cls: type) -> type:
 
     made: list[type] = []
 
-    def through_super(name, generator):
-        if generator:
+    def through_super(name, generator, async_generator):
+        if async_generator:
+
+            async def method(self, *args, **kwargs):
+                async for item in getattr(super(made[0], self), name)(*args, **kwargs):
+                    yield item
+        elif generator:
 
             def method(self, *args, **kwargs):
                 yield from getattr(super(made[0], self), name)(*args, **kwargs)
@@ -143,7 +149,7 @@ def delegating(cls: type) -> type:
         return method
 
     body = {
-        name: through_super(name, inspect.isgeneratorfunction(value))
+        name: through_super(name, inspect.isgeneratorfunction(value), inspect.isasyncgenfunction(value))
         if inspect.isfunction(value) and name != "__init__"
         else value
         for name, value in vars(cls).items()
@@ -164,6 +170,7 @@ def _pieces_and_checkers():
         ("memory_scheduler", (L.MyMemoryScheduler, L.MyVictimPolicy), 0),
         ("memory_scheduler", (L.MyMemoryScheduler, L.MyVictimPolicy), 1),
         ("engine_front", (L.MyEngine,), 0),
+        ("server_events", (L.MyServer,), 0),
         ("admission_policy", (L.MyAdmission,), 0),
         ("aging_policy", (L.MyAgingPolicy,), 0),
     ]
@@ -172,7 +179,7 @@ def _pieces_and_checkers():
 @pytest.mark.parametrize(
     "checker, pieces, which", _pieces_and_checkers(), ids=lambda v: getattr(v, "__name__", None)
 )
-def test_no_checker_accepts_a_piece_that_only_delegates_to_super(checker, pieces, which):
+def test_no_checker_accepts_a_piece_that_only_delegates_to_super(checker, pieces, which, request):
     """Every lesson's piece, each of its methods replaced by ``super()``: the call reaches a base
     that decides nothing (it raises "must write"), or the learner's own earlier piece, which does
     not do this lesson's new thing. Either way the checker refuses it; the right piece passes."""
@@ -180,10 +187,16 @@ def test_no_checker_accepts_a_piece_that_only_delegates_to_super(checker, pieces
     import io
 
     from batchlab.course import checks
+    from batchlab.model.tokenizer import Tokenizer
 
+    extra = (
+        (Tokenizer.from_gguf_metadata(request.getfixturevalue("gguf_meta")),)
+        if checker == "server_events"
+        else ()
+    )
     with contextlib.redirect_stdout(io.StringIO()):
-        assert getattr(checks, checker)(*pieces), f"{checker}: the lesson's own piece must pass"
+        assert getattr(checks, checker)(*pieces, *extra), f"{checker}: the lesson's own piece must pass"
         lazy = list(pieces)
         lazy[which] = delegating(pieces[which])
-        verdict = getattr(checks, checker)(*lazy)
+        verdict = getattr(checks, checker)(*lazy, *extra)
     assert not verdict, f"{checker} accepted {pieces[which].__name__} whose methods only call super()"

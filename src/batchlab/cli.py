@@ -129,7 +129,9 @@ def engine_options(args) -> dict:
     if getattr(args, "enable_prefix_cache", False):
         options["enable_prefix_cache"] = True
     if getattr(args, "policy", None):
-        options["policy"] = policy_from(args.policy)
+        options["policy"] = policy_from(args.policy, getattr(args, "policy_arg", None) or [])
+    elif getattr(args, "policy_arg", None):
+        raise ValueError("--policy-arg needs --policy: it sets an argument of that class")
     return options
 
 
@@ -144,24 +146,42 @@ def class_from(spec: str, flag: str, base: type) -> type:
     return found
 
 
-def policy_from(spec: str):
+def policy_from(spec: str, settings: list[str] = ()):
     """A ``Policy`` subclass named as module:Class (e.g. the learner's
-    ``my_engine.memory:MyVictimPolicy``), made with no arguments."""
+    ``my_engine.aging:MyAgingPolicy``), made with ``settings``: ``NAME=VALUE`` strings
+    (``--policy-arg age_s=10``), each value a number where it reads as one."""
     from .core.policies import Policy
 
-    return class_from(spec, "--policy", Policy)()
+    cls = class_from(spec, "--policy", Policy)
+    kwargs = {}
+    for setting in settings:
+        name, eq, value = setting.partition("=")
+        if not eq or not name.isidentifier():
+            raise ValueError(f"--policy-arg {setting!r}: write NAME=VALUE, e.g. age_s=10")
+        try:
+            kwargs[name] = int(value) if value.lstrip("-").isdigit() else float(value)
+        except ValueError:
+            kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # an argument the class does not take
+        raise ValueError(f"--policy {spec} with {', '.join(settings)}: {e}") from e
 
 
 def serve_pieces(args) -> dict:
     """``batchlab serve``'s learner pieces beyond the scheduler: ``--front`` (an
-    ``EngineBase`` subclass: poll and cancel) and ``--shedding`` (an ``AdmissionBase``
-    subclass) with its ``--max-wait``."""
+    ``EngineBase`` subclass: submit, poll and cancel), ``--server`` (a ``ServerBase``
+    subclass: each request's stream) and ``--shedding`` (an ``AdmissionBase`` subclass)
+    with its ``--max-wait``."""
     from .core.engine import EngineBase
     from .core.policies import AdmissionBase
+    from .serving.server import ServerBase
 
     pieces = {"max_wait_s": args.max_wait}
     if args.front:
         pieces["engine_class"] = class_from(args.front, "--front", EngineBase)
+    if args.server:
+        pieces["server_class"] = class_from(args.server, "--server", ServerBase)
     if args.shedding:
         pieces["shedding"] = class_from(args.shedding, "--shedding", AdmissionBase)
     return pieces
@@ -377,6 +397,13 @@ def _add_engine_options(parser, default: str, extra=None):
         "Policy subclass, e.g. my_engine.memory:MyVictimPolicy",
     )
     parser.add_argument(
+        "--policy-arg",
+        action="append",
+        default=None,
+        metavar="NAME=VALUE",
+        help="an argument of the --policy class (repeat for several), e.g. age_s=10 for an aging policy",
+    )
+    parser.add_argument(
         "--num-kv-blocks",
         type=int,
         default=None,
@@ -448,7 +475,12 @@ def _serve_parser(sub, extra) -> None:
         help="shed a request still waiting to start after S s",
     )
     srv.add_argument(
-        "--front", metavar="MODULE:CLASS", help="your poll/cancel front, e.g. my_engine.front:MyEngine"
+        "--front", metavar="MODULE:CLASS", help="your submit/poll/cancel front, e.g. my_engine.front:MyEngine"
+    )
+    srv.add_argument(
+        "--server",
+        metavar="MODULE:CLASS",
+        help="your request streams (events), e.g. my_engine.server:MyServer",
     )
     srv.add_argument(
         "--shedding", metavar="MODULE:CLASS", help="your shedding policy, e.g. my_engine.policy:MyAdmission"

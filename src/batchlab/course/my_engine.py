@@ -45,6 +45,7 @@ PIECES: dict[str, tuple[str, str, str]] = {
     "chunked": ("4", "MyChunkedScheduler", "batchlab.core.scheduler:ContinuousScheduler"),
     "stallfree": ("5a", "MyStallFreeScheduler", "batchlab.core.scheduler:StallFreeScheduler"),
     "front": ("6", "MyEngine", "batchlab.core.engine:Engine"),
+    "server": ("7", "MyServer", "batchlab.serving.server:Server"),
     "memory": ("8", "MyMemoryScheduler", "batchlab.core.scheduler:StallFreeScheduler"),
     "policy": ("9", "MyAdmission", "batchlab.core.engine:Admission"),
     "aging": ("10", "MyAgingPolicy", "batchlab.core.policies:AgingPolicy"),

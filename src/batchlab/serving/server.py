@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import ipaddress
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -299,7 +300,12 @@ class StopMatcher:
         return out
 
 
-class Server:
+class ServerBase:
+    """The server's mechanism, with no stream in it: the engine loop, who sent what, the
+    wake-up of waiting streams, ``submit`` and shutdown. What a request's stream sends,
+    and when, is :meth:`events`, which a subclass writes (ours: :class:`Server`; lesson 7
+    has the learner write theirs)."""
+
     def __init__(
         self, lm: LoadedModel, loop: EngineLoop, model_id: str, max_running_per_user: int | None = None
     ):
@@ -326,9 +332,11 @@ class Server:
         self.closing = reason
         self._notify()
 
-    def _progress_event(self) -> asyncio.Event:
-        """The event that is set at the next engine progress. Take it before polling, so a
-        step that ends between the poll and the wait still wakes the stream."""
+    def next_progress(self) -> asyncio.Event:
+        """The event that is set when the next engine step ends (or the server closes): a
+        stream awaits it between polls, so it neither busy-polls nor blocks the event loop.
+        Take it before polling, so a step that ends between the poll and the wait still
+        wakes the stream."""
         if self._aio is None:  # the first stream: from now on, every step wakes the streams
             self._aio = asyncio.get_running_loop()
             self.loop.add_listener(self._notify)
@@ -377,6 +385,19 @@ class Server:
         return rid
 
     async def events(self, rid: str, stops: list[str]) -> AsyncIterator[tuple[str, str | None, int]]:
+        """Yield (new text, finish reason or None, tokens so far) until request ``rid`` ends."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must write events(rid, stops): poll the request, yield one piece of "
+            "text per token, wait for the engine's next step between polls, and cancel the request "
+            "if the stream is closed before it ends"
+        )
+        yield  # (an async generator)
+
+
+class Server(ServerBase):
+    """Our server: :meth:`ServerBase` plus the stream of each request."""
+
+    async def events(self, rid: str, stops: list[str]) -> AsyncIterator[tuple[str, str | None, int]]:
         """Yield (new text, finish reason or None, tokens so far) until the request ends:
         one piece per token that adds text, so a client can time every token (ITL).
         Raises ``StreamEnded`` if the request fails, the engine stops or the server closes.
@@ -385,7 +406,7 @@ class Server:
         eos, count, done = self.lm.tokenizer.eos_token_ids, 0, False
         try:
             while True:
-                progress = self._progress_event()
+                progress = self.next_progress()
                 tokens, status, reason = self.loop.poll(rid)
                 for token in tokens:  # one piece per token, as OpenAI's servers stream
                     count += 1
@@ -588,7 +609,7 @@ class Reply:
         )
 
 
-async def whole_answer(http: Request, server: Server, rid: str, stops: list[str], reply: Reply):
+async def whole_answer(http: Request, server: ServerBase, rid: str, stops: list[str], reply: Reply):
     """Wait for the whole answer, then send it in one body; a client that goes away
     cancels the request (499)."""
     text, reason, count = "", None, 0
@@ -600,10 +621,24 @@ async def whole_answer(http: Request, server: Server, rid: str, stops: list[str]
                 return error(499, "client closed the request")
     except StreamEnded as e:
         return error(e.status, str(e), "server_error")
+    except Exception as e:  # a learner's events() that fails: this request ends, the server serves on
+        return error(500, stream_failed(server, rid, e), "server_error")
     return reply.body(text, reason, count)
 
 
-async def streamed_answer(server: Server, rid: str, req: SamplingFields, reply: Reply) -> AsyncIterator[str]:
+def stream_failed(server: ServerBase, rid: str, e: Exception) -> str:
+    """A stream's ``events()`` raised (a learner's, say): cancel its request, so its slot is
+    not held to the end, log the traceback, and say what happened, for the client."""
+    server.loop.cancel(rid)
+    logging.getLogger("batchlab.server").error(
+        "%s.events() raised for request %s", type(server).__name__, rid, exc_info=e
+    )
+    return f"{type(server).__name__}.events() raised {type(e).__name__}: {e}"
+
+
+async def streamed_answer(
+    server: ServerBase, rid: str, req: SamplingFields, reply: Reply
+) -> AsyncIterator[str]:
     """The answer as server-sent events: one per token that adds text (the last one with
     the finish reason), then the usage if asked for, then ``[DONE]``. The status (200) is sent already, so a failure mid-way is
     an error event, as OpenAI's and vLLM's servers send."""
@@ -619,6 +654,19 @@ async def streamed_answer(server: Server, rid: str, req: SamplingFields, reply: 
                 yield reply.chunk([reply.choice(piece, reason, final=False)], count)
     except StreamEnded as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": e.status}})
+        yield SSE_DONE
+        return
+    except Exception as e:  # a learner's events() that fails: this stream ends, the server serves on
+        yield sse(
+            {
+                "error": {
+                    "message": stream_failed(server, rid, e),
+                    "type": "server_error",
+                    "param": None,
+                    "code": 500,
+                }
+            }
+        )
         yield SSE_DONE
         return
     if options.include_usage:
@@ -664,7 +712,7 @@ async def completions(req: CompletionRequest, http: Request):
     return await respond(http, req, prompt_ids, chat=False)
 
 
-def create_app(server: Server, api_key: str | None = None, show_prompts: bool = False) -> FastAPI:
+def create_app(server: ServerBase, api_key: str | None = None, show_prompts: bool = False) -> FastAPI:
     """The HTTP app. With ``api_key``, every /v1 route needs it; /health, /metrics and the
     dashboard stay open (the dashboard shows prompt text only with ``show_prompts``).
     The handlers are module-level and read ``server`` and ``api_key`` from
@@ -688,7 +736,7 @@ def create_app(server: Server, api_key: str | None = None, show_prompts: bool = 
 GRACEFUL_SHUTDOWN_S = 5
 
 
-def _uvicorn(server: Server, api_key: str | None, show_prompts: bool, **config):
+def _uvicorn(server: ServerBase, api_key: str | None, show_prompts: bool, **config):
     """A uvicorn server that, on shutdown (SIGTERM, Ctrl+C, ``should_exit``), first ends
     every open stream; uvicorn alone would wait until each had generated its last token."""
     import uvicorn
@@ -718,11 +766,13 @@ def _start(
     uvicorn_config: dict,
     shedding: type[AdmissionBase] = Admission,
     max_wait_s: float | None = None,
+    server_class: type[ServerBase] = Server,
 ):
     """What ``batchlab serve`` and :func:`serve_in_thread` share: refuse an exposed ``host``
     without a key, make the engine, start its loop, and put the app on a uvicorn server
     (``uvicorn_config``: its ``uvicorn.Config`` arguments). ``shedding`` is the admission
-    class, made with ``max_queue`` and ``max_wait_s``. Returns (uvicorn server, loop):
+    class, made with ``max_queue`` and ``max_wait_s``; ``server_class`` writes each request's
+    stream (``events``: ours, or a learner's ``ServerBase`` subclass). Returns (uvicorn server, loop):
     the caller runs the one, blocking or in a thread, and stops the other. If this fails
     after the loop started, it stops the loop."""
     from ..core.engine import make_engine
@@ -732,7 +782,7 @@ def _start(
     engine = make_engine(kind, lm, trace_limit=trace_limit, admission=admission, **engine_options)
     loop = EngineLoop(engine).start()
     try:
-        server = Server(lm, loop, model_id or lm.info.name, max_running_per_user)
+        server = server_class(lm, loop, model_id or lm.info.name, max_running_per_user)
         return _uvicorn(server, api_key, show_prompts, **uvicorn_config), loop
     except BaseException:
         loop.stop()
@@ -751,10 +801,12 @@ def serve(
     show_prompts: bool = False,
     shedding: type[AdmissionBase] = Admission,
     max_wait_s: float | None = None,
+    server_class: type[ServerBase] = Server,
     **engine_options,
 ) -> None:
     """Run the server until interrupted (``batchlab serve``). ``shedding`` (an
     ``AdmissionBase`` class, e.g. a learner's) sheds what waited over ``max_wait_s``;
+    ``server_class`` writes each request's stream (a learner's ``ServerBase`` subclass);
     ``engine_options`` go to ``make_engine`` (``engine_class``: a learner's front)."""
     uv, loop = _start(
         lm,
@@ -771,6 +823,7 @@ def serve(
         uvicorn_config={"host": host, "port": port, "log_level": "info"},
         shedding=shedding,
         max_wait_s=max_wait_s,
+        server_class=server_class,
     )
     try:
         uv.run()  # here, until SIGTERM or Ctrl+C
@@ -816,13 +869,14 @@ def serve_in_thread(
     show_prompts: bool = False,
     shedding: type[AdmissionBase] = Admission,
     max_wait_s: float | None = None,
+    server_class: type[ServerBase] = Server,
     **engine_options,
 ) -> ServerThread:
     """Start the server in a background thread of this process (a notebook or a test) and
     return once it accepts connections. ``port=0`` takes a free port; the socket is bound
     here, before the thread starts, so no other process can take it in between.
-    ``api_key``, ``insecure``, ``max_running_per_user``, ``show_prompts``, ``shedding`` and
-    ``max_wait_s`` are as for ``batchlab serve``."""
+    ``api_key``, ``insecure``, ``max_running_per_user``, ``show_prompts``, ``shedding``,
+    ``max_wait_s`` and ``server_class`` are as for ``batchlab serve``."""
     import socket
     import threading
 
@@ -841,6 +895,7 @@ def serve_in_thread(
         uvicorn_config={"log_level": "warning"},  # the socket is given to run() instead
         shedding=shedding,
         max_wait_s=max_wait_s,
+        server_class=server_class,
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:

@@ -9,7 +9,7 @@ from .lesson03 import percentile_linear, predict_stall, time_between_tokens  # n
 from .lesson04 import chunked_scheduler, largest_chunk, predict_long_ttft  # noqa: F401
 from .lesson05 import fused_saving, pack_chunks, skipped_decodes, stallfree_planner  # noqa: F401
 from .lesson06 import engine_front, stream_text  # noqa: F401
-from .lesson07 import goodput, parse_sse, stream_metrics  # noqa: F401
+from .lesson07 import goodput, parse_sse, server_events, stream_metrics  # noqa: F401
 from .lesson08 import cached_prefix, kv_slots, memory_scheduler  # noqa: F401
 from .lesson09 import admission_policy, mean_in_system, to_shed  # noqa: F401
 from .lesson10 import aging_policy, overtaken_after  # noqa: F401

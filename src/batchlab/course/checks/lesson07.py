@@ -1,14 +1,16 @@
-"""Checkers for lesson 7 (serving): ``stream_metrics``, ``parse_sse`` and ``goodput``."""
+"""Checkers for lesson 7 (serving): the piece ``MyServer.events`` (each request's stream, on a scripted
+engine loop), and the exercises ``stream_metrics``, ``parse_sse`` and ``goodput``."""
 
 from __future__ import annotations
 
 import json
 from functools import partial
-from typing import Callable
+from typing import Any, Callable
 
-from ._core import Verdict, close, mistakes, number_compare, table
+from ._core import Case, Verdict, WrongType, close, mistakes, number_compare, run_cases, show, table
+from ._lineage import lineage_case
 
-__all__ = ["stream_metrics", "parse_sse", "goodput"]
+__all__ = ["stream_metrics", "parse_sse", "goodput", "server_events"]
 
 
 def stream_metrics(fn: Callable) -> Verdict:
@@ -141,3 +143,346 @@ def goodput(fn: Callable) -> Verdict:
 
     hint = "good = ok and both objectives met; goodput = good / duration_s"
     return table("goodput", fn, sets, None, judge, hint)
+
+
+# -- the piece: MyServer.events, each request's stream ----------------------------------------------
+STEP_S = 0.002  # the scripted engine's step: the checker's driver steps it this often
+WAIT_S = 1.5  # after the script ends, how long a stream may still take to end (> HEARTBEAT_S)
+_RID = "r"
+
+
+class _Busy(BaseException):
+    """Raised in a poll when the stream polls on and on with no engine step between (not an
+    ``Exception``, so the learner's ``except Exception`` does not swallow it)."""
+
+
+class _ScriptedLoop:
+    """What a server's stream sees of an engine loop, on a script: step ``k`` makes the tokens of
+    ``script[k]`` and sets that item's status and reason. ``poll`` drains like an engine's;
+    ``cancel`` ends the request as 'cancelled'. The checker's driver calls ``step``."""
+
+    def __init__(self, scripts: dict[str, list]):
+        self.scripts, self.made = scripts, 0
+        self.pending = {rid: [] for rid in scripts}
+        self.state = {rid: ("running", None) for rid in scripts}
+        self.cancels: list[str] = []
+        self.polls = self.polls_since_step = 0
+        self.listeners: list = []
+        self.error = None  # ServerBase.unavailable reads it
+
+    def add_listener(self, fn) -> None:
+        self.listeners.append(fn)
+
+    def step(self) -> None:
+        for rid, script in self.scripts.items():
+            if self.made < len(script) and self.state[rid][0] == "running":
+                tokens, status, reason = script[self.made]
+                self.pending[rid] += tokens
+                self.state[rid] = (status, reason)
+        self.made += 1
+        self.polls_since_step = 0
+        for fn in self.listeners:
+            fn()
+
+    def poll(self, rid: str):
+        self.polls += 1
+        self.polls_since_step += 1
+        if self.polls_since_step > 200:
+            raise _Busy(
+                "events() polled 200 times with no engine step in between: wait for the next step "
+                "between polls (await self.next_progress().wait()); polling again at once, or blocking "
+                "in time.sleep, keeps the event loop from every other stream"
+            )
+        if rid not in self.state:
+            return [], "unknown", None
+        tokens, self.pending[rid] = self.pending[rid], []
+        return tokens, *self.state[rid]
+
+    def cancel(self, rid: str) -> bool:
+        self.cancels.append(rid)
+        if self.state.get(rid, ("done",))[0] != "running":
+            return False
+        self.state[rid] = ("done", "cancelled")
+        return True
+
+    def ended(self) -> bool:
+        return self.made >= max(len(s) for s in self.scripts.values())
+
+
+def _stream_run(cls, tokenizer, scripts, stops=(), take=None, close_at=None, leave_waiting=False, rids=None):
+    """Streams of ``cls`` for every request of ``scripts`` on one server and one event loop (a
+    thread of its own: a notebook's kernel runs a loop already). ``take``: the consumer leaves
+    after that many pieces; ``leave_waiting``: it leaves while the stream waits; ``close_at``: the
+    server closes after that step; ``rids``: the streams (default: one a request). Returns what each stream yielded, how it ended, the cancels."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    loop = _ScriptedLoop(scripts)
+    server = cls(SimpleNamespace(tokenizer=tokenizer), loop, "model")
+    rids = list(rids or scripts)
+    got = {rid: {"events": [], "end": None} for rid in rids}
+
+    async def consume(rid):
+        stream = server.events(rid, list(stops))
+        try:
+            async for event in stream:
+                got[rid]["events"].append(_event_of(event))
+                if take is not None and len(got[rid]["events"]) >= take:
+                    await stream.aclose()  # the client went away
+                    got[rid]["end"] = "left"
+                    return
+            got[rid]["end"] = "ended"
+        except Exception as e:  # noqa: BLE001 -- a StreamEnded, or the learner's bug: judged below
+            if type(e).__name__ != "StreamEnded":
+                raise
+            got[rid]["end"] = f"StreamEnded {getattr(e, 'status', '?')}"
+
+    async def drive():
+        streams = [asyncio.ensure_future(consume(rid)) for rid in rids]
+        await asyncio.sleep(STEP_S)
+        while not loop.ended() and not all(s.done() for s in streams):
+            loop.step()
+            if close_at is not None and loop.made == close_at:
+                server.close("closing")
+            if leave_waiting and loop.made == 2:
+                await asyncio.sleep(STEP_S)
+                for s in streams:
+                    s.cancel()  # the client went away while its stream waited for a step
+            await asyncio.sleep(STEP_S)
+        done, waiting = await asyncio.wait(streams, timeout=WAIT_S)
+        for s in waiting:
+            s.cancel()
+        for s in done:
+            if not s.cancelled() and s.exception() is not None:
+                raise s.exception()
+        return bool(waiting)
+
+    outcome = {}
+
+    def run():
+        try:
+            outcome["stuck"] = asyncio.run(drive())
+        except BaseException as e:  # noqa: BLE001 -- raised again in the checker's thread
+            outcome["error"] = e
+
+    worker = threading.Thread(target=run, name="batchlab-stream-check", daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in outcome:
+        raise (
+            outcome["error"] if not isinstance(outcome["error"], _Busy) else WrongType(str(outcome["error"]))
+        )
+    return {
+        "streams": got,
+        "cancels": sorted(set(loop.cancels)),
+        "polls": loop.polls,
+        "steps": loop.made,
+        "stuck": outcome["stuck"],
+    }
+
+
+def _event_of(event):
+    """A yielded (text, finish reason, tokens so far), as a tuple; else a WrongType that says what came."""
+    if not (isinstance(event, tuple) and len(event) == 3 and isinstance(event[0], str)):
+        raise WrongType(
+            f"events() yielded {show(event)}: yield (new text, finish reason or None, tokens so far)"
+        )
+    return event
+
+
+def _pieces(stream):
+    return [text for text, _, _ in stream["events"] if text]
+
+
+def _stream_problem(got, expected) -> str | None:
+    """The first way the learner's streams differ from ours: text, pieces, counts, reasons, how
+    each ended, the requests cancelled, polling without waiting."""
+    if got["stuck"]:
+        return (
+            f"a stream was still open {WAIT_S:g} s after its request ended: poll again after each step "
+            "(and after a heartbeat of HEARTBEAT_S, so a missed wake-up cannot hang it), and end the "
+            "stream once the status is not 'running'"
+        )
+    for rid, want in expected["streams"].items():
+        mine, who = got["streams"][rid], f"request {rid!r}: " if len(expected["streams"]) > 1 else ""
+        if want["end"] != mine["end"]:
+            return who + _end_problem(mine["end"], want["end"])
+        text, right = "".join(t for t, _, _ in mine["events"]), "".join(t for t, _, _ in want["events"])
+        if text != right:
+            return who + _text_problem(text, right)
+        if _pieces(mine) != _pieces(want):
+            return who + (
+                f"the text came as {len(_pieces(mine))} pieces, not one per token that adds text "
+                f"({len(_pieces(want))}): yield each token's text on its own, so a client can time every token"
+            )
+        counts = [(t, n) for t, _, n in mine["events"] if t]
+        if counts != [(t, n) for t, _, n in want["events"] if t]:
+            return who + "each piece's count is the tokens made so far, those without text (EOS) included"
+        reasons = [r for _, r, _ in mine["events"] if r is not None]
+        right_reasons = [r for _, r, _ in want["events"] if r is not None]
+        if reasons != right_reasons:
+            return (
+                who
+                + f"the finish reasons yielded were {reasons}, not {right_reasons} (only the last event has one)"
+            )
+        if mine["events"] and want["events"] and mine["events"][-1][2] != want["events"][-1][2]:
+            return who + (
+                f"the last event counts {mine['events'][-1][2]} tokens, not {want['events'][-1][2]}: "
+                "every token counts, EOS and those that come with the final status too"
+            )
+    if got["cancels"] != expected["cancels"]:
+        missing = [r for r in expected["cancels"] if r not in got["cancels"]]
+        if missing:
+            return (
+                f"request(s) {missing} were never cancelled: a stream that ends before its request does "
+                "(a client gone, a stop string, the server closing) must cancel it, or it holds its slot "
+                "to the end (try/finally)"
+            )
+        return f"you cancelled {got['cancels']}, which had ended by themselves (or were not this stream's)"
+    if got["polls"] > len(expected["streams"]) * (got["steps"] + 2):  # one poll a step each, and the ends
+        return (
+            f"{got['polls']} polls for {got['steps']} engine steps: wait for the next step between polls "
+            "(await self.next_progress().wait()) instead of polling again at once"
+        )
+    return None
+
+
+def _end_problem(mine, want) -> str:
+    says = {
+        "ended": "ended by itself",
+        "left": "was left by its client",
+        None: "did not end",
+        "StreamEnded 500": "raised StreamEnded(..., 500)",
+        "StreamEnded 503": "raised StreamEnded(..., 503)",
+    }
+    return f"the stream {says.get(mine, mine)}, where ours {says.get(want, want)}"
+
+
+def _text_problem(text, right) -> str:
+    if "\ufffd" in text:
+        return "the text has '\\ufffd' (half a character): detokenize with the detokenizer's add(), and flush() at the end"
+    if "<|" in text:
+        return f"the text {text!r} shows a special token: an EOS token adds no text"
+    if right.startswith(text):
+        return f"the text {text!r} stops short of {right!r}"
+    if text.startswith(right):
+        return (
+            f"the text {text!r} goes past {right!r}: nothing after a stop string, or after the request ended"
+        )
+    return f"the text {text!r} is not {right!r}"
+
+
+def _show_streams(value) -> str:
+    streams = value["streams"]
+    parts = [f"{rid}: {show(s['events'])} ({s['end']})" for rid, s in streams.items()]
+    return "; ".join(parts) + f"; cancelled {value['cancels']}"
+
+
+HELD = "one token can end inside a character: the detokenizer's add() holds it back, flush() at the end"
+BEFORE = "yield the text of a poll's tokens before you look at its status"
+STOPPED = "StopMatcher.feed says when a stop string is found: cancel the request then, and end the stream with 'stop'"
+CLEANUP = "wrap the loop in try/finally: if the stream is closed before its request ended, cancel the request"
+OWN = "keep a stream's state (its detokenizer, its count) in the generator's own variables, not on self"
+FAILED = "reason 'error': raise StreamEnded(message, 500); self.unavailable() (server closing): StreamEnded(it, 503)"
+
+
+def server_events(cls: Any, tokenizer) -> Verdict:
+    """Check ``MyServer.events(rid, stops)``: each request's stream, on a scripted engine loop."""
+    from ...serving.server import Server, ServerBase
+
+    eos = min(tokenizer.eos_token_ids)
+    answer = tokenizer.encode(" The capital of France is Paris. It is on the Seine.")
+    emoji, cut = tokenizer.encode("I love 🍕 and ☕."), tokenizer.encode("I love 🍕")[:-1]
+    one_a_step = [([t], "running", None) for t in answer] + [([eos], "done", "stop")]
+
+    gave_up: list[str] = []  # a stream that hung or held the event loop: the later cases are not run
+
+    def case(label, scripts, hint="", **how):
+        def call(f):
+            if gave_up and f is not Server:
+                raise WrongType(f"not run: in case {gave_up[0]} a stream {gave_up[1]}")
+            try:
+                run = _stream_run(f, tokenizer, scripts, **how)
+            except WrongType as e:
+                if "polled" in str(e):
+                    gave_up.extend((label, "held the event loop"))
+                raise
+            if run["stuck"]:
+                gave_up.extend((label, "never ended"))
+            return run
+
+        return Case(label, call, call(Server), _stream_problem, hint, _show_streams)
+
+    two = {"a": one_a_step, "b": [([t], "running", None) for t in emoji] + [([eos], "done", "stop")]}
+    return run_cases(
+        "server_events",
+        cls,
+        [
+            lineage_case(ServerBase, (Server,)),
+            case(
+                "one token a step, then EOS: a piece per token with the tokens so far, 'stop' last",
+                {_RID: one_a_step},
+            ),
+            case(
+                "'I love 🍕 and ☕.': an emoji is 3 tokens; no piece holds half a character",
+                {_RID: [([t], "running", None) for t in emoji] + [([eos], "done", "stop")]},
+                HELD,
+            ),
+            case(
+                "several tokens a step, the last ones with 'done'",
+                {_RID: [(answer[:4], "running", None), (answer[4:] + [eos], "done", "stop")]},
+                BEFORE,
+            ),
+            case(
+                "max tokens reached ('length') inside an emoji: the rest is flushed",
+                {_RID: [(cut, "done", "length")]},
+                HELD,
+            ),
+            case(
+                "a stop string ('Paris'): the text before it, 'stop', and the request cancelled at once",
+                {_RID: one_a_step},
+                STOPPED,
+                stops=["Paris"],
+            ),
+            case(
+                "a stop string over two tokens ('capital of'): no part of it is sent",
+                {_RID: one_a_step},
+                STOPPED,
+                stops=["capital of"],
+            ),
+            case(
+                "cancelled elsewhere (reason 'cancelled'): the stream ends with 'stop'",
+                {_RID: one_a_step[:3] + [([], "done", "cancelled")]},
+            ),
+            case(
+                "the engine fails the request (reason 'error'): StreamEnded, 500",
+                {_RID: one_a_step[:3] + [([], "done", "error")]},
+                FAILED,
+            ),
+            case(
+                "the server closes mid-stream: StreamEnded, 503, and the request cancelled",
+                {_RID: one_a_step},
+                FAILED,
+                close_at=4,
+            ),
+            case(
+                "the client leaves after 2 pieces: the request is cancelled",
+                {_RID: one_a_step},
+                CLEANUP,
+                take=2,
+            ),
+            case(
+                "the client leaves while its stream waits for a step: the request is cancelled",
+                {_RID: one_a_step},
+                CLEANUP,
+                leave_waiting=True,
+            ),
+            case("two requests at once on one server: each stream has its own text", two, OWN),
+            case(
+                "an id the engine does not know: the stream ends at once, no text",
+                {_RID: one_a_step[:2]},
+                rids=["zzz"],
+            ),
+        ],
+    )

@@ -166,6 +166,45 @@ def test_a_scheduler_that_raises_ends_its_requests_with_an_error_and_the_server_
         assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
 
 
+def test_a_learners_stream_that_raises_ends_that_request_with_an_error_and_the_server_serves_on(lm, caplog):
+    """A learner's ``events()`` with a bug one request shows (here: 13 new tokens asked, after its
+    first token): that stream gets an error event naming the error, a whole answer a 500; the
+    request is cancelled (its slot and blocks come back); other requests are answered as before."""
+    from learner_pieces import MyServer
+
+    class Buggy(MyServer):
+        async def events(self, rid, stops):
+            async for event in super().events(rid, stops):
+                if self.clients[rid].record.max_new_tokens == 13:
+                    raise KeyError("a stream's bug")
+                yield event
+
+    question = chat("What is the capital of France?", 12)
+    expected = generate(lm, question["messages"], 12).text
+    with caplog.at_level("ERROR", logger="batchlab"):
+        with serve_in_thread(lm, "stallfree", server_class=Buggy, max_batch_size=2) as srv:
+            thread, out = start_stream(srv.base_url, chat("Tell me a long story.", 13))
+            thread.join(timeout=60)
+            assert not thread.is_alive() and out["done"] and out["finish"] is None, out
+            assert "Buggy.events() raised KeyError" in out["error"]["message"], out
+            whole = httpx.post(
+                srv.base_url + "/v1/chat/completions", json=chat("Tell me a story.", 13), timeout=60
+            )
+            assert whole.status_code == 500 and "raised KeyError" in whole.json()["error"]["message"]
+            again = httpx.post(srv.base_url + "/v1/chat/completions", json=question, timeout=60)
+            assert again.json()["choices"][0]["message"]["content"] == expected
+            wait_for(
+                lambda: not srv.engine.scheduler.running and not srv.engine.scheduler.queue,
+                30,
+                "the engine idle",
+            )
+            cancelled = [r for r in srv.engine.trace.requests.values() if r.finish_reason == "cancelled"]
+            assert len(cancelled) == 2, [r.finish_reason for r in srv.engine.trace.requests.values()]
+            stats = srv.engine.stats()
+            assert stats["free_kv_blocks"] == stats["num_kv_blocks"]
+    assert any("Buggy.events() raised" in r.getMessage() for r in caplog.records)
+
+
 class BrokenRunner(ModelRunner):
     """Every forward pass raises, as every masked pass did on the Mac path before its mask
     took the queries' dtype."""

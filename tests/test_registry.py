@@ -159,6 +159,24 @@ def test_a_learners_policy_from_the_command_line(new_kind):
         cli.main(["serve", "--engine", "mykinds:LongestFirst", "--policy", "mykinds:LongestFirst"])
 
 
+def test_a_policys_arguments_from_the_command_line():
+    """``--policy-arg NAME=VALUE`` makes the --policy class with that argument (an aging policy's
+    ``age_s``), and says what is wrong with one the class does not take or cannot parse."""
+    args = cli.build_parser().parse_args(
+        ["serve", "--policy", "learner_pieces:MyAgingPolicy", "--policy-arg", "age_s=12.5"]
+    )
+    assert cli.engine_options(args)["policy"].age_s == 12.5
+    for settings, says in [
+        (["--policy-arg", "speed=3"], "unexpected keyword argument 'speed'"),
+        (["--policy-arg", "age_s"], "write NAME=VALUE"),
+        (["--policy-arg", "age_s=0"], "age_s must be a number of seconds > 0"),
+    ]:
+        with pytest.raises(SystemExit, match=re.escape(says)):
+            cli.main(["serve", "--policy", "learner_pieces:MyAgingPolicy", *settings])
+    with pytest.raises(SystemExit, match="--policy-arg needs --policy"):
+        cli.main(["serve", "--policy-arg", "age_s=3"])
+
+
 def test_a_learners_front_and_shedding_from_the_command_line():
     """``batchlab serve --front ... --shedding ... --max-wait S`` hands the learner's classes
     to the server, which builds the engine with them (the real server: the test below)."""
@@ -173,17 +191,21 @@ def test_a_learners_front_and_shedding_from_the_command_line():
             "learner_pieces:MyAdmission",
             "--max-wait",
             "5",
+            "--server",
+            "learner_pieces:MyServer",
         ]
     )
     pieces = cli.serve_pieces(args)
     assert pieces == {
         "engine_class": learner_pieces.MyEngine,
         "shedding": learner_pieces.MyAdmission,
+        "server_class": learner_pieces.MyServer,
         "max_wait_s": 5.0,
     }
     for flag, spec, base in [
         ("--front", "learner_pieces:MyAdmission", "EngineBase"),
         ("--shedding", "learner_pieces:MyEngine", "AdmissionBase"),
+        ("--server", "learner_pieces:MyEngine", "ServerBase"),
     ]:
         with pytest.raises(SystemExit, match=f"not a subclass of {base}"):
             cli.main(["serve", flag, spec])
@@ -251,7 +273,9 @@ def test_a_new_kind_serves_the_openai_client(new_kind, lm):
 def test_the_server_runs_the_learners_whole_engine(lm):
     """The served engine is the learner's whole engine, as the finish line runs it: every piece,
     from lesson 1's finishing rules to lesson 10's aging policy, inside the learner's front with
-    the learner's shedding consulted each step; it answers as the reference engine does."""
+    the learner's shedding consulted each step, and each answer streamed by the learner's
+    server (lesson 7); it answers as the reference engine does."""
+    import inspect
     from concurrent.futures import ThreadPoolExecutor
 
     from openai import OpenAI
@@ -266,6 +290,15 @@ def test_the_server_runs_the_learners_whole_engine(lm):
         """``cls`` with each of ``names`` counting its calls (the learner's own code still runs)."""
 
         def wrap(name):
+            if inspect.isasyncgenfunction(getattr(cls, name)):
+
+                async def stream(self, *args, **kwargs):
+                    calls[name] = calls.get(name, 0) + 1
+                    async for item in getattr(super(made, self), name)(*args, **kwargs):
+                        yield item
+
+                return stream
+
             def method(self, *args, **kwargs):
                 calls[name] = calls.get(name, 0) + 1
                 return getattr(super(made, self), name)(*args, **kwargs)
@@ -279,6 +312,7 @@ def test_the_server_runs_the_learners_whole_engine(lm):
     Aging = counted(L.MyAgingPolicy, "next_queued")
     Front = counted(L.MyEngine, "poll")
     Shedding = counted(L.MyAdmission, "to_shed")
+    Streams = counted(L.MyServer, "events")
     questions = ["What is the capital of France?", "Name a colour.", "Count to five."]
     server = serve_in_thread(
         lm,
@@ -286,6 +320,7 @@ def test_the_server_runs_the_learners_whole_engine(lm):
         engine_class=Front,
         shedding=Shedding,
         max_wait_s=600.0,
+        server_class=Streams,
         policy=Aging(),
         max_batch_size=2,
         token_budget=32,
@@ -297,6 +332,11 @@ def test_the_server_runs_the_learners_whole_engine(lm):
 
         def ask(question):
             messages = [{"role": "user", "content": question}]
+            if question.startswith("Name"):  # one answer streamed, event by event
+                chunks = client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=12, temperature=0, stream=True
+                )
+                return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             reply = client.chat.completions.create(model="m", messages=messages, max_tokens=12, temperature=0)
             return reply.choices[0].message.content
 
@@ -316,6 +356,7 @@ def test_the_server_runs_the_learners_whole_engine(lm):
         "next_queued",
         "poll",
         "to_shed",
+        "events",
     ]
     assert not [name for name in pieces if not calls.get(name)], calls
 

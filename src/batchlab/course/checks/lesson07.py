@@ -215,6 +215,7 @@ def _stream_run(cls, tokenizer, scripts, stops=(), take=None, close_at=None, lea
     after that many pieces; ``leave_waiting``: it leaves while the stream waits; ``close_at``: the
     server closes after that step; ``rids``: the streams (default: one a request). Returns what each stream yielded, how it ended, the cancels."""
     import asyncio
+    import inspect
     import threading
     from types import SimpleNamespace
 
@@ -225,6 +226,9 @@ def _stream_run(cls, tokenizer, scripts, stops=(), take=None, close_at=None, lea
 
     async def consume(rid):
         stream = server.events(rid, list(stops))
+        if inspect.iscoroutine(stream):  # an async def without a yield: the stub, say
+            await stream  # (raises NotImplementedError while not written)
+            raise WrongType("events() must yield its events (an async generator), not return them")
         try:
             async for event in stream:
                 got[rid]["events"].append(_event_of(event))

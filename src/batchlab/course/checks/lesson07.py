@@ -213,10 +213,9 @@ def _stream_run(cls, tokenizer, scripts, stops=(), take=None, close_at=None, lea
     """Streams of ``cls`` for every request of ``scripts`` on one server and one event loop (a
     thread of its own: a notebook's kernel runs a loop already). ``take``: the consumer leaves
     after that many pieces; ``leave_waiting``: it leaves while the stream waits; ``close_at``: the
-    server closes after that step; ``rids``: the streams (default: one a request). Returns what each stream yielded, how it ended, the cancels."""
+    server closes after that step; ``rids``: the streams (default: one a request). Returns what
+    each stream yielded, how it ended, the cancels."""
     import asyncio
-    import inspect
-    import threading
     from types import SimpleNamespace
 
     loop = _ScriptedLoop(scripts)
@@ -224,26 +223,8 @@ def _stream_run(cls, tokenizer, scripts, stops=(), take=None, close_at=None, lea
     rids = list(rids or scripts)
     got = {rid: {"events": [], "end": None} for rid in rids}
 
-    async def consume(rid):
-        stream = server.events(rid, list(stops))
-        if inspect.iscoroutine(stream):  # an async def without a yield: the stub, say
-            await stream  # (raises NotImplementedError while not written)
-            raise WrongType("events() must yield its events (an async generator), not return them")
-        try:
-            async for event in stream:
-                got[rid]["events"].append(_event_of(event))
-                if take is not None and len(got[rid]["events"]) >= take:
-                    await stream.aclose()  # the client went away
-                    got[rid]["end"] = "left"
-                    return
-            got[rid]["end"] = "ended"
-        except Exception as e:  # noqa: BLE001 -- a StreamEnded, or the learner's bug: judged below
-            if type(e).__name__ != "StreamEnded":
-                raise
-            got[rid]["end"] = f"StreamEnded {getattr(e, 'status', '?')}"
-
     async def drive():
-        streams = [asyncio.ensure_future(consume(rid)) for rid in rids]
+        streams = [asyncio.ensure_future(_consume(server, rid, stops, take, got[rid])) for rid in rids]
         await asyncio.sleep(STEP_S)
         while not loop.ended() and not all(s.done() for s in streams):
             loop.step()
@@ -262,11 +243,48 @@ def _stream_run(cls, tokenizer, scripts, stops=(), take=None, close_at=None, lea
                 raise s.exception()
         return bool(waiting)
 
+    stuck = _in_own_loop(drive)
+    return {
+        "streams": got,
+        "cancels": sorted(set(loop.cancels)),
+        "polls": loop.polls,
+        "steps": loop.made,
+        "stuck": stuck,
+    }
+
+
+async def _consume(server, rid, stops, take, got):
+    """One client of ``server.events(rid, stops)``: ``got`` gets its events and how it ended."""
+    import inspect
+
+    stream = server.events(rid, list(stops))
+    if inspect.iscoroutine(stream):  # an async def without a yield: the stub, say
+        await stream  # (raises NotImplementedError while not written)
+        raise WrongType("events() must yield its events (an async generator), not return them")
+    try:
+        async for event in stream:
+            got["events"].append(_event_of(event))
+            if take is not None and len(got["events"]) >= take:
+                await stream.aclose()  # the client went away
+                got["end"] = "left"
+                return
+        got["end"] = "ended"
+    except Exception as e:  # noqa: BLE001 -- a StreamEnded, or the learner's bug: judged below
+        if type(e).__name__ != "StreamEnded":
+            raise
+        got["end"] = f"StreamEnded {getattr(e, 'status', '?')}"
+
+
+def _in_own_loop(main):
+    """``asyncio.run(main())`` in a thread of its own; what it returns, or what it raised, here."""
+    import asyncio
+    import threading
+
     outcome = {}
 
     def run():
         try:
-            outcome["stuck"] = asyncio.run(drive())
+            outcome["value"] = asyncio.run(main())
         except BaseException as e:  # noqa: BLE001 -- raised again in the checker's thread
             outcome["error"] = e
 
@@ -274,16 +292,9 @@ def _stream_run(cls, tokenizer, scripts, stops=(), take=None, close_at=None, lea
     worker.start()
     worker.join()
     if "error" in outcome:
-        raise (
-            outcome["error"] if not isinstance(outcome["error"], _Busy) else WrongType(str(outcome["error"]))
-        )
-    return {
-        "streams": got,
-        "cancels": sorted(set(loop.cancels)),
-        "polls": loop.polls,
-        "steps": loop.made,
-        "stuck": outcome["stuck"],
-    }
+        error = outcome["error"]
+        raise WrongType(str(error)) if isinstance(error, _Busy) else error
+    return outcome["value"]
 
 
 def _event_of(event):
@@ -391,15 +402,23 @@ OWN = "keep a stream's state (its detokenizer, its count) in the generator's own
 FAILED = "reason 'error': raise StreamEnded(message, 500); self.unavailable() (server closing): StreamEnded(it, 503)"
 
 
-def server_events(cls: Any, tokenizer) -> Verdict:
-    """Check ``MyServer.events(rid, stops)``: each request's stream, on a scripted engine loop."""
-    from ...serving.server import Server, ServerBase
-
+def _stream_scripts(tokenizer) -> dict[str, list]:
+    """The checker's scripts, one item a step: an answer one token a step then EOS, emoji, an
+    answer cut inside an emoji."""
     eos = min(tokenizer.eos_token_ids)
     answer = tokenizer.encode(" The capital of France is Paris. It is on the Seine.")
     emoji, cut = tokenizer.encode("I love 🍕 and ☕."), tokenizer.encode("I love 🍕")[:-1]
-    one_a_step = [([t], "running", None) for t in answer] + [([eos], "done", "stop")]
+    return {
+        "one_a_step": [([t], "running", None) for t in answer] + [([eos], "done", "stop")],
+        "emoji": [([t], "running", None) for t in emoji] + [([eos], "done", "stop")],
+        "two_steps": [(answer[:4], "running", None), (answer[4:] + [eos], "done", "stop")],
+        "cut": [(cut, "done", "length")],
+    }
 
+
+def _case_maker(tokenizer, Server):
+    """``case(label, scripts, hint, **how)``: a Case whose answer is our Server's run. After a
+    stream of the learner's hung or held the event loop, the later cases are not run."""
     gave_up: list[str] = []  # a stream that hung or held the event loop: the later cases are not run
 
     def case(label, scripts, hint="", **how):
@@ -418,75 +437,75 @@ def server_events(cls: Any, tokenizer) -> Verdict:
 
         return Case(label, call, call(Server), _stream_problem, hint, _show_streams)
 
-    two = {"a": one_a_step, "b": [([t], "running", None) for t in emoji] + [([eos], "done", "stop")]}
-    return run_cases(
-        "server_events",
-        cls,
-        [
-            lineage_case(ServerBase, (Server,)),
-            case(
-                "one token a step, then EOS: a piece per token with the tokens so far, 'stop' last",
-                {_RID: one_a_step},
-            ),
-            case(
-                "'I love 🍕 and ☕.': an emoji is 3 tokens; no piece holds half a character",
-                {_RID: [([t], "running", None) for t in emoji] + [([eos], "done", "stop")]},
-                HELD,
-            ),
-            case(
-                "several tokens a step, the last ones with 'done'",
-                {_RID: [(answer[:4], "running", None), (answer[4:] + [eos], "done", "stop")]},
-                BEFORE,
-            ),
-            case(
-                "max tokens reached ('length') inside an emoji: the rest is flushed",
-                {_RID: [(cut, "done", "length")]},
-                HELD,
-            ),
-            case(
-                "a stop string ('Paris'): the text before it, 'stop', and the request cancelled at once",
-                {_RID: one_a_step},
-                STOPPED,
-                stops=["Paris"],
-            ),
-            case(
-                "a stop string over two tokens ('capital of'): no part of it is sent",
-                {_RID: one_a_step},
-                STOPPED,
-                stops=["capital of"],
-            ),
-            case(
-                "cancelled elsewhere (reason 'cancelled'): the stream ends with 'stop'",
-                {_RID: one_a_step[:3] + [([], "done", "cancelled")]},
-            ),
-            case(
-                "the engine fails the request (reason 'error'): StreamEnded, 500",
-                {_RID: one_a_step[:3] + [([], "done", "error")]},
-                FAILED,
-            ),
-            case(
-                "the server closes mid-stream: StreamEnded, 503, and the request cancelled",
-                {_RID: one_a_step},
-                FAILED,
-                close_at=4,
-            ),
-            case(
-                "the client leaves after 2 pieces: the request is cancelled",
-                {_RID: one_a_step},
-                CLEANUP,
-                take=2,
-            ),
-            case(
-                "the client leaves while its stream waits for a step: the request is cancelled",
-                {_RID: one_a_step},
-                CLEANUP,
-                leave_waiting=True,
-            ),
-            case("two requests at once on one server: each stream has its own text", two, OWN),
-            case(
-                "an id the engine does not know: the stream ends at once, no text",
-                {_RID: one_a_step[:2]},
-                rids=["zzz"],
-            ),
-        ],
-    )
+    return case
+
+
+def _stream_cases(case, s: dict) -> list:
+    """The checker's cases, built with ``case`` on the scripts ``s``."""
+    one = s["one_a_step"]
+    return [
+        case(
+            "one token a step, then EOS: a piece per token with the tokens so far, 'stop' last",
+            {_RID: one},
+        ),
+        case(
+            "'I love 🍕 and ☕.': an emoji is 3 tokens; no piece holds half a character",
+            {_RID: s["emoji"]},
+            HELD,
+        ),
+        case("several tokens a step, the last ones with 'done'", {_RID: s["two_steps"]}, BEFORE),
+        case("max tokens reached ('length') inside an emoji: the rest is flushed", {_RID: s["cut"]}, HELD),
+        case(
+            "a stop string ('Paris'): the text before it, 'stop', and the request cancelled at once",
+            {_RID: one},
+            STOPPED,
+            stops=["Paris"],
+        ),
+        case(
+            "a stop string over two tokens ('capital of'): no part of it is sent",
+            {_RID: one},
+            STOPPED,
+            stops=["capital of"],
+        ),
+        case(
+            "cancelled elsewhere (reason 'cancelled'): the stream ends with 'stop'",
+            {_RID: one[:3] + [([], "done", "cancelled")]},
+        ),
+        case(
+            "the engine fails the request (reason 'error'): StreamEnded, 500",
+            {_RID: one[:3] + [([], "done", "error")]},
+            FAILED,
+        ),
+        case(
+            "the server closes mid-stream: StreamEnded, 503, and the request cancelled",
+            {_RID: one},
+            FAILED,
+            close_at=4,
+        ),
+        case("the client leaves after 2 pieces: the request is cancelled", {_RID: one}, CLEANUP, take=2),
+        case(
+            "the client leaves while its stream waits for a step: the request is cancelled",
+            {_RID: one},
+            CLEANUP,
+            leave_waiting=True,
+        ),
+        case(
+            "two requests at once on one server: each stream has its own text",
+            {"a": one, "b": s["emoji"]},
+            OWN,
+        ),
+        case(
+            "an id the engine does not know: the stream ends at once, no text",
+            {_RID: one[:2]},
+            rids=["zzz"],
+        ),
+    ]
+
+
+def server_events(cls: Any, tokenizer) -> Verdict:
+    """Check ``MyServer.events(rid, stops)``: each request's stream, on a scripted engine loop."""
+    from ...serving.server import Server, ServerBase
+
+    cases = [lineage_case(ServerBase, (Server,))]
+    cases += _stream_cases(_case_maker(tokenizer, Server), _stream_scripts(tokenizer))
+    return run_cases("server_events", cls, cases)

@@ -382,3 +382,41 @@ def test_generator_is_idempotent_and_cli_checks_staleness(tmp_path):
     (src / "01_synthetic.ipynb").rename(src / "02_renamed.ipynb")
     exercises.make_learner_copies(src, out)
     assert sorted(p.name for p in out.glob("*.ipynb")) == ["02_renamed.ipynb"]
+
+
+def _names(source: str) -> tuple[set[str], set[str]]:
+    """What a cell defines at its top level, and the global names its code reads but does
+    not define (builtins left out)."""
+    import builtins
+    import symtable
+
+    if source.startswith("%%piece "):
+        return set(), set()
+    table = symtable.symtable(source, "<cell>", "exec")
+    defined = {s.get_name() for s in table.get_symbols() if s.is_assigned() or s.is_imported()}
+    read, tables = {s.get_name() for s in table.get_symbols() if s.is_referenced()}, [table]
+    while tables:
+        t = tables.pop()
+        tables.extend(t.get_children())
+        read |= {s.get_name() for s in t.get_symbols() if s.is_referenced() and s.is_global()}
+    return defined, read - defined - set(dir(builtins))
+
+
+def test_the_names_check_sees_a_name_from_elsewhere():
+    assert _names("verdict = check.server_events(mine, tok)\nverdict")[1] == {"check", "mine", "tok"}
+    assert _names("def f(x):\n    return y + x\n")[1] == {"y"}
+    assert _names("import json\nz = [json.dumps(v) for v in lm]")[1] == {"lm"}
+
+
+@pytest.mark.parametrize("path", LESSON_FILES, ids=[p.stem for p in LESSON_FILES])
+def test_exercise_cells_use_only_the_conventions_names(path):
+    """The tests run exercise and checker cells in one namespace (``exercise_namespace``):
+    a cell that reads a name the lesson defines elsewhere (``tok``) passes in the notebook
+    and fails there. Caught here, without the model."""
+    nb = nbformat.read(path, as_version=4)
+    allowed = {"mx", "np", "batchlab", "check", "course", "lm"}
+    for ex, chk in exercises.exercise_pairs(nb):
+        for i in (ex, chk):
+            defined, read = _names(nb.cells[i].source)
+            assert read <= allowed, f"{path.name} cell {i} reads {sorted(read - allowed)}, outside the convention"
+            allowed |= defined  # later exercise cells may read what this one defines

@@ -178,6 +178,15 @@ class MyMemoryScheduler(OnDemandKV, MyStallFreeScheduler):
         headroom = sum(r.state is State.DECODING for r in self.running)
         return taken + headroom <= self.blocks.num_free
 
+    def preempt(self, req):
+        self.release(req)
+        if req.finished:
+            return
+        req.num_computed = 0
+        req.prefill_len = req.prompt_len + len(req.output_ids)
+        req.set_state(State.QUEUED, self.clock())
+        self.queue.appendleft(req)
+
 
 class MyVictimPolicy(Policy):
     """Lesson 8: the least important, the newest among equals, the last admitted on a tie."""

@@ -9,7 +9,7 @@ from batchlab.core.policies import Policy, PriorityPolicy
 
 from learner_pieces import MyMemoryScheduler, MyVictimPolicy
 from batchlab.core.request import State
-from batchlab.core.scheduler import StallFreeScheduler
+from batchlab.core.scheduler import OnDemandKV, StallFreeScheduler
 
 
 def _headroom(scheduler):
@@ -73,13 +73,9 @@ def test_our_scheduler_passes_every_case_but_the_lineage():
 def test_fits_that_only_calls_super_is_not_written():
     """OnDemandKV is the mechanism: its fits is the kind's to write, so super() reaches nothing."""
 
-    from learner_pieces import MyStallFreeScheduler
-
-    from batchlab.core.scheduler import OnDemandKV
-
-    class OnlySuper(OnDemandKV, MyStallFreeScheduler):
+    class OnlySuper(MyMemoryScheduler):  # its grow and preempt written, its fits not
         def fits(self, req, max_tokens):
-            return super().fits(req, max_tokens)
+            return OnDemandKV.fits(self, req, max_tokens)
 
     verdict = checks.memory_scheduler(OnlySuper, MyVictimPolicy)
     assert not verdict and verdict.not_written and "must write fits(req, max_tokens)" in verdict.message
@@ -222,3 +218,61 @@ def test_a_grow_that_only_calls_super_is_not_written():
 
     verdict = checks.memory_scheduler(OnlySuper, MyVictimPolicy)
     assert not verdict and verdict.not_written and "must write grow(batch)" in verdict.message
+
+
+class Preempts(MyMemoryScheduler):
+    """The lesson's preempt with one mistake switched on (``mistake``), the rest right."""
+
+    mistake = None
+
+    def preempt(self, req):
+        if self.mistake == "no release":  # leaves the running list, keeps its slot and blocks
+            self.running.remove(req)
+        else:
+            self.release(req)
+        if req.finished and self.mistake != "requeues the finished":
+            return
+        if self.mistake != "keeps the cache":
+            req.num_computed = 0
+        if self.mistake == "drops its tokens":
+            req.output_ids.clear()
+        elif self.mistake != "recomputes the prompt only":
+            req.prefill_len = req.prompt_len + len(req.output_ids)
+        if self.mistake != "no state":
+            req.set_state(State.QUEUED, self.clock())
+        (self.queue.append if self.mistake == "to the back" else self.queue.appendleft)(req)
+
+
+PREEMPT_MISTAKES = {  # mistake: what the verdict says
+    "no release": "still running or in a slot: self.release(req)",
+    "requeues the finished": "one that finished meanwhile stays finished",
+    "keeps the cache": "its KV cache is gone (num_computed 0)",
+    "recomputes the prompt only": "prefill_len is its prompt plus the tokens it generated",
+    "drops its tokens": "it keeps the tokens it generated",
+    "no state": "a request that comes back waits QUEUED",
+    "to the back": "it goes to the FRONT",
+}
+
+
+def test_the_preempt_switchboard_with_no_mistake_passes():
+    assert checks.memory_scheduler(Preempts, MyVictimPolicy)
+
+
+@pytest.mark.parametrize("mistake", PREEMPT_MISTAKES)
+def test_a_wrong_preempt_is_rejected_and_named(mistake):
+    wrong = type(f"Preempts_{mistake.replace(' ', '_')}", (Preempts,), {"mistake": mistake})
+    verdict = checks.memory_scheduler(wrong, MyVictimPolicy)
+    assert not verdict and not verdict.not_written, verdict.message
+    assert PREEMPT_MISTAKES[mistake] in verdict.message, verdict.message
+    assert any(label.startswith("preempt:") for label in verdict.failed), verdict.message
+
+
+def test_a_preempt_that_only_calls_super_is_not_written():
+    """OnDemandKV is the mechanism: preempt is the kind's to write, so super() reaches nothing."""
+
+    class OnlySuper(MyMemoryScheduler):
+        def preempt(self, req):
+            return OnDemandKV.preempt(self, req)
+
+    verdict = checks.memory_scheduler(OnlySuper, MyVictimPolicy)
+    assert not verdict and verdict.not_written and "must write preempt(req)" in verdict.message

@@ -418,5 +418,7 @@ def test_exercise_cells_use_only_the_conventions_names(path):
     for ex, chk in exercises.exercise_pairs(nb):
         for i in (ex, chk):
             defined, read = _names(nb.cells[i].source)
-            assert read <= allowed, f"{path.name} cell {i} reads {sorted(read - allowed)}, outside the convention"
+            assert read <= allowed, (
+                f"{path.name} cell {i} reads {sorted(read - allowed)}, outside the convention"
+            )
             allowed |= defined  # later exercise cells may read what this one defines

@@ -169,12 +169,31 @@ def test_request_lifecycle_and_finish_reasons():
 
 
 def test_preempted_request_recomputes_prompt_and_outputs():
-    r = request("r", 3, 5)
+    sched = make(ContinuousScheduler)
+    waiting, r = request("w", 2, 5), request("r", 3, 5)
+    sched.add(r), sched.add(waiting)
+    sched.start(r, 3)
     r.num_computed = 3
     r.add_token(8, 0.0), r.add_token(9, 0.0)
+    sched.blocks.ensure("r", 5)
     r.num_computed = 4
-    r.preempt(1.0)
+    free = sched.blocks.num_free
+    sched.preempt(r)
     assert r.state is State.QUEUED and r.num_computed == 0 and r.slot is None
+    assert list(sched.queue) == [r, waiting] and r not in sched.running  # the front: it started first
+    assert sched.blocks.num_free == free + 2 and sched.preempted == ["r"] and sched.num_preemptions == 1
     assert r.prefill_len == 5 and r.token_ids(0, 5) == [1, 2, 3, 8, 9]
     assert r.token_ids(2, 4) == [3, 8] and r.record.preemptions == 1
     assert r.next_input() == [9]
+
+
+def test_a_cancelled_request_preempted_gives_its_blocks_back_and_is_not_queued():
+    sched = make(ContinuousScheduler)
+    r = request("r", 3, 5)
+    sched.add(r)
+    sched.start(r, 3)
+    free = sched.blocks.num_free
+    r.finish("cancelled", 0.0)  # cancelled, not swept yet
+    sched.preempt(r)
+    assert not sched.queue and r not in sched.running and sched.blocks.num_free == free + 1
+    assert sched.num_preemptions == 0 and r.record.preemptions == 0  # it was not preempted: it ended

@@ -86,14 +86,6 @@ class Request:
         self.state = state
         self.record.state_times.append((now, state.value))
 
-    def preempt(self, now: float) -> None:
-        """Back to the queue with an empty KV cache; the next prefill recomputes everything
-        it had (prompt + generated tokens) and samples its next token."""
-        self.num_computed, self.slot = 0, None
-        self.prefill_len = self.prompt_len + len(self.output_ids)
-        self.record.preemptions += 1
-        self.set_state(State.QUEUED, now)
-
     def finish(self, reason: str, now: float) -> None:
         self.finish_reason = self.record.finish_reason = reason
         self.record.finished_s = now

@@ -152,13 +152,19 @@ class Scheduler:
         self.release(req)
 
     def release(self, req: Request) -> None:
-        """Forget ``req`` and free its slot and KV blocks."""
+        """Forget ``req`` and free its slot and KV blocks. A running request released before
+        it finished gives its memory back while it still has work: that is a preemption
+        (``OnDemandKV.preempt``), and it is counted here, for the trace and ``stats()``."""
         if req in self.queue:
             self.queue.remove(req)
         if req.slot is not None and self.slots[req.slot] is req:
             self.slots[req.slot] = None
         if req in self.running:
             self.running.remove(req)
+            if not req.finished:
+                self.preempted.append(req.id)
+                self.num_preemptions += 1
+                req.record.preemptions += 1
         req.slot = None
         self.blocks.release(req.id)
 

@@ -9,7 +9,7 @@ from typing import Iterator
 from ..batch import Batch
 from ..kv import BlockManager
 from ..policies import Policy
-from ..request import State
+from ..request import Request, State
 from .base import Option, Scheduler
 from .finishing import StopRules
 from .on_demand import OnDemandKV
@@ -94,6 +94,18 @@ class ContinuousScheduler(StopRules, OnDemandKV, Scheduler):
         return Batch(
             decode=decode, prefill=prefill, padding=batch.padding, padding_tokens=batch.padding_tokens
         )
+
+    def preempt(self, req: Request) -> None:
+        """Preemption by recompute: ``req`` gives back all its blocks and waits at the front of
+        the queue (it was admitted before everything queued); re-admitted, it prefills its
+        prompt and the tokens it generated, then samples its next token."""
+        self.release(req)
+        if req.finished:  # cancelled meanwhile: nothing to come back for
+            return
+        req.num_computed = 0  # its KV cache is gone
+        req.prefill_len = req.prompt_len + len(req.output_ids)
+        req.set_state(State.QUEUED, self.clock())
+        self.queue.appendleft(req)
 
     def admit(self) -> None:
         """2. Admit one request at a time, and none while another prefills or waits for a

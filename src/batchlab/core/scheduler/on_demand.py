@@ -1,8 +1,8 @@
 """KV memory on demand, for the kinds that let requests grow (continuous, stall-free):
 starting a request on its cached prefix (``start``), taking blocks as it grows and
-preempting by recompute when the pool runs dry (``make_room``, ``preempt``). The admission
-rule by free blocks (``fits``) and the per-pass growth with its preemptions (``grow``) are
-the kind's own. A mixin: ``class Kind(OnDemandKV, Scheduler)``."""
+preempting when the pool runs dry (``make_room``). The admission rule by free blocks
+(``fits``), the per-pass growth with its preemptions (``grow``) and what a preempted
+request becomes (``preempt``, by recompute) are the kind's own. A mixin: ``class Kind(OnDemandKV, Scheduler)``."""
 
 from __future__ import annotations
 
@@ -61,12 +61,11 @@ class OnDemandKV:
         )
 
     def preempt(self, req: Request) -> None:
-        """Preemption by recompute: free all of ``req``'s blocks and put it back at the
-        front of the queue; it keeps its generated tokens."""
-        self.release(req)
-        if req.finished:  # cancelled meanwhile: nothing to come back for
-            return
-        req.preempt(self.clock())
-        self.queue.appendleft(req)
-        self.preempted.append(req.id)
-        self.num_preemptions += 1
+        """Preemption by recompute, the kind's own rule: ``req`` gives back every block it
+        holds (``release`` frees them and counts the preemption) and, unless it finished
+        meanwhile, waits to prefill again, keeping the tokens it generated."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must write preempt(req): release all of req's blocks; unless "
+            f"it finished, put it back QUEUED at the front of the queue, its KV cache empty, its "
+            f"next prefill covering its prompt and the tokens it generated"
+        )

@@ -8,9 +8,10 @@ from typing import Callable
 from ...core.fake import reference_output
 from ...core.kv import BlockManager
 from ...core.policies import Policy, PriorityPolicy
-from ...core.request import State
+from ...core.request import Request, State
+from ...core.sampling import SamplingParams
 from ...core.runner import Chunk
-from ...core.scheduler import ContinuousScheduler, OnDemandKV, Scheduler
+from ...core.scheduler import ContinuousScheduler, OnDemandKV, Scheduler, StallFreeScheduler
 from ...measurement.workloads import Workload, WorkloadRequest as _W
 from ._core import Case, Verdict, answer_compare, run_cases, show, table
 from ._pieces import VOCAB, piece_case, run_piece
@@ -205,8 +206,100 @@ def _whole_run(scheduler_cls, policy_cls, name) -> str | None:
     return next(filter(None, found), None)
 
 
+PREEMPT = (
+    "give back every block; unless finished, wait QUEUED at the queue's front to prefill prompt + tokens"
+)
+_SITUATIONS = {  # name: (in words, [(prompt length, tokens generated, cancelled)] admitted in order, who gives way)
+    "decoding": ("a request decoding its 4th token gives way, 2 others queued", [(9, 3, False)], [0]),
+    "prefilling": ("a request halfway through its prompt (no token yet) gives way", [(20, 0, False)], [0]),
+    "cancelled": (
+        "a request cancelled meanwhile (finished, blocks still held) gives way",
+        [(9, 2, True)],
+        [0],
+    ),
+    "two": ("of two running, the newer gives way, then the older", [(7, 2, False), (10, 1, False)], [1, 0]),
+}
+
+
+def _after_preempt(cls, name):
+    """What a client of the scheduler can see after ``cls.preempt`` in situation ``name``."""
+    _, admitted, order = _SITUATIONS[name]
+    sched = cls(BlockManager(24, 4), lambda: 1.0, max_batch_size=4, token_budget=24, policy=PriorityPolicy())
+    reqs = [
+        Request(f"r{i}", _prompt(i, n), 10, SamplingParams(), frozenset(), 0.1 * i)
+        for i, (n, *_) in enumerate(admitted)
+    ] + [Request(f"q{i}", _prompt(9 + i, 5), 10, SamplingParams(), frozenset(), 1.0) for i in range(2)]
+    for req in reqs:
+        sched.add(req)
+    for req, (n, made, cancelled) in zip(reqs, admitted):
+        OnDemandKV.start(sched, req, n if made else n // 2)
+        req.num_computed = n if made else n // 2
+        for token in range(made):
+            req.add_token(30 + token, 1.0)
+            sched.blocks.ensure(req.id, n + token + 1)
+            req.num_computed = n + token
+        if made:
+            sched.take_slot(req)
+            req.set_state(State.DECODING, 1.0)
+        if cancelled:
+            req.finish("cancelled", 1.0)
+    for i in order:
+        sched.preempt(reqs[i])
+    gave = [reqs[i] for i in order]
+    return {
+        "queue": [r.id for r in sched.queue],
+        "running": [r.id for r in sched.running],
+        "free": sched.blocks.num_free,
+        "slots": [r is not None and r.id for r in sched.slots],
+        "states": [r.state.value for r in gave],
+        "tokens": [list(r.output_ids) for r in gave],
+        "prefill": [None if r.finished else r.prefill_left for r in gave],
+        "prompt": [r.prompt_len for r in gave],
+    }
+
+
+def _why_preempt_differs(got, want) -> str:
+    kept = got["tokens"] != want["tokens"] and "it keeps the tokens it generated: they are its answer so far"
+    still = set(got["running"]) - set(want["running"]) or {s for s in got["slots"] if s} - set(
+        want["running"]
+    )
+    redo = [p for p, w in zip(got["prefill"], want["prefill"]) if p != w]
+    why = [
+        still and f"{sorted(still)} still running or in a slot: self.release(req) frees its slot and blocks",
+        got["free"] < want["free"] and f"{want['free'] - got['free']} block(s) still held: release them all",
+        kept,
+        got["states"] != want["states"]
+        and f"states {got['states']}, want {want['states']}: a request "
+        "that comes back waits QUEUED; one that finished meanwhile stays finished",
+        set(got["queue"]) != set(want["queue"])
+        and f"queue {got['queue']}, want {want['queue']}: a "
+        "preempted request waits in the queue, unless it finished (cancelled) meanwhile",
+        got["queue"] != want["queue"]
+        and f"queue {got['queue']}, want {want['queue']}: it goes to the "
+        "FRONT (it was admitted before everything waiting), so the last preempted is first",
+        redo
+        and f"its next prefill would take {redo[0]} token(s), want {want['prefill'][got['prefill'].index(redo[0])]}: "
+        "its KV cache is gone (num_computed 0), and prefill_len is its prompt plus the tokens it generated",
+    ]
+    return next(filter(None, why), "")
+
+
+def _preempt_cases() -> list[Case]:
+    def case(name):
+        words = _SITUATIONS[name][0]
+
+        def judge(pieces):
+            got, want = _after_preempt(pieces()[0], name), _after_preempt(StallFreeScheduler, name)
+            return None if got == want else _why_preempt_differs(got, want) or f"{got}, want {want}"
+
+        return piece_case(f"preempt: {words}", judge, PREEMPT)
+
+    return [case(name) for name in _SITUATIONS]
+
+
 def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
-    """Check ``MyMemoryScheduler.fits(req, max_tokens)`` and ``MyVictimPolicy.victim(running)``."""
+    """Check ``MyMemoryScheduler.fits(req, max_tokens)``, ``grow(batch)``, ``preempt(req)`` and
+    ``MyVictimPolicy.victim(running)``."""
     missing = next((p for p in (scheduler_cls, policy_cls) if getattr(p, "missing_reason", None)), None)
 
     def victim_case(label, *running):
@@ -250,6 +343,7 @@ def memory_scheduler(scheduler_cls, policy_cls) -> Verdict:
     cases = (
         [lineage, on_demand]
         + [victim_case(*row) for row in rows]
+        + _preempt_cases()
         + [
             piece_case(f"a whole run: {words}", lambda pieces, name=name: _whole_run(*pieces(), name))
             for name, (words, *_) in SCENARIOS.items()

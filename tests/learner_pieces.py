@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from batchlab.core.batch import Batch
 from batchlab.core.engine import EngineBase
-from batchlab.core.policies import AdmissionBase, Policy
+from batchlab.core.policies import AdmissionBase, Policy, QueueFull
 from batchlab.core.request import State
 from batchlab.core.scheduler import OnDemandKV, Scheduler
 from batchlab.serving.server import HEARTBEAT_S, ServerBase, StopMatcher, StreamEnded
@@ -283,7 +283,12 @@ class MyServer(ServerBase):
 
 @dataclass(frozen=True)
 class MyAdmission(AdmissionBase):
-    """Lesson 9: shed the queued requests that never started and waited over max_wait_s."""
+    """Lesson 9: refuse at the door when max_queue wait; shed the queued requests that never
+    started and waited over max_wait_s."""
+
+    def check_room(self, queue_depth):
+        if self.max_queue is not None and queue_depth() >= self.max_queue:
+            raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
 
     def to_shed(self, queue, now):
         if self.max_wait_s is None:

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
+
 from batchlab.course import checks
-from batchlab.core.policies import Admission, AdmissionBase
+from batchlab.core.policies import Admission, AdmissionBase, QueueFull
 from batchlab.core.request import State
 
 
 @dataclass(frozen=True)
-class RightAdmission(AdmissionBase):
+class Door(AdmissionBase):
+    """The lesson's door; the classes below differ in their shedding."""
+
+    def check_room(self, queue_depth):
+        if self.max_queue is not None and queue_depth() >= self.max_queue:
+            raise QueueFull(f"the queue is full ({self.max_queue} waiting)")
+
+
+@dataclass(frozen=True)
+class RightAdmission(Door):
     def to_shed(self, queue, now):
         if self.max_wait_s is None:
             return []
@@ -22,7 +33,7 @@ class RightAdmission(AdmissionBase):
 
 
 @dataclass(frozen=True)
-class DropsPreempted(AdmissionBase):
+class DropsPreempted(Door):
     def to_shed(self, queue, now):
         if self.max_wait_s is None:
             return []
@@ -30,7 +41,7 @@ class DropsPreempted(AdmissionBase):
 
 
 @dataclass(frozen=True)
-class ShedsOnTheDot(AdmissionBase):
+class ShedsOnTheDot(Door):
     def to_shed(self, queue, now):
         if self.max_wait_s is None:
             return []
@@ -52,7 +63,7 @@ def test_ours_passes_every_case_but_the_lineage_and_super_alone_is_not_written()
     assert verdict.passed == verdict.total - 1 and verdict.failed[0].startswith("derives from AdmissionBase")
 
     @dataclass(frozen=True)
-    class OnlySuper(AdmissionBase):
+    class OnlySuper(Door):
         def to_shed(self, queue, now):
             return super().to_shed(queue, now)
 
@@ -93,3 +104,53 @@ def test_a_look_ahead_shed_that_ignores_the_prefill_is_rejected():
 
     verdict = checks.to_shed(wait_only)
     assert not verdict and "count the time its prefill" in verdict.message
+
+
+@dataclass(frozen=True)
+class DoorMistakes(RightAdmission):
+    """The lesson's door with one mistake switched on."""
+
+    mistake = ""  # a class attribute, not a field
+
+    def check_room(self, queue_depth):
+        bound = self.max_queue
+        if self.mistake == "one too many":
+            if bound is not None and queue_depth() > bound:
+                raise QueueFull("full")
+        elif self.mistake == "no None":
+            if queue_depth() >= (bound or 0):
+                raise QueueFull("full")
+        elif self.mistake == "never refuses":
+            return
+        elif self.mistake == "another error":
+            if bound is not None and queue_depth() >= bound:
+                raise RuntimeError("full")
+        else:
+            super().check_room(queue_depth)
+
+
+DOOR_MISTAKES = {  # mistake: what the verdict says
+    "one too many": "one more would exceed it",
+    "no None": "max_queue None means no bound",
+    "never refuses": "one more would exceed it",
+    "another error": "raised RuntimeError",
+}
+
+
+@pytest.mark.parametrize("mistake", DOOR_MISTAKES)
+def test_a_wrong_door_is_rejected_and_named(mistake):
+    wrong = type(f"Door_{mistake.replace(' ', '_')}", (DoorMistakes,), {"mistake": mistake})
+    verdict = checks.admission_policy(wrong)
+    assert not verdict and not verdict.not_written, verdict.message
+    assert DOOR_MISTAKES[mistake] in verdict.message, verdict.message
+    assert any(label.startswith("the door") for label in verdict.failed), verdict.message
+
+
+def test_a_door_that_only_calls_super_is_not_written():
+    @dataclass(frozen=True)
+    class OnlySuper(RightAdmission):
+        def check_room(self, queue_depth):
+            return AdmissionBase.check_room(self, queue_depth)
+
+    verdict = checks.admission_policy(OnlySuper)
+    assert not verdict and verdict.not_written and "must write check_room" in verdict.message

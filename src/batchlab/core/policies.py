@@ -83,10 +83,11 @@ class QueueFull(Exception):
 
 @dataclass(frozen=True)
 class AdmissionBase:
-    """Admission control with no shedding rule: ``max_queue``, the most requests waiting
-    to start (None: unbounded), and ``max_wait_s``, the wait a shedding rule reads (None:
-    never shed). Which requests to shed is a decision, so this base makes none:
-    ``to_shed`` is a subclass's to write (lesson 9)."""
+    """Admission with no rule in it: ``max_queue``, the most requests waiting to start that
+    the door lets in (None: unbounded), and ``max_wait_s``, the wait a shedding rule reads
+    (None: never shed). Who is refused at the door (``check_room``) and which queued
+    requests to shed (``to_shed``) are decisions, so this base makes neither: both are a
+    subclass's to write (lesson 9)."""
 
     max_queue: int | None = None
     max_wait_s: float | None = None
@@ -102,10 +103,12 @@ class AdmissionBase:
             raise ValueError(f"max_wait_s must be a number >= 0 or None, got {self.max_wait_s!r}")
 
     def check_room(self, queue_depth: Callable[[], int]) -> None:
-        """Raise ``QueueFull`` if one more waiting request would exceed the bound.
-        (``queue_depth`` is called only when there is a bound: counting costs time.)"""
-        if self.max_queue is not None and queue_depth() >= self.max_queue:
-            raise QueueFull(f"the queue is full ({self.max_queue} waiting); retry later")
+        """The door: raise ``QueueFull`` to refuse one more request (``queue_depth()``: how
+        many wait now)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must write check_room(queue_depth): raise QueueFull when "
+            f"max_queue requests already wait (None: no bound)"
+        )
 
     def to_shed(self, queue: Iterable[Request], now: float) -> list[Request]:
         """The queued requests to give up on now (finished as "shed")."""
@@ -116,7 +119,14 @@ class AdmissionBase:
 
 @dataclass(frozen=True)
 class Admission(AdmissionBase):
-    """Ours: shed the queued requests that never started and waited more than ``max_wait_s``."""
+    """Ours: refuse at the door when ``max_queue`` requests wait; shed the queued requests
+    that never started and waited more than ``max_wait_s``."""
+
+    def check_room(self, queue_depth: Callable[[], int]) -> None:
+        """Raise ``QueueFull`` if one more waiting request would exceed the bound.
+        (``queue_depth`` is called only when there is a bound: counting costs time.)"""
+        if self.max_queue is not None and queue_depth() >= self.max_queue:
+            raise QueueFull(f"the queue is full ({self.max_queue} waiting); retry later")
 
     def to_shed(self, queue: Iterable[Request], now: float) -> list[Request]:
         """Queued requests that never started (a preempted one has begun its answer: it

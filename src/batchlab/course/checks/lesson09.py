@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from ...core.policies import Admission, AdmissionBase
+from ...core.policies import Admission, AdmissionBase, QueueFull
 from ...core.request import State
 from ..guard import kind_of
 from ._core import Case, Verdict, WrongType, mistakes, number_compare, run_cases, show, table
@@ -116,11 +116,39 @@ def _checked(admission):
 
 
 SHED = "shed if it never started and now - arrival_s > max_wait_s"
+DOOR = "raise QueueFull when queue_depth() >= max_queue; max_queue None: every request gets in"
+
+
+def _door(cls, max_queue, depth) -> str:
+    """What ``cls(max_queue=...).check_room`` does with ``depth`` requests waiting."""
+    try:
+        cls(max_queue=max_queue).check_room(lambda: depth)
+    except QueueFull:
+        return "full"
+    return "room"
+
+
+def _door_case(label, max_queue, depth) -> Case:
+    def compare(got, want):
+        if got == want:
+            return None
+        if max_queue is None:
+            return "max_queue None means no bound: let every request in"
+        if want == "full" and depth == max_queue:
+            return f"{depth} already wait and the bound is {max_queue}: one more would exceed it"
+        return f"{depth} wait, fewer than max_queue ({max_queue}): there is room" if want == "room" else ""
+
+    return Case(
+        label, lambda f: _door(f, max_queue, depth), _door(Admission, max_queue, depth), compare, DOOR
+    )
+
+
 LATE = [("x", 0.5), ("y", 9.0), ("z", 1.0), ("w", 1.5)]
 
 
 def admission_policy(cls: Any) -> Verdict:
-    """Check ``MyAdmission(AdmissionBase).to_shed(queue, now)`` against the library's ``Admission``."""
+    """Check ``MyAdmission(AdmissionBase)``'s ``to_shed(queue, now)`` and ``check_room(queue_depth)``
+    against the library's ``Admission``."""
 
     def unit(label, queue, now, max_wait_s):
         def call(f):  # the ids shed; Admission answers
@@ -170,6 +198,10 @@ def admission_policy(cls: Any) -> Verdict:
         unit("exactly 8 s waited, limit 8 s: it stays", [_queued("edge", 2.0)], 10.0, 8.0),
         unit("a preempted request (it has output_ids) that arrived long ago: it stays", back, 10.0, 8.0),
         unit("several late ones among others, in queue order", [_queued(r, t) for r, t in LATE], 10.0, 8.0),
+        _door_case("the door, no bound (max_queue None), 10,000 waiting: room", None, 10_000),
+        _door_case("the door, bound 3, 2 waiting: room", 3, 2),
+        _door_case("the door, bound 3, 3 waiting: full (QueueFull)", 3, 3),
+        _door_case("the door, bound 0: full even with nobody waiting", 0, 0),
         whole("overload", "a whole simulated overload: every request ends as with Admission(max_wait_s=8)"),
         whole("tight", "the same on a KV pool of 48 blocks, where preempted requests wait in the queue"),
     ]

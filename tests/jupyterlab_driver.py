@@ -31,6 +31,7 @@ CHROMIUM_ARGS = [
     "--disable-quic",
 ]
 IDLE = re.compile(r"\| Idle$")  # the kernel's status in JupyterLab's status bar
+BUSY = re.compile(r"\| Busy$")
 
 
 def missing() -> str | None:

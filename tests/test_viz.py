@@ -387,7 +387,97 @@ def test_frame_html_of_an_empty_trace_still_shows_the_slots():
 
 # -- the widget ------------------------------------------------------------------------------
 def shown_step(view: viz.SlotView) -> str:
-    return Elements(view._frame.value).having(data_num_slots=str(view.trace.max_batch_size))[0]["data-step"]
+    """The step the view shows: a live view's frame, or a replay's selected state."""
+    if view.live:
+        frame = Elements(view._frame.value)
+        return frame.having(data_num_slots=str(view.trace.max_batch_size))[0]["data-step"]
+    assert view.children[1:] == (view._states, view._grid)
+    state = view._states.children[view._states.selected_index].value
+    return Elements(state).having(class_="bl-root bl-state")[0]["data-step"]
+
+
+def replay_frame(grid: str, state: str) -> list[tuple]:
+    """What a replay shows at one step: the cells of the columns its style shows, as
+    (lane, step, kind, request, label shown); blank cells (after the step) as kind "future"."""
+    import re
+
+    rules = state.split("<style>")[1].split("</style>")[0]
+    shown = {
+        int(c) for c in re.search(r":is\(([^)]*)\)\{display:block\}", rules)[1].replace(".s", "").split(",")
+    }
+    blank = set()
+    for m in re.finditer(r":is\(([^)]*)\)\.bl-cell\{background:#fafafa", rules):
+        blank |= {int(c) for c in m[1].replace(".s", "").split(",")}
+    left = int(re.search(r"\.bl-cell\.s(\d+) \.bl-more\{display:inline\}", rules)[1])
+    cells = []
+    for m in re.finditer(
+        r'<div class="bl-cell ([^"]*)" data-lane="(\d+)" data-step="(\d+)" '
+        r'data-kind="([^"]*)"(?: data-request="([^"]*)")?[^>]*>(.*?)</div>',
+        grid,
+    ):
+        step = int(m[3])
+        if step not in shown:
+            continue
+        if step in blank:
+            cells.append((int(m[2]), step, "future", None, False))
+            continue
+        label = bool(m[6]) and ("bl-more" not in m[6] or step == left)
+        cells.append((int(m[2]), step, m[4], m[5], label))
+    return sorted(cells)
+
+
+def frame_cells(frame: str) -> list[tuple]:
+    """The same, read from ``frame_html``'s frame."""
+    import re
+
+    cells = []
+    for lane, row in enumerate(frame.split('class="bl-lane" ')[1:]):
+        row = row.split('<div class="bl-legend"')[0]
+        for m in re.finditer(
+            r'<div class="bl-cell ([^"]*)"(?: data-lane="\d+" data-step="(\d+)" '
+            r'data-kind="([^"]*)"(?: data-request="([^"]*)")?[^>]*)?>(.*?)</div>',
+            row,
+        ):
+            if "bl-future" in m[1]:
+                cells.append((lane, None, "future", None, False))
+            else:
+                cells.append((lane, int(m[2]), m[3], m[4], bool(m[5])))
+    return cells
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_the_replays_frames_show_what_frame_html_draws(name):
+    """The replay (``player_html``: the grid once, a style a step) and ``frame_html`` are one
+    picture: at every step the same cells, kinds, requests and labels in the same columns."""
+    trace = Trace.from_json((DATA / f"{name}_trace.json").read_text())
+    for window in (40, 7):
+        grid, states = viz.player_html(trace, window)
+        assert len(states) == len(trace.steps)
+        width = min(window, len(trace.steps))  # the grid's columns: one window's worth
+        assert f'grid-template-columns:5.5em{" 18px" * width}"' in grid
+        for k, state in enumerate(states):
+            got, frame = replay_frame(grid, state), frame_cells(viz.frame_html(trace, k, window))
+            future_steps = {s for _, s, kind, _, _ in got if kind == "future"}
+            # frame_html's blank cells carry no step: give them the replay's, in column order
+            columns = sorted({s for _, s, _, _, _ in got})
+            lanes = len(frame) // len(columns)
+            want = sorted(
+                (lane, columns[i % len(columns)] if s is None else s, kind, request, label)
+                for i, (lane, s, kind, request, label) in enumerate(frame)
+            )
+            assert got == want, (name, window, k)
+            assert future_steps == {c for c in columns if c > k} and lanes >= trace.max_batch_size
+            assert f'data-step="{k}"' in state and f'data-step="{k}"' in state.split("bl-counter")[1]
+
+
+def test_the_replay_plays_in_the_browser_alone():
+    """Play drives the slider and the slider the shown state, both linked in the browser
+    (``jslink``), so a replay plays while the kernel is busy; Python follows too."""
+    view = viz.SlotView(continuous_trace())
+    links = {(tuple(link.source), tuple(link.target)) for link in view._links}
+    assert ((view._play, "value"), (view._slider, "value")) in links
+    assert ((view._slider, "value"), (view._states, "selected_index")) in links
+    assert len(view._states.children) == 5 and view._grid.value.count('data-step="4"') == 3
 
 
 def test_slot_view_replays_a_trace_step_by_step():
@@ -753,6 +843,11 @@ def test_block_view_labels_blocks_with_request_ids():
     view.show_step(both)
     assert view.to_html().count('data-request="alpha"') == held["alpha"] + sum(
         1 for c in viz.slot_grid(trace)[max(0, both - 39) : both + 1] for x in c if x.request == "alpha"
+    )
+    # the replay shows the same pool at that step, under its slot grid
+    assert view._states.selected_index == both
+    assert viz.block_frame_html(trace, both, view.columns, viz.request_colors(trace, view.palette)) in (
+        view._states.children[both].value
     )
 
 

@@ -63,7 +63,7 @@ from .plots import (
     plot_timeline,
     plot_tokens,
 )
-from .widget import SlotView, frame_html
+from .widget import SlotView, frame_html, player_html
 
 __all__ = [
     "CACHED",
@@ -90,6 +90,7 @@ __all__ = [
     "block_states",
     "busiest_window",
     "frame_html",
+    "player_html",
     "gap_band",
     "lane_names",
     "occupancy_so_far",

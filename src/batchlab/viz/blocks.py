@@ -224,12 +224,10 @@ class BlockView(SlotView):
         super().__init__(source, live=live, window=window, interval_ms=interval_ms)
         self.add_class("batchlab-blockview")
 
-    def to_html(self, step: int | None = None) -> str:
-        k = self.step if step is None else step
-        slots = super().to_html(k)
+    def _below(self, k: int) -> str:
         if not self.trace.steps:
-            return slots
-        return slots + block_frame_html(self.trace, k, self.columns, request_colors(self.trace, self.palette))
+            return ""
+        return block_frame_html(self.trace, k, self.columns, request_colors(self.trace, self.palette))
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = widgets.VBox._repr_mimebundle_(self, **kwargs)  # not SlotView's slot-grid PNG

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 import time
+import uuid
 from collections.abc import Callable, Mapping
 
 import ipywidgets as widgets
@@ -135,6 +136,69 @@ def _readout_html(trace: Trace, k: int, steps: list[StepRecord]) -> str:
     )
 
 
+def _grid_html(
+    trace: Trace, steps: list[StepRecord], columns: list[int], k: int | None, colors, width: int | None = None
+) -> str:
+    """The grid's columns ``columns`` (positions in ``steps``): a header, then one row a lane.
+    With ``k``, a frame: the columns after ``k`` are blank, ``k`` is marked current and each
+    run of a request is labelled where it starts in view. With ``k`` None, the replay's whole
+    grid (``player_html``): every cell drawn, each with its column's class ``s<c>``, and a
+    label in every cell of a request, shown where its run starts (the others are ``bl-more``,
+    shown by a step's style at the window's left edge), ``width`` columns in view at a time."""
+    prefill_lanes = _prefill_lanes(trace, steps)
+    lanes = _lane_names(trace.max_batch_size, prefill_lanes)
+    parts = [
+        f'<div class="bl-grid" style="grid-template-columns:5.5em{" 18px" * (width or len(columns))}">',
+        '<div class="bl-lane"></div>',
+    ]
+    for c in columns:
+        index = steps[c].index
+        if k is None:
+            every5 = " bl-every5" if index % 5 == 0 else ""
+            parts.append(f'<div class="bl-col s{c}{every5}">{index}</div>')
+            continue
+        label = str(index) if c == k or (index % 5 == 0 and abs(c - k) > 2) else ""
+        parts.append(f'<div class="bl-col{" bl-current" if c == k else ""}">{label}</div>')
+    drawn = [c for c in columns if k is None or c <= k]
+    cells = {c: _step_cells(steps, trace.max_batch_size, c, prefill_lanes) for c in drawn}
+    for li, lane in enumerate(lanes):
+        slot = (
+            f'data-slot="{li}"'
+            if li < trace.max_batch_size
+            else f'data-prefill-lane="{li - trace.max_batch_size}"'
+        )
+        parts.append(f'<div class="bl-lane" {slot}>{lane}</div>')
+        previous = None
+        for c in columns:
+            if k is not None and c > k:
+                parts.append('<div class="bl-cell bl-future"></div>')
+                continue
+            cell = cells[c][li]
+            named = cell.request is not None and cell.kind != PADDING
+            starts = named and (previous is None or previous.request != cell.request)
+            label = ""
+            if named and (starts or k is None):
+                more = "" if starts else ' class="bl-more"'
+                label = f"<span{more}>{html.escape(short_label(cell.request))}</span>"
+            marks = " bl-current-cell" if c == k else f" s{c}" if k is None else ""
+            request = f' data-request="{html.escape(cell.request)}"' if cell.request else ""
+            parts.append(
+                f'<div class="bl-cell bl-{cell.kind}{marks}" data-lane="{li}" data-step="{c}" '
+                f'data-kind="{cell.kind}"{request} style="{_cell_style(cell, colors.get(cell.request, ""))}" '
+                f'title="{html.escape(_cell_title(cell, steps[c].index, lane))}">{label}</div>'
+            )
+            previous = cell
+    parts.append("</div>")
+    return "".join(parts)
+
+
+def _root(trace: Trace, steps: list, extra: str = "") -> str:
+    return (
+        f'<div class="batchlab-slots bl-root"{extra} data-num-slots="{trace.max_batch_size}" '
+        f'data-num-steps="{len(steps)}" data-kind="{html.escape(trace.kind)}">'
+    )
+
+
 def frame_html(trace: Trace, step: int, window: int = 40, colors: Mapping[str, str] | None = None) -> str:
     """One animation frame as self-contained HTML: the grid up to ``step`` (the last
     ``window`` steps of it), a line after the current column, and a readout below.
@@ -145,66 +209,95 @@ def frame_html(trace: Trace, step: int, window: int = 40, colors: Mapping[str, s
     """
     steps = list(trace.steps)
     k = min(max(step, 0), len(steps) - 1)  # -1: no steps yet
-    prefill_lanes = _prefill_lanes(trace, steps)
-    lanes = _lane_names(trace.max_batch_size, prefill_lanes)
     first = max(0, k - window + 1)
     columns = list(range(first, min(len(steps), first + window)))
     colors = request_colors(trace) if colors is None else colors
-    parts = [
-        (
-            f'<div class="batchlab-slots bl-root" data-num-slots="{trace.max_batch_size}" '
-            f'data-step="{k}" data-num-steps="{len(steps)}" data-kind="{html.escape(trace.kind)}">'
-        ),
-        f"<style>{_CSS}</style>",
-        _readout_html(trace, k, steps),
-        f'<div class="bl-grid" style="grid-template-columns:5.5em{" 18px" * len(columns)}">',
-        '<div class="bl-lane"></div>',
-    ]
-    for c in columns:
-        index = steps[c].index
-        label = str(index) if c == k or (index % 5 == 0 and abs(c - k) > 2) else ""
-        parts.append(f'<div class="bl-col{" bl-current" if c == k else ""}">{label}</div>')
-    cells = {c: _step_cells(steps, trace.max_batch_size, c, prefill_lanes) for c in columns if c <= k}
-    for li, lane in enumerate(lanes):
-        slot = (
-            f'data-slot="{li}"'
-            if li < trace.max_batch_size
-            else f'data-prefill-lane="{li - trace.max_batch_size}"'
+    return "".join(
+        [
+            _root(trace, steps, f' data-step="{k}"'),
+            f"<style>{_CSS}</style>",
+            _readout_html(trace, k, steps),
+            _grid_html(trace, steps, columns, k, colors),
+            _legend_html(),
+            "</div>",
+        ]
+    )
+
+
+def _window(k: int, window: int, num_steps: int) -> range:
+    """The columns a frame at step ``k`` shows (as ``frame_html`` does)."""
+    first = max(0, k - window + 1)
+    return range(first, min(num_steps, first + window))
+
+
+def _selector(root: str, columns, what: str = "") -> str:
+    return f"{root} :is({','.join(f'.s{c}' for c in columns)}){what}"
+
+
+def player_html(
+    trace: Trace, window: int = 40, colors: Mapping[str, str] | None = None, uid: str = "bl-replay"
+) -> tuple[str, list[str]]:
+    """The replay of a finished trace in two parts, for a player that needs no kernel: the
+    whole grid once (every column, hidden), and for each step a small piece of HTML, its
+    readout and a ``<style>`` that shows that step's ``window`` of columns as ``frame_html``
+    draws them: the columns after it blank, a line after it. Only the step shown is on the
+    page (an ``ipywidgets.Stack`` keeps one child in it), so only its style applies; ``uid``
+    (the grid's id) keeps it to this grid."""
+    steps = list(trace.steps)
+    colors = request_colors(trace) if colors is None else colors
+    width = len(_window(0, window, len(steps)))
+    root = f"#{uid}.bl-root"  # an id and a class: above the grid's own rules below
+    hidden = (
+        f"#{uid} .bl-cell,#{uid} .bl-col,#{uid} .bl-more{{display:none}}#{uid} .bl-col{{color:transparent}}"
+    )
+    grid = "".join(
+        [
+            _root(trace, steps, f' id="{uid}"'),
+            f"<style>{_CSS}{hidden}{root} .bl-every5{{color:#999}}</style>",
+            _grid_html(trace, steps, list(range(len(steps))), None, colors, width),
+            _legend_html(),
+            "</div>",
+        ]
+    )
+    states = []
+    for k in range(len(steps)):
+        shown = _window(k, window, len(steps))
+        after = [c for c in shown if c > k]
+        near = [c for c in range(k - 2, k + 3) if c != k and 0 <= c < len(steps)]
+        rules = [
+            _selector(root, shown, "{display:block}"),
+            f"{root} .bl-cell.s{shown.start} .bl-more{{display:inline}}",
+            f"{root} .bl-col.s{k}{{color:#000;font-weight:700}}",
+            f"{root} .bl-cell.s{k}{{position:relative;overflow:visible}}",
+            f'{root} .bl-cell.s{k}::after{{content:"";position:absolute;top:-2px;bottom:-2px;'
+            f"right:-2px;width:2px;background:#111}}",
+        ]
+        if near:
+            rules.append(_selector(root, near, ".bl-col{color:transparent}"))
+        if after:
+            rules.append(
+                _selector(root, after, ".bl-cell{background:#fafafa!important;border:1px dashed #ececec}")
+            )
+            rules.append(_selector(root, after, ".bl-cell span{display:none!important}"))
+        states.append(
+            f'<div class="bl-root bl-state" data-step="{k}"><style>{"".join(rules)}</style>'
+            f"{_readout_html(trace, k, steps)}</div>"
         )
-        parts.append(f'<div class="bl-lane" {slot}>{lane}</div>')
-        previous = None
-        for c in columns:
-            if c > k:
-                parts.append('<div class="bl-cell bl-future"></div>')
-                continue
-            cell = cells[c][li]
-            show_label = (
-                cell.request is not None
-                and cell.kind != PADDING
-                and (previous is None or previous.request != cell.request)
-            )
-            label = f"<span>{html.escape(short_label(cell.request))}</span>" if show_label else ""
-            current = " bl-current-cell" if c == k else ""
-            request = f' data-request="{html.escape(cell.request)}"' if cell.request else ""
-            parts.append(
-                f'<div class="bl-cell bl-{cell.kind}{current}" data-lane="{li}" data-step="{c}" '
-                f'data-kind="{cell.kind}"{request} style="{_cell_style(cell, colors.get(cell.request, ""))}" '
-                f'title="{html.escape(_cell_title(cell, steps[c].index, lane))}">{label}</div>'
-            )
-            previous = cell
-    parts += ["</div>", _legend_html(), "</div>"]
-    return "".join(parts)
+    return grid, states
 
 
 # -- the widget -------------------------------------------------------------------------------
 class SlotView(widgets.VBox):
     """The slot grid as an animation: play / pause, step back and forward, a step slider,
-    and the frame (``frame_html``) below.
+    and the frame below.
 
-    Replay: ``SlotView(trace)``. Live: ``SlotView(engine_or_loop, live=True)``, show it with
-    ``view.display()``, and call ``refresh()`` in a loop, or ``follow()``, while the engine
-    runs; each refresh jumps to the newest step. Rendering happens in Python and callbacks
-    never print, so the widget adds no stray output to a notebook. Saved notebooks also carry
+    Replay: ``SlotView(trace)``. Every step's frame is made once (``player_html``) and the
+    browser switches between them: play and the slider need no kernel, so the replay plays
+    while later cells run (and in a saved notebook whose widget state was kept). Live:
+    ``SlotView(engine_or_loop, live=True)``, show it with ``view.display()``, and call
+    ``refresh()`` in a loop, or ``follow()``, while the engine runs; each refresh draws the
+    newest step (``frame_html``) in Python. Callbacks never print, so the widget adds no stray
+    output to a notebook. Saved notebooks also carry
     a PNG of the whole grid, which viewers without a kernel (GitHub) show instead; a live
     view gets its PNG when ``follow()`` ends, by updating the output ``display()`` made.
     For an animation those viewers play, show ``animation(trace)`` beside the view.
@@ -224,7 +317,7 @@ class SlotView(widgets.VBox):
         self._slider = widgets.IntSlider(
             min=0, max=0, description="step", readout=False, layout=widgets.Layout(width="420px")
         )
-        widgets.jslink((self._play, "value"), (self._slider, "value"))
+        self._links = [widgets.jslink((self._play, "value"), (self._slider, "value"))]
         back = widgets.Button(
             icon="step-backward", tooltip="one step back", layout=widgets.Layout(width="36px")
         )
@@ -233,10 +326,15 @@ class SlotView(widgets.VBox):
         )
         back.on_click(lambda _: self.show_step(self._slider.value - 1))
         forward.on_click(lambda _: self.show_step(self._slider.value + 1))
-        self._frame = widgets.HTML()
+        self._frame = widgets.HTML()  # live: the frame Python draws
+        self._states = widgets.Stack()  # replay: every step's frame state, one shown at a time
+        self._grid = widgets.HTML()  # replay: the whole grid, drawn once
+        self._links.append(widgets.jslink((self._slider, "value"), (self._states, "selected_index")))
+        self._made = -1  # how many steps the replay's frames were made for
+        self._uid = f"bl-{uuid.uuid4().hex[:12]}"  # unique on a page, saved outputs of other runs included
         self._display = None  # the output that display() made, updated when follow() ends
         self._slider.observe(self._render, names="value")
-        super().__init__([widgets.HBox([self._play, back, forward, self._slider]), self._frame])
+        super().__init__([widgets.HBox([self._play, back, forward, self._slider])])
         self.add_class("batchlab-slotview")
         self.refresh()
 
@@ -250,24 +348,45 @@ class SlotView(widgets.VBox):
 
     def to_html(self, step: int | None = None) -> str:
         """The frame for ``step`` (default: the one shown) as standalone HTML."""
-        return frame_html(
-            self.trace,
-            self.step if step is None else step,
-            self.window,
-            request_colors(self.trace, self.palette),
-        )
+        k = self.step if step is None else step
+        colors = request_colors(self.trace, self.palette)
+        return frame_html(self.trace, k, self.window, colors) + self._below(k)
+
+    def _below(self, k: int) -> str:
+        """What a frame shows under the slot grid at step ``k`` (``BlockView``: the KV pool)."""
+        return ""
 
     def _render(self, _change=None) -> None:
-        self._frame.value = self.to_html()
+        if self.live:
+            self._frame.value = self.to_html()
+        elif self._states.children:
+            self._states.selected_index = min(self._slider.value, len(self._states.children) - 1)
+
+    def _make_replay(self) -> None:
+        """Every step's frame, once: the grid and a state a step (``player_html``)."""
+        steps = len(self.trace.steps)
+        grid, states = player_html(
+            self.trace, self.window, request_colors(self.trace, self.palette), self._uid
+        )
+        if not steps:
+            grid, states = frame_html(self.trace, -1, self.window), [""]
+        self._grid.value = grid
+        self._states.children = [widgets.HTML(s + self._below(k)) for k, s in enumerate(states)]
+        self._made = steps
+        self.children = (self.children[0], self._states, self._grid)
 
     def refresh(self) -> None:
         """Take in the steps the engine has added; a live view jumps to the newest."""
         last = max(len(self.trace.steps) - 1, 0)
         self._play.max = self._slider.max = last
-        if self.live and self._slider.value != last:
-            self._slider.value = last  # the observer renders
-        else:
-            self._render()
+        if self.live:
+            self.children = (self.children[0], self._frame)
+            if self._slider.value != last:
+                self._slider.value = last  # the observer renders
+                return
+        elif self._made != len(self.trace.steps):
+            self._make_replay()
+        self._render()
 
     def display(self) -> None:
         """Show the view as a cell output that ``follow()`` can update when it ends."""

@@ -1,5 +1,8 @@
 """The slot grid as an animation in the notebook: ``frame_html`` draws one step as HTML,
-``SlotView`` (ipywidgets) plays the frames, replayed or following a live run."""
+``SlotView`` (ipywidgets) plays the frames, replayed or following a live run. A replay's
+frames are made once (``player_html``: the grid, and a small style and readout a step, switched by
+an ``ipywidgets.Stack`` linked to the slider in the browser), so it plays while the kernel runs
+later cells."""
 
 from __future__ import annotations
 

@@ -50,6 +50,29 @@ def test_every_lesson_runs_the_learners_engine(path):
     )
 
 
+EARLIER = re.compile(r"course\.earlier\(([^)]*)\)")
+
+
+def test_a_lesson_runs_a_learners_piece_only_once_its_checker_passes():
+    """Outside ``%%piece`` cells a lesson takes the learner's engine classes through
+    ``course.mine_or_reference`` with a checker, so a piece that is written but wrong never runs a
+    lesson's measurements; ``course.earlier`` (no check, for a piece to build on) is left for the
+    second classes of a piece's file, which its piece's checker checks with it."""
+    from batchlab.course.my_engine import OTHERS
+
+    seconds = {f'"{module}", "{name}"' for module, name in OTHERS}
+    found = [
+        (p.name, m.group(1))
+        for p in sorted((ROOT / "notebooks").glob("*.ipynb"))
+        for c in nbformat.read(p, as_version=4).cells
+        if c.cell_type == "code" and not c.source.startswith("%%piece")
+        for m in EARLIER.finditer(c.source)
+    ]
+    assert found, "no lesson calls course.earlier outside a piece: the pattern is stale"
+    unchecked = [(name, args) for name, args in found if args not in seconds]
+    assert not unchecked, f"a lesson runs a piece with no checker (use course.mine_or_reference): {unchecked}"
+
+
 @pytest.mark.parametrize("piece, base", LINEAGE.items())
 def test_each_piece_subclasses_the_learners_previous_one(piece, base):
     cells = [

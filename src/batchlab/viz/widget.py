@@ -374,7 +374,11 @@ class SlotView(widgets.VBox):
         if not steps:
             grid, states = frame_html(self.trace, -1, self.window), [""]
         self._grid.value = grid
-        self._states.children = [widgets.HTML(s + self._below(k)) for k, s in enumerate(states)]
+        first = widgets.HTML(states[0] + self._below(0))
+        shared = dict(layout=first.layout, style=first.style)  # one each, not one a step
+        self._states.children = [first] + [
+            widgets.HTML(s + self._below(k), **shared) for k, s in enumerate(states) if k
+        ]
         self._made = steps
         self.children = (self.children[0], self._states, self._grid)
 

@@ -11,7 +11,7 @@ except ``--out`` and its screenshots in ``<out without .md>/``):
    ``PYTHONPATH`` (the kernels inherit it), so the clone's batchlab is what runs; the
    environment is this repository's ``.venv``. HOME and every Jupyter folder point into
    the temporary folder, so no user state leaks in.
-2. Debian's Chromium, driven by Playwright, opens lessons 1, 2, 4, 5a, 6, 8, 9 and 10 in turn from
+2. Debian's Chromium, driven by Playwright, opens lessons 1, 2, 4, 5a, 6, 7, 8, 9 and 10 in turn from
    ``my-course/``; in each, the learner's piece is typed into its ``%%piece`` cell in place
    of the empty exercise (the pieces of ``tests/learner_pieces.py``; a piece not there --
    lesson 6's ``MyEngine`` -- is the solved lesson's), then Run > Run All Cells, and the
@@ -79,9 +79,15 @@ LESSONS = [
     ("4", "04_chunked_prefill", "chunked", ["MyChunkedScheduler"]),
     ("5a", "05a_the_token_budget", "stallfree", ["MyStallFreeScheduler"]),
     ("6", "06_the_poll_interface", "front", ["MyStallFreeScheduler", "MyEngine"]),
+    ("7", "07_serving", "server", ["MyStallFreeScheduler", "MyEngine", "MyServer"]),
     ("8", "08_memory", "memory", ["MyMemoryScheduler", "MyVictimPolicy"]),
-    ("9", "09_policies_and_overload", "policy", ["MyAdmission"]),
-    ("10", "10_priorities_and_the_finish_line", "aging", ["MyAdmission", "MyAgingPolicy"]),
+    ("9", "09_policies_and_overload", "policy", ["MyMemoryScheduler", "MyAdmission"]),
+    (
+        "10",
+        "10_priorities_and_the_finish_line",
+        "aging",
+        ["MyMemoryScheduler", "MyAdmission", "MyAgingPolicy", "MyEngine"],
+    ),
 ]
 RERUN_LESSON = "02_continuous_batching"
 SCREENSHOTS = {"02_continuous_batching", "08_memory"}  # + the re-run's stub cell: 3 PNGs

@@ -237,7 +237,7 @@ class MyEngine(EngineBase):
 
 class MyServer(ServerBase):
     """Lesson 7: each request's stream: poll after every engine step, one piece of text per
-    token (EOS adds none) with the count so far, a stop string cancels the request, the
+    token (EOS adds none) with the count so far, a stop string ends the request as 'stop', the
     finish reason last; StreamEnded for a failed request or a closing server; a stream
     closed before its request ended cancels it."""
 
@@ -252,7 +252,7 @@ class MyServer(ServerBase):
                     count += 1
                     text, hit = stopper.feed("" if token in eos else detok.add(token))
                     if hit:
-                        self.loop.cancel(rid)
+                        self.loop.stop_string_met(rid)
                         ended = True
                         yield text, "stop", count
                         return
@@ -274,7 +274,7 @@ class MyServer(ServerBase):
                     raise StreamEnded(self.unavailable(), 503)
                 try:
                     await asyncio.wait_for(progress.wait(), HEARTBEAT_S)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # Python 3.10: not the builtin TimeoutError
                     pass
         finally:
             if not ended:

@@ -45,8 +45,10 @@ def mistaken(**wrong):
                         piece = detok.add(token) if wrong.get("shows_eos") or token not in eos else ""
                     text, hit = stopper.feed(piece)
                     if hit:
-                        if not wrong.get("stop_without_cancel"):
+                        if wrong.get("stop_as_cancel"):
                             self.loop.cancel(rid)
+                        elif not wrong.get("stop_without_cancel"):
+                            self.loop.stop_string_met(rid)
                         ended = True
                         yield text, "stop", count
                         return
@@ -75,7 +77,7 @@ def mistaken(**wrong):
                 else:
                     try:
                         await asyncio.wait_for(progress.wait(), HEARTBEAT_S)
-                    except TimeoutError:
+                    except asyncio.TimeoutError:
                         pass
         finally:
             if wrong.get("always_cancels") or (not ended and not wrong.get("no_finally")):
@@ -108,7 +110,8 @@ def test_the_base_is_not_written_yet(tok):
         ("no_flush", "stops short"),
         ("status_first", "with the final status too"),
         ("counts_text_only", "EOS and those"),
-        ("stop_without_cancel", "never cancelled"),
+        ("stop_without_cancel", "tell the engine with self.loop.stop_string_met"),
+        ("stop_as_cancel", "call self.loop.stop_string_met(rid) instead"),
         ("no_finally", "never cancelled"),
         ("always_cancels", "had ended by themselves"),
         ("error_as_stop", "raised StreamEnded(..., 500)"),

@@ -173,6 +173,50 @@ def test_cancel_in_every_state_frees_everything_and_spares_the_others(kind, opti
     assert engine.cancel("no-such-id") is False
 
 
+def test_a_stop_string_ends_a_request_as_a_completed_stop_not_a_cancel():
+    """The server meets stop strings (the engine sees only tokens) and says so with
+    ``stop_string_met``: the request ends as "stop" in its poll, its trace and the metrics,
+    counts as completed and in goodput, and frees its slot and blocks; a cancel stays 'cancelled'."""
+    from batchlab.core import metrics
+
+    engine = fake_engine("stallfree", max_batch_size=2, token_budget=16)
+    stopped, cancelled, plain = (
+        engine.submit([5 + i] * 8, max_new_tokens=20, ignore_eos=True) for i in range(3)
+    )
+    for _ in range(4):
+        engine.step()
+    assert engine.stats()["running"] == 2 and engine.stats()["queued"] == 1, "running: admitted, not queued"
+    assert engine.stop_string_met(stopped) is True
+    assert engine.stop_string_met(stopped) is False and engine.stop_string_met("no-such-id") is False
+    assert engine.cancel(cancelled) is True
+    engine.run_until_idle()
+    assert engine.poll(stopped)[1:] == ("done", "stop")
+    assert engine.poll(cancelled)[1:] == ("done", "cancelled")
+    assert engine.poll(plain)[1:] == ("done", "length")
+    records = engine.trace.requests
+    assert (records[stopped].finish_reason, records[cancelled].finish_reason) == ("stop", "cancelled")
+    assert metrics.completed_requests(engine.trace) == 2, "the stopped and the plain one; not the cancel"
+    loose = metrics.SLO(ttft_s=1e9, max_tbt_s=1e9)
+    assert metrics.goodput(engine.trace, loose)["good_requests"] == 2
+    assert engine.stats()["finished"] == {"stop": 1, "cancelled": 1, "length": 1}
+    assert engine.stats()["running"] == 0
+    assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
+
+
+def test_completed_requests_count_answers_only():
+    """'shed' and 'error' are not completed, like 'cancelled'; 'stop' and 'length' are."""
+    from batchlab.core import metrics
+    from batchlab.core.trace import RequestRecord, Trace
+
+    reasons = ["stop", "length", "cancelled", "shed", "error", None]
+    records = {}
+    for i, reason in enumerate(reasons):
+        r = RequestRecord(f"r{i}", prompt_len=3, max_new_tokens=4, arrival_s=0.0)
+        r.finished_s, r.finish_reason = (None, None) if reason is None else (1.0, reason)
+        records[r.id] = r
+    assert metrics.completed_requests(Trace("t", 2, [], records)) == 2
+
+
 def test_poll_drains_once_then_forgets():
     engine = fake_engine("continuous", max_batch_size=2)
     rid = engine.submit([1, 2, 3], max_new_tokens=5, ignore_eos=True)

@@ -90,6 +90,16 @@ def test_unknown_options_such_as_no_browser_go_to_jupyterlab(monkeypatch, tmp_pa
     assert "lab" in ran["command"]
 
 
+def test_batchlab_lessons_is_the_course_command(monkeypatch):
+    """`batchlab lessons ...` (the README's command) runs the course's main with every option after it."""
+    from batchlab import cli
+
+    seen = []
+    monkeypatch.setattr(course_copy, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["lessons", "--refresh", "all", "--no-browser"]) == 0
+    assert seen == [["--refresh", "all", "--no-browser"]]
+
+
 def test_the_repositorys_own_learner_lessons_are_found():
     assert course_copy.LEARNER.is_dir() and len(list(course_copy.LEARNER.glob("*.ipynb"))) >= 10
     assert "/my-course/" in (course_copy.ROOT / ".gitignore").read_text().split()

@@ -6,6 +6,7 @@ Clients are real: the official ``openai`` package, LangChain's ``ChatOpenAI`` an
 
 import json
 import random
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -98,16 +99,30 @@ def test_openai_client_streams_a_chat_completion(lm, server):
     assert usage.prompt_tokens == len(lm.tokenizer.encode_chat(question))
 
 
+def finished_counts(server) -> dict[str, int]:
+    """/metrics' requests finished so far, by reason."""
+    found = re.findall(
+        r'batchlab_requests_finished_total\{reason="(\w+)"\} (\d+)', httpx.get(server.url + "/metrics").text
+    )
+    return {reason: int(n) for reason, n in found}
+
+
 def test_completion_with_a_stop_string_is_cut_before_it(lm, server, references):
     client = OpenAI(base_url=server.url + "/v1", api_key="unused")
     full = expected_text(lm, references["Once upon a time"], MAX_TOKENS)
     stop = full.split()[3]  # a word in the middle of the answer
+    assert wait_until_idle(server.engine)
+    before = finished_counts(server)
     reply = client.completions.create(
         model="smollm2", prompt="Once upon a time", temperature=0, max_tokens=MAX_TOKENS, stop=[stop]
     )
     assert reply.choices[0].text == full[: full.index(stop)]
     assert reply.choices[0].finish_reason == "stop"
     assert wait_until_idle(server.engine)
+    after = finished_counts(server)
+    # the engine ended it as a completed "stop" too, not as a cancel (/metrics and goodput count it)
+    assert after.get("stop", 0) == before.get("stop", 0) + 1, (before, after)
+    assert after.get("cancelled", 0) == before.get("cancelled", 0), (before, after)
 
 
 def test_stop_matcher_holds_back_a_possible_stop_string():

@@ -136,19 +136,6 @@ def test_the_core_imports_no_mlx_and_nothing_outside_itself():
                 assert _room(module) == "core", f"{path.relative_to(PACKAGE)} imports {module}"
 
 
-def test_old_module_paths_import_the_same_modules():
-    """Paths from before the grouping still import, and name the very same module."""
-    import importlib
-
-    for old, new in batchlab.MOVED.items():
-        assert importlib.import_module(f"batchlab.{old}") is importlib.import_module(f"batchlab.{new}")
-    from batchlab.scheduler.base import Scheduler
-    from batchlab.core.scheduler.base import Scheduler as Same
-
-    assert Scheduler is Same
-    assert batchlab.moved_to("batchlab.nothing_here") is None
-
-
 def test_import_graph_has_no_cycle():
     graph = _module_graph()
     state: dict[str, str] = {}

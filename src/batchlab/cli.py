@@ -429,6 +429,7 @@ def build_parser(extra=None) -> argparse.ArgumentParser:
 
     sub.add_parser("info", help="versions, backend, BLAS in use, and the model")
     sub.add_parser("kinds", help="the engine kinds, their options and what each does (Markdown)")
+    sub.add_parser("lessons", help="the course: JupyterLab on your own copy of the lessons (--help for more)")
 
     _generate_parser(sub, extra)
     _demo_parser(sub, extra)
@@ -625,6 +626,10 @@ def _engine_spec(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lessons"]:  # the course: its options, and JupyterLab's after them
+        from .course import lessons
+
+        return lessons.main(argv[1:])
     command = next((a for a in argv if not a.startswith("-")), "batchlab")
     try:
         spec = _engine_spec(argv)

@@ -184,6 +184,19 @@ class EngineBase:
             f"'cancelled' and hand it to the next step's sweep, under self._lock"
         )
 
+    def stop_string_met(self, req_id: str) -> bool:
+        """The request's text met one of its stop strings (the server detokenizes; the engine
+        sees only tokens): it finishes now with reason "stop", a completed request like one
+        that met EOS, and gives back its slot and KV blocks at the next sweep. True if it
+        was running."""
+        with self._lock:
+            req = self._requests.get(req_id)
+            if req is None or req.finished:
+                return False
+            self._finish(req, "stop")
+            self._cancelled.append(req)
+            return True
+
     # -- the engine side -------------------------------------------------------------------
     def step(self) -> bool:
         """One iteration. Returns False when there was nothing to do.
@@ -360,16 +373,16 @@ class EngineBase:
 
     # -- what happened ----------------------------------------------------------------------
     def stats(self) -> dict:
-        """Live counters (queue, running, KV blocks, preemptions, prefix-cache hits in
+        """Live counters (queued: submitted, not yet admitted; running: admitted, not finished; KV blocks, preemptions, prefix-cache hits in
         blocks and in tokens, finishes) plus every metric of ``metrics.summarize`` over the
         trace so far."""
         with self._lock:
             snapshot = Trace(
                 self.trace.kind, self.trace.max_batch_size, list(self.trace.steps), dict(self.trace.requests)
             )
-            running = sum(1 for r in self._requests.values() if not r.finished)
-            finished = dict(self.finished_by_reason)
             queued = self._queue_depth()
+            running = sum(1 for r in self._requests.values() if not r.finished) - queued  # admitted
+            finished = dict(self.finished_by_reason)
             kv = self.scheduler.kv_usage()
         return {
             **metrics.summarize(snapshot),

@@ -88,11 +88,17 @@ def output_tokens(trace: Trace) -> int:
     return sum(len(r.token_times_s) for r in trace.requests.values())
 
 
+COMPLETED = ("stop", "length")  # an answer ended by EOS or a stop string, or by a length limit
+
+
+def completed(r: RequestRecord) -> bool:
+    """Did the request end with an answer ("stop" or "length"), not cancelled, shed or failed?"""
+    return r.finished_s is not None and r.finish_reason in COMPLETED
+
+
 def completed_requests(trace: Trace) -> int:
-    """Requests that finished normally (EOS or length; not cancelled)."""
-    return sum(
-        1 for r in trace.requests.values() if r.finished_s is not None and r.finish_reason != "cancelled"
-    )
+    """Requests that completed ("stop": EOS or a stop string; "length"), not cancelled, shed or failed."""
+    return sum(1 for r in trace.requests.values() if completed(r))
 
 
 def _per_second(count: float, trace: Trace) -> float | None:
@@ -208,7 +214,7 @@ def decode_step_by_batch(trace: Trace) -> dict[int, float]:
 def meets_slo(r: RequestRecord, slo: SLO) -> bool:
     """Did this request complete within both objectives: its TTFT within ``slo.ttft_s``
     and its largest gap between tokens within ``slo.max_tbt_s``?"""
-    if r.finished_s is None or r.finish_reason == "cancelled" or r.first_token_s is None:
+    if not completed(r) or r.first_token_s is None:
         return False
     if r.first_token_s - r.arrival_s > slo.ttft_s:
         return False

@@ -1,4 +1,4 @@
-"""``python -m batchlab.course.lessons``: open JupyterLab on the learner's own copy of the lessons.
+"""``batchlab lessons``: open JupyterLab on the learner's own copy of the lessons.
 
 The learner copies (``notebooks/learner/``) are tracked by git; JupyterLab autosaves, so
 working in them would turn the next ``git pull`` into a conflict. So each learner works
@@ -92,7 +92,7 @@ def jupyter_command(folder: Path, extra: list[str] = ()) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m batchlab.course.lessons",
+        prog="batchlab lessons",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         copied = copy_lessons(refresh=args.refresh)
         copy_solved()
     except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"batchlab.course.lessons: {e}") from None
+        raise SystemExit(f"batchlab lessons: {e}") from None
     print(f"your lessons: {WORKING}/ ({len(copied)} copied now; your edits are never overwritten)")
     print(f"your engine: {WORKING / 'my_engine'}/ (earlier versions in my_engine/.history/)")
     print(f"solved lessons: {WORKING / SOLVED_DIR}/")

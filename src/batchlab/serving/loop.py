@@ -86,6 +86,12 @@ class EngineLoop:
         self._wake.set()
         return done
 
+    def stop_string_met(self, req_id: str) -> bool:
+        """The request's text met a stop string: it finishes as "stop" (see ``EngineBase``)."""
+        done = self.engine.stop_string_met(req_id)
+        self._wake.set()
+        return done
+
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()

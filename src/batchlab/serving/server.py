@@ -412,7 +412,7 @@ class Server(ServerBase):
                     count += 1
                     sent, hit = stopper.feed(detok.add(token) if token not in eos else "")
                     if hit:
-                        self.loop.cancel(rid)
+                        self.loop.stop_string_met(rid)
                         done = True
                         yield sent, "stop", count
                         return

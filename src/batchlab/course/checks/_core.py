@@ -47,6 +47,13 @@ class Case:
     show: Callable[[Any], str] = show
 
 
+class Differs(str):
+    """A judge's finding that is not a mistake: the learner's rule keeps the contract every engine
+    must keep, and differs from the lesson's only where the lesson leaves the design open (a
+    "Going further" design). The case passes; the verdict says where the rules part, the piece
+    stays the learner's in later lessons, and the lesson measures it beside ours."""
+
+
 @dataclass
 class Verdict:
     """What a checker found. True only when every case matched."""
@@ -57,6 +64,7 @@ class Verdict:
     message: str
     failed: list[str] = field(default_factory=list)  # labels of the failing cases
     not_written: bool = False
+    differs: list[str] = field(default_factory=list)  # labels of passing cases run by another rule
 
     def __bool__(self) -> bool:
         return self.total > 0 and self.passed == self.total
@@ -112,29 +120,25 @@ def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
         why = f"expected your function, got {show(fn)}. Pass the function itself: check.{name}({name})"
         return Verdict(name, 0, total, f"{FAIL} {name}: {why}", labels)
     failures: list[tuple[int, Case, str]] = []
+    differs: list[tuple[int, Case, str]] = []
     late = 0
     for number, case in enumerate(cases, 1):
         if late >= MAX_LATE_CASES:
             failures += [(n, c, _NOT_RUN) for n, c in enumerate(cases[number - 1 :], number)]
             break
-        before = guard.snapshot()  # the case runs in a thread of its own, its result is judged there too
-        outcome = guard.run_guarded(lambda: _attempt(case, fn))  # (MLX arrays belong to their thread)
-        changed = guard.restore(before)
+        outcome, detail = _one_case(case, fn)
         if isinstance(outcome.error, NotImplementedError):
             e = outcome.error
             why = f"NotImplementedError: {e}" if str(e) else "it still raises NotImplementedError"
             then = "Write your code where it says # YOUR CODE HERE, run that cell, then run this check again."
             why = f"{FAIL} {name}: not written yet ({why}). {then}"
             return Verdict(name, 0, total, why, labels, not_written=True)
-        detail = _detail(outcome)
         late += outcome.late is not None
-        if changed:
-            detail = "\n".join(filter(None, [detail, f"    {guard.library_changed(changed)}"]))
         if detail is not None:
-            failures.append((number, case, detail))
+            (differs if isinstance(detail, Differs) else failures).append((number, case, detail))
     passed = total - len(failures)
     if not failures:
-        return Verdict(name, passed, total, f"{OK} {name}: {passed}/{total} cases match")
+        return _passed(name, total, differs)
     number, case, detail = failures[0]
     head = f"{FAIL} {name}: {passed}/{total} cases match. The first that does not:"
     lines = [head, f"  case {number} of {total}: {case.label}", detail]
@@ -145,6 +149,32 @@ def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
     if late >= MAX_LATE_CASES and failures[-1][2] is _NOT_RUN:
         lines.append(f"  ({late} cases ran out of time, so the rest were not run)")
     return Verdict(name, passed, total, "\n".join(lines), [c.label for _, c, _ in failures])
+
+
+def _one_case(case: Case, fn: Any) -> tuple[guard.Outcome, str | None]:
+    """Run one case guarded (a thread of its own, a time limit, the library restored after it);
+    its outcome and the verdict's lines for it (None: right; ``Differs``: right by another rule)."""
+    before = guard.snapshot()  # the case runs in a thread of its own, its result is judged there too
+    outcome = guard.run_guarded(lambda: _attempt(case, fn))  # (MLX arrays belong to their thread)
+    changed = guard.restore(before)
+    detail = _detail(outcome)
+    if changed:
+        detail = "\n".join(filter(None, [detail, f"    {guard.library_changed(changed)}"]))
+    return outcome, detail
+
+
+def _passed(name: str, total: int, differs: list[tuple[int, "Case", str]]) -> Verdict:
+    """Every case keeps the contract; where the learner's rule is not the lesson's, say where."""
+    if not differs:
+        return Verdict(name, total, total, f"{OK} {name}: {total}/{total} cases match")
+    lines = [
+        f"{OK} {name}: {total}/{total} cases keep the contract, so this piece is yours from now on.",
+        f"  Your rule differs from the lesson's in {len(differs)} of them (a design of your own; "
+        "the lesson measures it beside ours). The first:",
+        f"  case {differs[0][0]} of {total}: {differs[0][1].label}",
+        differs[0][2],
+    ]
+    return Verdict(name, total, total, "\n".join(lines), differs=[c.label for _, c, _ in differs])
 
 
 def _detail(outcome: guard.Outcome) -> str | None:
@@ -173,6 +203,8 @@ def _attempt(case: Case, fn: Any) -> str | None:
         problem = f"it could not be compared with the answer ({type(e).__name__}: {e})"
     if problem is None:
         return None
+    if isinstance(problem, Differs):
+        return Differs(f"    {problem}")
     lines = [f"    expected: {case.show(case.expected)}", f"    got:      {case.show(got)}"]
     return "\n".join(lines + ([f"    {problem}"] if problem else []))
 

@@ -19,7 +19,7 @@ from ...core.scheduler import Scheduler
 from ...core.trace import Trace
 from ...measurement.workloads import Workload, WorkloadRequest
 from ..guard import describe, kind_of, ours
-from ._core import Case, WrongType, _where, show, table, whole_number_compare
+from ._core import Case, Differs, WrongType, _where, show, table, whole_number_compare
 
 VOCAB = 64
 MAX_PASSES = 5000  # far more than any case needs: a scheduler that loops is stopped here
@@ -299,7 +299,10 @@ def piece_judge(base, reference, workload, checks, *, broken=(), schedule=None, 
         found = (check(run.trace) for check in (broken if run.problem else checks) if run.trace)
         first = next(filter(None, found), None)  # else a broken-off run's problem
         held = run.blocks_held and f"at the end {run.blocks_held} {HELD}"
-        return first or run.problem or (schedule and schedule(run.trace, ref)) or held or None
+        if first or run.problem or held:
+            return first or run.problem or held
+        other = schedule and schedule(run.trace, ref)  # the contract holds: another rule is no mistake
+        return Differs(other) if other else None
 
     judge.scenario = (reference, workload, options)  # for memory_case
     return judge
@@ -316,16 +319,18 @@ def memory_case(label: str, judge: Callable, must_preempt: bool, hint: str = "")
 
 
 def schedule_problem(got: Trace, expected: Trace, key: Callable, words: Callable, hint=None) -> str | None:
-    """The first step whose ``key`` differs from the reference's, told by ``words``, explained by ``hint``."""
+    """The first step whose ``key`` differs from the reference's, told by ``words``, explained by
+    ``hint``. Used for the verdict's second level (``Differs``): where a learner's rule parts from
+    the lesson's, once the contract holds."""
     for g, e in zip(got.steps, expected.steps):
         if key(g) != key(e):
             why = hint(g, e) if hint else None
             return (
-                f"step {g.index} differs.\n      expected: {words(e, g)}\n"
-                f"      got:      {words(g, e)}" + (f"\n    {why}" if why else "")
+                f"step {g.index} is not the lesson's.\n      the lesson's rule: {words(e, g)}\n"
+                f"      yours:            {words(g, e)}" + (f"\n    {why}" if why else "")
             )
     if len(got.steps) != len(expected.steps):
-        return f"your run took {len(got.steps)} steps, the reference's {len(expected.steps)}"
+        return f"your run took {len(got.steps)} steps, the lesson's rule {len(expected.steps)}"
     return None
 
 

@@ -53,8 +53,6 @@ def _words(s, other) -> str:
 
 
 def _static_hint(g, e) -> str | None:
-    if g.prefill and not e.prefill:
-        return "a new request started while the batch was still running: in static batching nobody joins"
     if e.prefill and g.prefill and len(g.prefill) != len(e.prefill):
         return "a new batch takes up to max_batch_size requests from the front of the queue, all at once"
     if any(ge is None and ee is not None for ge, ee in zip(g.slots, e.slots)):
@@ -73,9 +71,13 @@ def static_invariants(trace: Trace, B: int) -> str | None:
     batch, previous_slots, finished = set(), [], set()
     for step in trace.steps:
         started = {rid for rid, _, _ in step.prefill}
-        if started and any(previous_slots):
+        running = sorted(r for r in previous_slots if r and r not in finished)  # a batch still at work
+        if started and running:
             who = ", ".join(sorted(started))
-            return f"step {step.index}: {who} started: in static batching nobody joins a running batch"
+            return (
+                f"step {step.index}: {who} started while {', '.join(running)} of the batch were still "
+                "decoding: in static batching nobody joins a running batch"
+            )
         batch = started or batch
         rows = set(step.decoded) | set(step.padding)
         if step.decoded and rows != batch:

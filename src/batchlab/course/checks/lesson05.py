@@ -30,7 +30,8 @@ def _skipped(trace: Trace) -> list[tuple[int, str]]:
 
 
 def _plan(step) -> tuple[list[str], list[tuple[str, int]]]:
-    return list(step.decoded), [(rid, n) for rid, _, n in step.prefill]
+    """A step's rows as sets: the order of rows within one pass is the learner's to choose."""
+    return sorted(step.decoded), sorted((rid, n) for rid, _, n in step.prefill)
 
 
 HINTS = {

@@ -159,13 +159,15 @@ class _Busy(BaseException):
 class _ScriptedLoop:
     """What a server's stream sees of an engine loop, on a script: step ``k`` makes the tokens of
     ``script[k]`` and sets that item's status and reason. ``poll`` drains like an engine's;
-    ``cancel`` ends the request as 'cancelled'. The checker's driver calls ``step``."""
+    ``cancel`` ends the request as 'cancelled', ``stop_string_met`` as 'stop'. The checker's driver
+    calls ``step``."""
 
     def __init__(self, scripts: dict[str, list]):
         self.scripts, self.made = scripts, 0
         self.pending = {rid: [] for rid in scripts}
         self.state = {rid: ("running", None) for rid in scripts}
         self.cancels: list[str] = []
+        self.stopped: list[str] = []  # stop_string_met
         self.polls = self.polls_since_step = 0
         self.listeners: list = []
         self.error = None  # ServerBase.unavailable reads it
@@ -203,6 +205,13 @@ class _ScriptedLoop:
         if self.state.get(rid, ("done",))[0] != "running":
             return False
         self.state[rid] = ("done", "cancelled")
+        return True
+
+    def stop_string_met(self, rid: str) -> bool:
+        self.stopped.append(rid)
+        if self.state.get(rid, ("done",))[0] != "running":
+            return False
+        self.state[rid] = ("done", "stop")
         return True
 
     def ended(self) -> bool:
@@ -247,6 +256,7 @@ def _stream_run(cls, tokenizer, scripts, stops=(), take=None, close_at=None, lea
     return {
         "streams": got,
         "cancels": sorted(set(loop.cancels)),
+        "stopped": sorted(set(loop.stopped)),
         "polls": loop.polls,
         "steps": loop.made,
         "stuck": stuck,
@@ -346,12 +356,14 @@ def _stream_problem(got, expected) -> str | None:
                 f"the last event counts {mine['events'][-1][2]} tokens, not {want['events'][-1][2]}: "
                 "every token counts, EOS and those that come with the final status too"
             )
+    if got["stopped"] != expected["stopped"]:
+        return _stop_problem(got, expected)
     if got["cancels"] != expected["cancels"]:
         missing = [r for r in expected["cancels"] if r not in got["cancels"]]
         if missing:
             return (
                 f"request(s) {missing} were never cancelled: a stream that ends before its request does "
-                "(a client gone, a stop string, the server closing) must cancel it, or it holds its slot "
+                "(a client gone, the server closing) must cancel it, or it holds its slot "
                 "to the end (try/finally)"
             )
         return f"you cancelled {got['cancels']}, which had ended by themselves (or were not this stream's)"
@@ -361,6 +373,20 @@ def _stream_problem(got, expected) -> str | None:
             "(await self.next_progress().wait()) instead of polling again at once"
         )
     return None
+
+
+def _stop_problem(got, expected) -> str:
+    """The streams told the engine of a met stop string (``stop_string_met``) where ours did not,
+    or the other way round."""
+    if wrongly := sorted(set(expected["stopped"]) & set(got["cancels"])):
+        return (
+            f"request(s) {wrongly} met a stop string and you cancelled them: call "
+            "self.loop.stop_string_met(rid) instead, so the engine records an answer ('stop') and "
+            "counts it as completed, not as 'cancelled'"
+        )
+    if missing := [r for r in expected["stopped"] if r not in got["stopped"]]:
+        return f"request(s) {missing} met a stop string: tell the engine with self.loop.stop_string_met(rid)"
+    return f"you called stop_string_met for {got['stopped']}, whose text met no stop string"
 
 
 def _end_problem(mine, want) -> str:
@@ -391,12 +417,15 @@ def _text_problem(text, right) -> str:
 def _show_streams(value) -> str:
     streams = value["streams"]
     parts = [f"{rid}: {show(s['events'])} ({s['end']})" for rid, s in streams.items()]
-    return "; ".join(parts) + f"; cancelled {value['cancels']}"
+    return "; ".join(parts) + f"; cancelled {value['cancels']}; stop_string_met {value['stopped']}"
 
 
 HELD = "one token can end inside a character: the detokenizer's add() holds it back, flush() at the end"
 BEFORE = "yield the text of a poll's tokens before you look at its status"
-STOPPED = "StopMatcher.feed says when a stop string is found: cancel the request then, and end the stream with 'stop'"
+STOPPED = (
+    "StopMatcher.feed says when a stop string is found: call self.loop.stop_string_met(rid) then, and end "
+    "the stream with 'stop'"
+)
 CLEANUP = "wrap the loop in try/finally: if the stream is closed before its request ended, cancel the request"
 OWN = "keep a stream's state (its detokenizer, its count) in the generator's own variables, not on self"
 FAILED = "reason 'error': raise StreamEnded(message, 500); self.unavailable() (server closing): StreamEnded(it, 503)"
@@ -456,7 +485,7 @@ def _stream_cases(case, s: dict) -> list:
         case("several tokens a step, the last ones with 'done'", {_RID: s["two_steps"]}, BEFORE),
         case("max tokens reached ('length') inside an emoji: the rest is flushed", {_RID: s["cut"]}, HELD),
         case(
-            "a stop string ('Paris'): the text before it, 'stop', and the request cancelled at once",
+            "a stop string ('Paris'): the text before it, 'stop', and the engine told at once",
             {_RID: one},
             STOPPED,
             stops=["Paris"],

@@ -4,9 +4,26 @@ This file sits at the root because it is the one conftest pytest always loads, w
 it collects ``tests/``, ``notebooks/`` or a single notebook.
 """
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+
+# Everything the suite's processes would keep in the home folder goes to one temporary folder of
+# this run instead, removed at its end, and is shared by them (set before anything imports
+# batchlab; kernels and subprocesses inherit it): batchlab's caches (the BLAS verdict, the model's
+# dequantized weights: dequantized once a run, not once a notebook), matplotlib's, IPython's and
+# Jupyter's runtime files.
+SCRATCH = Path(tempfile.mkdtemp(prefix="batchlab-tests-"))
+for name, sub in [
+    ("XDG_CACHE_HOME", "cache"),
+    ("MPLCONFIGDIR", "matplotlib"),
+    ("IPYTHONDIR", "ipython"),
+    ("JUPYTER_RUNTIME_DIR", "jupyter-runtime"),
+]:
+    os.environ[name] = str(SCRATCH / sub)
 NBVAL_SANITIZE = ROOT / "tests" / "nbval_sanitize.cfg"
 
 # The learner copies (notebooks/learner/) have their solutions removed and their checker
@@ -27,6 +44,10 @@ def pytest_collection_modifyitems(config, items):
         notebook = item.path.suffix == ".ipynb"
         if notebook or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 def pytest_configure(config):

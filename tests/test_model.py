@@ -601,3 +601,20 @@ def test_cpu_path_matches_mlx_layers_on_mixed_passes(lm):
         assert np.max(np.abs(fast - ref)) < 1e-3
         assert (fast.argmax(-1) == ref.argmax(-1)).all()
     assert logits[True][1] == logits[False][1] and logits[True][1][1] is None
+
+
+def test_the_dequantized_weights_are_cached_and_read_back_exactly(gguf_file, tmp_path, monkeypatch):
+    """The first load dequantizes and keeps the weights and metadata in the cache folder; the next
+    reads them back without touching the GGUF's tensors, equal to the dequantization."""
+    from batchlab.model import load
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    meta, first = load._float32_weights(gguf_file)
+    cached = load._weights_cache(gguf_file)
+    assert cached.exists() and cached.with_suffix(".json").exists() and cached.is_relative_to(tmp_path)
+    monkeypatch.setattr(load, "read_gguf", lambda path: pytest.fail("read the GGUF again"))
+    meta_again, again = load._float32_weights(gguf_file)
+    assert meta_again["tokenizer.ggml.tokens"] == list(meta["tokenizer.ggml.tokens"])
+    assert load.config_from_gguf(meta_again) == load.config_from_gguf(meta)
+    assert sorted(again) == sorted(first)
+    assert all(mx.array_equal(again[k], first[k]).item() for k in first)

@@ -10,6 +10,7 @@ float32 with the ``gguf`` package and build the mlx-lm model from those weights.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,16 +156,55 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     return meta, weights
 
 
+def _weights_cache(path: Path) -> Path:
+    """Where the exact float32 dequantization of ``path`` is kept: the user's cache folder
+    (``XDG_CACHE_HOME``, else ``~/.cache``), named by the file's size and time and the ``gguf``
+    package's version, so a changed model or dequantizer is never read from an old copy."""
+    stat = path.stat()
+    key = f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}-gguf{importlib.metadata.version('gguf')}"
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "batchlab" / f"{key}.safetensors"
+
+
+def _float32_weights(path: Path) -> tuple[dict, dict[str, mx.array]]:
+    """``read_gguf``, its weights as MLX arrays, from the cache when it holds them (reading the
+    GGUF's tensor table and dequantizing take seconds; the cached copy loads in about one). A
+    cache that cannot be written (a read-only home) only costs the time."""
+    weights_file = _weights_cache(path)
+    meta_file = weights_file.with_suffix(".json")
+    if weights_file.exists() and meta_file.exists():
+        return json.loads(meta_file.read_text()), mx.load(str(weights_file))
+    meta, weights = read_gguf(path)
+    arrays = {k: mx.array(v) for k, v in weights.items()}
+    try:
+        weights_file.parent.mkdir(parents=True, exist_ok=True)
+        for file, write in [
+            (meta_file, lambda f: f.write_text(json.dumps(meta, default=_plain))),
+            (weights_file, lambda f: mx.save_safetensors(str(f), arrays)),
+        ]:
+            scratch = file.with_name(f"{file.stem}.{os.getpid()}{file.suffix}")  # nobody reads half a file
+            write(scratch)
+            scratch.replace(file)
+    except OSError:
+        pass
+    return meta, arrays
+
+
+def _plain(value):
+    """numpy scalars and arrays in GGUF metadata, as JSON can hold them."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
 def load_model(path: str | None = None, dtype: mx.Dtype | None = None) -> LoadedModel:
     """The course's SmolLM2-135M-Instruct, or any mlx-lm model folder / hub id given as ``path``."""
     if path is not None and not str(path).endswith(".gguf"):
         return _load_mlx_lm(path)
     source = Path(path) if path else gguf_path()
     dtype = dtype or default_dtype()
-    meta, weights = read_gguf(source)
+    meta, weights = _float32_weights(source)
     args = config_from_gguf(meta)
     model = llama.Model(args)
-    model.load_weights([(k, mx.array(v).astype(dtype)) for k, v in weights.items()], strict=True)
+    model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
     mx.eval(model.parameters())
     info = ModelInfo(
         name=source.stem.split(".")[0] if path is None else source.stem,

@@ -24,6 +24,10 @@ for name, sub in [
     ("JUPYTER_RUNTIME_DIR", "jupyter-runtime"),
 ]:
     os.environ[name] = str(SCRATCH / sub)
+# Lessons and micro-benchmarks run each timed comparison once under test: nbval compares no
+# timing, so more rounds would only cost minutes (``driver.capped``; tests of the rounds
+# themselves unset it).
+os.environ.setdefault("BATCHLAB_REPETITIONS", "1")
 NBVAL_SANITIZE = ROOT / "tests" / "nbval_sanitize.cfg"
 
 # The learner copies (notebooks/learner/) have their solutions removed and their checker

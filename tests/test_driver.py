@@ -5,12 +5,34 @@ import pytest
 
 from batchlab import make_engine
 from batchlab.core import metrics
+from batchlab.measurement import driver
 from batchlab.measurement.driver import interleaved_order, run_interleaved, run_workload
 from batchlab.core.fake import FakeModel, FakeRunner
 from batchlab.core.trace import Trace
 from batchlab.measurement.workloads import Workload, WorkloadRequest
 
 LM = FakeModel()
+
+
+@pytest.fixture(autouse=True)
+def every_round(monkeypatch):
+    """These tests count the rounds: the suite's cap on them (conftest) does not apply."""
+    monkeypatch.delenv(driver.REPETITIONS_CAP, raising=False)
+
+
+def test_the_rounds_can_be_capped_and_a_bad_cap_is_refused(monkeypatch):
+    monkeypatch.setenv(driver.REPETITIONS_CAP, "1")
+    assert driver.capped(3) == 1 and driver.capped(1) == 1
+    traces = run_interleaved(
+        {"x": lambda: make_engine("continuous", LM, runner=FakeRunner)}, small_workload(), 3
+    )
+    assert len(traces["x"]) == 1
+    monkeypatch.setenv(driver.REPETITIONS_CAP, "5")
+    assert driver.capped(3) == 3
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv(driver.REPETITIONS_CAP, bad)
+        with pytest.raises(ValueError, match="BATCHLAB_REPETITIONS"):
+            driver.capped(3)
 
 
 def small_workload(n=5, name="w"):

@@ -8,6 +8,7 @@ sends them, so it sits above the engine.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import replace
@@ -161,6 +162,22 @@ def _this_run(engine, reqs, records: dict[str, RequestRecord], t0: float, timeou
     return replace(engine.trace, steps=steps, requests={r.id: records[r.id] for r in reqs if r.id in records})
 
 
+REPETITIONS_CAP = "BATCHLAB_REPETITIONS"
+
+
+def capped(repetitions: int) -> int:
+    """``repetitions``, or fewer where ``BATCHLAB_REPETITIONS`` caps it. The test suite sets it to
+    1: a lesson run under test checks that every cell runs and what nbval compares (schedules,
+    verdicts), never a timing, so one round of each timed comparison is enough there. Unset
+    (a learner, the bench), every round runs."""
+    cap = os.environ.get(REPETITIONS_CAP)
+    if not cap:
+        return repetitions
+    if not cap.isdigit() or int(cap) < 1:
+        raise ValueError(f"{REPETITIONS_CAP} must be a whole number of at least 1, not {cap!r}")
+    return min(repetitions, int(cap))
+
+
 def interleaved_order(names: Iterable, repetitions: int) -> Iterator[tuple[int, object]]:
     """(round, name) of every run of side-by-side timing: ``repetitions`` rounds, each
     running every name once in the order given (A B C A B C ...), so a slow moment of a
@@ -188,7 +205,8 @@ def run_interleaved(
     A peer that ``run_workload`` cannot drive may be given as a function that runs itself
     and returns its trace (``lambda: peers.run_mlxlm_workload(lm, wl, 8, progress=False)``).
     ``workload`` is one workload for all, or one per name. ``run_options`` go to every
-    ``run_workload`` call (``progress`` is off unless asked for)."""
+    ``run_workload`` call (``progress`` is off unless asked for). ``BATCHLAB_REPETITIONS``
+    caps the rounds (``capped``)."""
     if repetitions < 1:
         raise ValueError(f"repetitions must be at least 1, not {repetitions}")
     if not engines:
@@ -199,7 +217,7 @@ def run_interleaved(
             raise ValueError(f"no workload for {', '.join(map(repr, missing))}")
     run_options.setdefault("progress", False)
     traces: dict[str, list[Trace]] = {name: [] for name in engines}
-    for _, name in interleaved_order(engines, repetitions):
+    for _, name in interleaved_order(engines, capped(repetitions)):
         made = engines[name]()
         if not isinstance(made, Trace):
             work = workload[name] if isinstance(workload, Mapping) else workload

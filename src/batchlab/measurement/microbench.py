@@ -15,7 +15,7 @@ import numpy as np
 
 from ..model import attention
 from ..model.backend import gpu_path
-from .driver import interleaved_order
+from .driver import capped, interleaved_order
 from ..core.kv import BlockManager
 from ..model.load import LoadedModel
 from ..core.runner import Chunk
@@ -112,7 +112,7 @@ def _interleaved_medians(
     times = {name: [] for name in variants}
     for chunks in variants.values():
         runner.forward(chunks)
-    for _, name in interleaved_order(variants, repeats):
+    for _, name in interleaved_order(variants, capped(repeats)):
         start = time.perf_counter()
         runner.forward(variants[name])
         times[name].append(time.perf_counter() - start)

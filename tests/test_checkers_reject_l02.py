@@ -87,10 +87,8 @@ class DecodesTheFirstSlotsOnly(MyContinuousScheduler):
 @pytest.mark.parametrize(
     "wrong, first_case, names",
     [
-        (AdmitsWhileOneAwaits, 2, "admit nobody while a prefilled request still waits for a slot"),
         (NeverAdmits, 2, "the engine got stuck"),
         (PlacesOnlyIntoAnEmptyBatch, 2, "place() must fill every free slot"),
-        (PlacesLastPrefilledFirst, 2, "was admitted while"),
         (AdmitsWithoutFits, 8, "the KV pool ran out (16 blocks): MemoryError: start(r"),
         (AdmitsWithoutFits, 8, "start a request (self.start) only if self.fits(req, n)"),
         (PlaceForgetsDecoding, 2, "its state was never set to DECODING"),
@@ -103,6 +101,20 @@ def test_continuous_scheduler_rejects(wrong, first_case, names):
     assert not verdict and not verdict.not_written
     assert f"The first that does not:\n  case {first_case} of 13" in verdict.message, verdict.message
     assert names in verdict.message, verdict.message
+
+
+@pytest.mark.parametrize(
+    "design, says",
+    [
+        (AdmitsWhileOneAwaits, "the lesson's rule admits nobody while a prefilled request still waits"),
+        (PlacesLastPrefilledFirst, "was admitted while"),
+    ],
+)
+def test_another_admission_or_placement_rule_keeps_the_contract_and_is_named(design, says):
+    """Admitting while a request awaits a slot, or placing the newest first, are rules of one's
+    own: every request still gets its tokens, no slot idles. They pass, with where they differ."""
+    verdict = checker_quiet("continuous_scheduler", design)
+    assert verdict and verdict.differs and says in verdict.message, verdict.message
 
 
 def test_continuous_scheduler_passes_the_lessons_piece():
@@ -136,16 +148,19 @@ def test_admitting_without_fits_is_caught_only_by_the_small_pools():
     assert verdict.failed and all(label.startswith("memory") for label in verdict.failed)
 
 
-def test_two_awaiting_requests_are_caught_on_the_trace():
+def test_two_awaiting_requests_are_named_on_the_trace():
     """Two requests can await a slot only if one was admitted while the other awaited: the
-    invariants name that admission (the first rule broken), on a whole trace."""
+    invariants name that admission (where the rule first parts from the lesson's), on a whole trace."""
     from batchlab.course.checks._pieces import fake_workload, run_piece
+    from batchlab.course.checks._core import Differs
     from batchlab.course.checks.lesson02 import continuous_invariants
 
     wl = fake_workload("req", [(5, o) for o in [9, 9, 4, 4, 4, 4]], 7)
     trace = run_piece(PlacesLastPrefilledFirst, wl, max_batch_size=2).trace
     problem = continuous_invariants(trace, 2)
-    assert problem and "was admitted while" in problem and "awaited a slot" in problem, problem
+    assert isinstance(problem, Differs) and "was admitted while" in problem and "awaited a slot" in problem, (
+        problem
+    )
     assert continuous_invariants(run_piece(ContinuousScheduler, wl, max_batch_size=2).trace, 2) is None
 
 

@@ -114,13 +114,7 @@ def test_the_lessons_piece_passes_and_ours_fails_only_the_lineage():
             "2 of 13",
             ["r2 went on to awaiting a slot with only 256 of its 300 prompt", "last chunk never ran"],
         ),
-        (ChunkWithTheDecodes, "2 of 13", ["a pass of its own"]),
-        (
-            OffByOneAtTheBoundary,
-            "2 of 13",
-            ["were [(0, 128), (128, 128), (256, 43), (299, 1)]"],
-        ),
-        (AdmitsWhilePrefilling, "7 of 13", ["step 1 prefilled 2 chunks: one chunk a step"]),
+        (ChunkWithTheDecodes, "2 of 13", ["got two decode rows: a request makes one token a step"]),
         (
             StartsBlind,
             "12 of 13",
@@ -131,6 +125,20 @@ def test_the_lessons_piece_passes_and_ours_fails_only_the_lineage():
 )
 def test_chunked_scheduler_rejects(wrong, first_case, says):
     assert_rejected(check.chunked_scheduler(wrong), first_case, *says)
+
+
+@pytest.mark.parametrize(
+    "design, says",
+    [
+        (OffByOneAtTheBoundary, "were [(0, 128), (128, 128), (256, 43), (299, 1)]"),
+        (AdmitsWhilePrefilling, "prefilled 2 chunks; the lesson's rule one"),
+    ],
+)
+def test_a_chunk_rule_of_ones_own_keeps_the_contract_and_is_named(design, says):
+    """Chunks cut otherwise (never over prefill_step), or two prompts prefilled at once: other
+    rules, not broken ones. They pass, and the verdict says where they part from the lesson's."""
+    verdict = check.chunked_scheduler(design)
+    assert verdict and verdict.differs and says in verdict.message, verdict.message
 
 
 def test_a_last_chunk_that_never_runs_fails_the_whole_workloads_too():

@@ -77,9 +77,29 @@ def test_a_policy_that_sheds_preempted_requests_is_rejected():
     assert any("preempted requests wait in the queue" in label for label in verdict.failed)
 
 
-def test_a_policy_that_sheds_at_exactly_the_limit_is_rejected():
+def test_a_policy_that_sheds_at_exactly_the_limit_keeps_the_contract_and_is_named():
+    """Shedding at the limit instead of over it is another rule, not a broken one: nobody is
+    served after waiting too long. It passes, and the verdict says where it parts from ours."""
     verdict = checks.admission_policy(ShedsOnTheDot)
-    assert not verdict and "shed only those that waited MORE" in verdict.message
+    assert (
+        verdict
+        and verdict.differs
+        and "the lesson's rule sheds only those that waited MORE" in verdict.message
+    )
+
+
+@dataclass(frozen=True)
+class KeepsTheLate(Door):
+    def to_shed(self, queue, now):  # sheds only those over twice the limit
+        if self.max_wait_s is None:
+            return []
+        return [r for r in queue if not r.output_ids and now - r.arrival_s > 2 * self.max_wait_s]
+
+
+def test_a_policy_that_serves_requests_past_the_limit_is_rejected():
+    verdict = checks.admission_policy(KeepsTheLate)
+    assert not verdict and "waited longer than max_wait_s (8.0 s): shed them" in verdict.message
+    assert any("whole simulated overload" in label for label in verdict.failed)
 
 
 def test_a_policy_that_returns_ids_breaks_the_engine_and_is_reported():

@@ -296,12 +296,13 @@ def piece_judge(base, reference, workload, checks, *, broken=(), schedule=None, 
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise TypeError(f"pass your scheduler class (a subclass of {base.__name__}), not {cls!r}")
         run = run_piece(cls, workload, hints=hints, **options)
-        found = (check(run.trace) for check in (broken if run.problem else checks) if run.trace)
-        first = next(filter(None, found), None)  # else a broken-off run's problem
+        found = [check(run.trace) for check in (broken if run.problem else checks) if run.trace]
+        first = next((p for p in found if p and not isinstance(p, Differs)), None)  # a broken rule
         held = run.blocks_held and f"at the end {run.blocks_held} {HELD}"
         if first or run.problem or held:
-            return first or run.problem or held
-        other = schedule and schedule(run.trace, ref)  # the contract holds: another rule is no mistake
+            return first or run.problem or held  # else a broken-off run's problem
+        # the contract holds: where the rule is another than the lesson's, that is no mistake
+        other = next((p for p in found if p), None) or (schedule and schedule(run.trace, ref))
         return Differs(other) if other else None
 
     judge.scenario = (reference, workload, options)  # for memory_case

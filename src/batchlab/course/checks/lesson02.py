@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 
 from ...core.scheduler import ContinuousScheduler, Scheduler
-from ._core import Verdict, run_cases
+from ._core import Differs, Verdict, run_cases
 from ._lineage import KINDS_OF_OURS, lineage_case
 from ._pieces import MIXED_OUTPUTS, count_exercise, early_decode_problem, fake_workload, finishing_cases
 from ._pieces import gap_problem, memory_case, output_problem, piece_case, piece_judge, run_piece
@@ -25,32 +25,41 @@ PLACED = "place() must set each request it places DECODING (req.set_state(State.
 
 
 def continuous_invariants(trace, B: int) -> str | None:
-    """Continuous batching's rules: one prefill at a time, free slots filled oldest first, slots kept."""
+    """Continuous batching's contract (a slot's request decodes every step and keeps its slot, a
+    decode row only after the whole prompt, no free slot left beside a waiting request) fails a
+    run; the lesson's own rules (one prefill at a time, nobody admitted while a request awaits a
+    slot, free slots filled oldest first) only say where another design differs (``Differs``)."""
     prompt_len = {rid: r.prompt_len for rid, r in trace.requests.items()}
-    awaiting, prefilling, slot_of = [], None, {}  # awaiting: prefilled, not yet in a slot, oldest first
+    awaiting, prefilling, slot_of = [], [], {}  # awaiting: prefilled, not yet in a slot, oldest first
+    other = None  # the first place the run's rule is not the lesson's
+
+    def differs(text):
+        nonlocal other
+        other = other or Differs(text)
+
     for step in trace.steps:
         k = step.index
         for rid, start, n in step.prefill:
-            if rid != prefilling:
-                if prefilling is not None:
-                    return f"step {k}: {rid} was admitted while {prefilling} was still prefilling"
-                if awaiting:
-                    why = "admit nobody while a prefilled request still waits for a slot"
-                    return f"step {k}: {rid} was admitted while {awaiting[0]} awaited a slot: {why}"
-                prefilling = rid
+            if rid not in prefilling:
+                if prefilling:
+                    differs(f"step {k}: {rid} was admitted while {prefilling[0]} was still prefilling")
+                elif awaiting:
+                    why = "the lesson's rule admits nobody while a prefilled request still waits for a slot"
+                    differs(f"step {k}: {rid} was admitted while {awaiting[0]} awaited a slot: {why}")
+                prefilling.append(rid)
             if start + n >= prompt_len[rid]:
-                prefilling = None
+                prefilling.remove(rid)
                 if rid not in step.finished or rid in step.decoded:  # else done in its prefill
                     awaiting.append(rid)
         if len({rid for rid, _, _ in step.prefill}) > 1:
-            return f"step {k}: several requests prefilled: one request prefills at a time"
+            differs(f"step {k}: several requests prefilled; the lesson's rule prefills one at a time")
         placed = [rid for rid in step.decoded if rid not in slot_of]
         if any(rid not in awaiting for rid in placed):
             stray = next(rid for rid in placed if rid not in awaiting)
             return f"step {k}: {stray} got a decode row without having been prefilled"
         if placed != awaiting[: len(placed)]:
-            return f"step {k}: {placed[0]} was placed before {awaiting[0]}, which had waited longer"
-        awaiting = awaiting[len(placed) :]
+            differs(f"step {k}: {placed[0]} was placed before {awaiting[0]}, which had waited longer")
+        awaiting = [r for r in awaiting if r not in placed]
         for rid in step.slots:
             if rid is not None and rid not in step.decoded and rid not in step.finished:
                 return f"after step {k}: {rid} holds a slot but made no token"
@@ -65,8 +74,8 @@ def continuous_invariants(trace, B: int) -> str | None:
         for rid in step.preempted:  # it gave everything back and starts over from the queue
             slot_of.pop(rid, None)
             awaiting = [r for r in awaiting if r != rid]
-            prefilling = None if prefilling == rid else prefilling
-    return None
+            prefilling = [r for r in prefilling if r != rid]
+    return other
 
 
 def continuous_judge(rules, hints, placed, rows, B, seed=0, max_seq_len=None, **options):

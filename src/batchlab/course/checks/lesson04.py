@@ -8,7 +8,16 @@ from typing import Callable
 from ...core.engine import make_engine
 from ...core.fake import FakeModel
 from ...core.scheduler import Scheduler
-from ._core import Verdict, mistakes, number_compare, optional_compare, run_cases, table, whole_number_compare
+from ._core import (
+    Differs,
+    Verdict,
+    mistakes,
+    number_compare,
+    optional_compare,
+    run_cases,
+    table,
+    whole_number_compare,
+)
 from ._lineage import KINDS_OF_OURS, lineage_case
 from ._pieces import memory_case, piece_case, prefill_chunks, random_rows
 from .lesson02 import continuous_judge
@@ -28,27 +37,41 @@ def _chunk_rules(prefill_step, chunks_of=None):
     limit = prefill_step or math.inf
 
     def rules(trace, B):
+        """A chunk over prefill_step, or a token before the last chunk, fails; chunks cut, or
+        passes run, otherwise than the lesson's rule only differ (``Differs``)."""
         chunks = prefill_chunks(trace)
         over = [(k, rid, n) for rid, mine in chunks.items() for k, _, n in mine if n > limit]
         if over:
-            why = f"more than prefill_step={prefill_step}: a chunk takes min(prefill_step, tokens left)"
+            why = (
+                f"more than prefill_step={prefill_step}: a chunk takes at most min(prefill_step, tokens left)"
+            )
             return f"step {over[0][0]}: {over[0][1]}'s chunk has {over[0][2]} tokens, {why}"
-        if chunks_of is not None:
-            rid, want = chunks_of
-            got = [(start, n) for _, start, n in chunks.get(rid, [])]
-            if got != want:
-                return f"{rid}'s chunks (start, length) were {got}, expected {want}"
         for step in trace.steps:
-            if len(step.prefill) > 1:
-                return f"step {step.index} prefilled {len(step.prefill)} chunks: one chunk a step"
-            fused = len(step.decoded) != len(set(step.decoded))
-            if fused or step.passes != bool(step.prefill) + bool(step.decoded):
-                return f"step {step.index} ran {step.passes} pass(es): the chunk is a pass of its own"
+            if twice := sorted({r for r in step.decoded if step.decoded.count(r) > 1}):
+                return f"step {step.index}: {twice[0]} got two decode rows: a request makes one token a step"
         for rid, mine in chunks.items():
             last = mine[-1][0]
             first = next((s.index for s in trace.steps if rid in s.emitted), None)
             if first is not None and first > last:
                 return f"{rid}'s last chunk ran in step {last} but its first token came in step {first}"
+        return _other_chunking(trace, chunks)
+
+    def _other_chunking(trace, chunks):
+        if chunks_of is not None:
+            rid, want = chunks_of
+            got = [(start, n) for _, start, n in chunks.get(rid, [])]
+            if got != want:
+                rule = "the lesson's rule takes min(prefill_step, tokens left) a chunk"
+                return Differs(f"{rid}'s chunks (start, length) were {got}; {rule}: {want}")
+        for step in trace.steps:
+            if len(step.prefill) > 1:
+                return Differs(
+                    f"step {step.index} prefilled {len(step.prefill)} chunks; the lesson's rule one"
+                )
+            if step.passes != bool(step.prefill) + bool(step.decoded):
+                return Differs(
+                    f"step {step.index} ran {step.passes} pass(es); the lesson's chunk is a pass of its own"
+                )
         return None
 
     return rules

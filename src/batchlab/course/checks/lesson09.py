@@ -8,7 +8,7 @@ from typing import Any
 from ...core.policies import Admission, AdmissionBase, QueueFull
 from ...core.request import State
 from ..guard import kind_of
-from ._core import Case, Verdict, WrongType, mistakes, number_compare, run_cases, show, table
+from ._core import Differs, Case, Verdict, WrongType, mistakes, number_compare, run_cases, show, table
 from ._lineage import lineage_case
 from ._pieces import piece_case
 
@@ -78,7 +78,8 @@ def _queued(rid, arrival_s, preempted=False, state=State.QUEUED):  # a preempted
 
 
 def _shed_run(admission, name):
-    """A simulated overload ("tight": a small KV pool): the finish reasons, preemptions, preempted."""
+    """A simulated overload ("tight": a small KV pool): the finish reasons, preemptions, the requests
+    preempted after their first token, those started after waiting over 8 s."""
     from ...measurement.simulator import make_sim_engine, simulate
     from ...measurement.workloads import synthetic_workload
 
@@ -90,8 +91,20 @@ def _shed_run(admission, name):
     workload = synthetic_workload(160, rate=1.2, seed=11 if tight else 7, **ranges)
     trace = simulate(make_sim_engine("stallfree", admission=admission, **options), workload)
     reasons = {rid: r.finish_reason for rid, r in trace.requests.items()}
-    preempted = {rid for rid, r in trace.requests.items() if r.preemptions}
-    return reasons, sum(len(s.preempted) for s in trace.steps), preempted
+    preempted = {rid for rid, r in trace.requests.items() if r.preemptions and r.first_token_s is not None}
+    return reasons, sum(len(s.preempted) for s in trace.steps), preempted, _served_late(trace, 8.0)
+
+
+def _served_late(trace, max_wait_s: float) -> list[str]:
+    """Requests that started after waiting longer than ``max_wait_s`` plus one step (the shedding
+    policy is asked once a step): what a shedding rule must never let happen."""
+    slack = max((s.end_s - s.start_s for s in trace.steps), default=0.0)
+    late = []
+    for rid, r in trace.requests.items():
+        started = next((t for t, state in r.state_times if state != "queued"), None)
+        if r.finish_reason != "shed" and started is not None and started - r.arrival_s > max_wait_s + slack:
+            late.append(rid)
+    return late
 
 
 def _shed(admission, queue, now, ask=None):
@@ -155,37 +168,49 @@ def admission_policy(cls: Any) -> Verdict:
             return [r.id for r in _shed(f(max_wait_s=max_wait_s), list(queue), now)]
 
         def compare(got, want):
+            """Shedding a started or preempted request, shedding with no limit, or keeping one
+            past the limit fails; shedding earlier, or listing in another order, differs."""
             if got == want:
                 return None
-            if sorted(map(str, got)) == sorted(want):
-                return "the right requests, but keep them in queue order"
             extra = [r for r in got if r not in want]
-            kept = [r for r in queue if r.id in extra]  # the requests shed that should have stayed
+            kept = [r for r in queue if r.id in extra]  # the requests shed that the lesson's rule keeps
             if any(r.output_ids for r in kept):
                 return f"{extra} was preempted (it has output_ids): a preempted request waits in the queue"
             if max_wait_s is None and got:
                 return "max_wait_s None means: shed nothing"
+            if missing := [r for r in want if r not in got]:
+                return f"{missing} waited longer than max_wait_s ({max_wait_s} s): shed them"
+            if not extra:
+                return Differs("the right requests in another order; the lesson's rule keeps queue order")
             if any(now - r.arrival_s == max_wait_s for r in kept):
-                return f"{extra} waited exactly max_wait_s: shed only those that waited MORE"
-            if extra:
-                return f"{extra} waited no longer than max_wait_s ({max_wait_s} s): keep them"
-            missing = [r for r in want if r not in got]
-            return f"{missing} waited longer than max_wait_s ({max_wait_s} s): shed them"
+                return Differs(
+                    f"{extra} waited exactly max_wait_s: the lesson's rule sheds only those that waited MORE"
+                )
+            return Differs(
+                f"{extra} waited no longer than max_wait_s ({max_wait_s} s): the lesson's rule keeps them"
+            )
 
         return Case(label, call, call(Admission), compare, SHED)
 
     def whole(name, label):
-        want, preemptions, _ = _shed_run(Admission(max_wait_s=8.0), name)
+        want, preemptions, _, _ = _shed_run(Admission(max_wait_s=8.0), name)
         if name == "tight" and not preemptions:
             raise AssertionError("checker case 'tight': the reference run had no preemption")
 
         def judge(f):
-            reasons, _, preempted = _shed_run(_checked(f(max_wait_s=8.0)), name)
+            reasons, _, preempted, late = _shed_run(_checked(f(max_wait_s=8.0)), name)
+            if dropped := sorted(r for r in preempted if reasons.get(r) == "shed"):
+                return f"{dropped[0]} was preempted, then shed: a preempted request waits in the queue"
+            if late:
+                return f"{len(late)} requests, e.g. {late[0]}, started after waiting over max_wait_s (8 s): shed them"
             wrong = sorted(r for r in want if reasons.get(r) != want[r])
             if not wrong:
                 return None
-            first, was = wrong[0], " (preempted)" if wrong[0] in preempted else ""
-            return f"{len(wrong)} differ, e.g. {first}{was}: {reasons.get(first)!r}, not {want[first]!r}"
+            first = wrong[0]
+            return Differs(
+                f"{len(wrong)} requests end otherwise than by the lesson's rule, e.g. {first}: "
+                f"{reasons.get(first)!r}, not {want[first]!r}"
+            )
 
         return piece_case(label, judge)
 

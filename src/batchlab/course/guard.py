@@ -190,7 +190,7 @@ def _running(ident: int | None, before: set) -> str | None:
     for candidate in [ident, *others]:
         frame = _learner_frame(candidate)
         if frame is not None:
-            return describe(frame.f_code, frame.f_lineno)
+            return describe(frame.f_code, frame.f_lineno, frame)
     return None
 
 
@@ -206,11 +206,24 @@ def where_raised(e: BaseException) -> str:
     return f" ({show_file(found.tb_frame.f_code.co_filename)}, line {found.tb_lineno})" if found else ""
 
 
-def describe(code, line: int) -> str:
-    """A function of the learner's and where it is: ``MyClass.method (my_engine/file.py, line N)``."""
-    name = getattr(code, "co_qualname", code.co_name).rpartition("<locals>.")[2]
+def describe(code, line: int, frame=None) -> str:
+    """A function of the learner's and where it is: ``MyClass.method (my_engine/file.py, line N)``.
+    (Python 3.10 has no ``co_qualname``: there the class comes from the frame's ``self``.)"""
+    name = getattr(code, "co_qualname", None) or _qualname(code, frame)
+    name = name.rpartition("<locals>.")[2]
     name = "the file's top level" if name == "<module>" else name
     return f"{name} ({show_file(code.co_filename)}, line {line})"
+
+
+def _qualname(code, frame) -> str:
+    """``Class.method`` for a method's ``code`` run by ``frame`` (the class in ``self``'s ancestry
+    that defines it), else the bare name."""
+    owner = frame.f_locals.get("self", frame.f_locals.get("cls")) if frame is not None else None
+    if owner is not None:
+        for cls in (owner if isinstance(owner, type) else type(owner)).__mro__:
+            if getattr(cls.__dict__.get(code.co_name), "__code__", None) is code:
+                return f"{cls.__name__}.{code.co_name}"
+    return code.co_name
 
 
 def kind_of(value) -> str:

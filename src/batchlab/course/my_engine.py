@@ -185,9 +185,6 @@ def piece(module: str, name: str):
     path = _root / PACKAGE / f"{module}.py"
     if not path.exists():
         return Missing(name, f"{PACKAGE}/{module}.py does not exist yet: run the {_where(module)}")
-    for loaded in [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]:
-        del sys.modules[loaded]  # pieces import each other: reload them all from their files
-    importlib.invalidate_caches()
     found, why = _load(module)
     if why:
         return Missing(name, f"{PACKAGE}/{module}.py {why}")
@@ -198,7 +195,15 @@ def piece(module: str, name: str):
 
 def _load(module: str):
     """``my_engine.<module>`` imported within the checkers' time limit: (the module, None), or (None,
-    why not: it does not import, says where; it never finishes; it changes batchlab, which is put back)."""
+    why not: it does not import, says where; it never finishes; it changes batchlab, which is put back).
+    Every piece is read fresh from its file (pieces import each other), never from an import that an
+    earlier call left half done (Python 3.10 can keep a module whose import was stopped); inside a
+    piece's own import (its ``course.earlier`` line) the pieces being imported are left alone."""
+    loaded = [m for m in sys.modules if m == PACKAGE or m.startswith(PACKAGE + ".")]
+    if not any(getattr(getattr(sys.modules[m], "__spec__", None), "_initializing", False) for m in loaded):
+        for m in loaded:
+            del sys.modules[m]
+        importlib.invalidate_caches()
     before = guard.snapshot()
     outcome = guard.run_guarded(lambda: importlib.import_module(f"{PACKAGE}.{module}"))
     changed = guard.restore(before)

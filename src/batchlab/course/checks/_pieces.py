@@ -134,7 +134,9 @@ def _yielder(planned, scheduler) -> str:
             found = gen
         gen = gen.gi_yieldfrom
     return (
-        describe(found.gi_code, found.gi_frame.f_lineno) if found else f"{type(scheduler).__name__}.batches"
+        describe(found.gi_code, found.gi_frame.f_lineno, found.gi_frame)
+        if found
+        else f"{type(scheduler).__name__}.batches"
     )
 
 

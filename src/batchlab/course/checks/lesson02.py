@@ -78,6 +78,30 @@ def continuous_invariants(trace, B: int) -> str | None:
     return other
 
 
+def slots_refilled(trace, B: int) -> str | None:
+    """Continuous batching's promise: a slot to spare and a request still queued start someone (a
+    prefill) within a step (the lesson's rule may wait one, to place a request that awaits a
+    slot), unless the KV pool holds the queue back (not judged here). Static batching breaks
+    it: finished requests keep their slots until the whole batch ends."""
+    first_prefill = {}
+    for step in trace.steps:
+        for rid, _, _ in step.prefill:
+            first_prefill.setdefault(rid, step.index)
+    idle = 0  # steps in a row with a slot to spare, someone queued and nobody started
+    for step in trace.steps:
+        queued = sorted(
+            rid
+            for rid, r in trace.requests.items()
+            if r.arrival_s <= step.start_s and first_prefill.get(rid, len(trace.steps)) > step.index
+        )
+        spare = queued and not step.prefill and not step.preempted and len(step.decoded) < B
+        idle = idle + 1 if spare else 0
+        if idle == 2:
+            why = "continuous batching starts the next request as soon as a slot is free"
+            return f"steps {step.index - 1} and {step.index}: a slot to spare while {queued[0]} waited: {why}"
+    return None
+
+
 def continuous_judge(rules, hints, placed, rows, B, seed=0, max_seq_len=None, **options):
     """A judge for ``piece_case`` shared by lessons 2 and 4; ``rules(trace, B)`` are the kind's."""
     w = fake_workload("req", rows, seed)
@@ -97,11 +121,15 @@ def continuous_judge(rules, hints, placed, rows, B, seed=0, max_seq_len=None, **
     def one_request_a_slot_within_B(trace):
         return slot_problem(trace, B)
 
+    def free_slots_refilled(trace):
+        return None if "num_kv_blocks" in options else slots_refilled(trace, B)
+
     def outputs_as_the_fake_model_makes_them(trace):
         return output_problem(trace, w, max_seq_len or 4096)
 
     early = [decoding_set_by_place, no_decode_before_the_whole_prompt]  # also for a run that broke off
     checks = early + [prompts_prefilled_in_order, the_kinds_own_rules, one_request_a_slot_within_B]
+    checks.append(free_slots_refilled)
     checks.append(outputs_as_the_fake_model_makes_them)
     options.update(broken=early, hints=hints, max_seq_len=max_seq_len, max_batch_size=B)
     return piece_judge(Scheduler, ContinuousScheduler, w, checks, **options)

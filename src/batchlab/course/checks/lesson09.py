@@ -159,75 +159,88 @@ def _door_case(label, max_queue, depth) -> Case:
 LATE = [("x", 0.5), ("y", 9.0), ("z", 1.0), ("w", 1.5)]
 
 
+def _shed_case(label, queue, now, max_wait_s) -> Case:
+    """A case of ``to_shed`` on ``queue`` at ``now``: the ids the learner's policy sheds, against Admission's."""
+
+    def call(f):  # the ids shed; Admission answers
+        return [r.id for r in _shed(f(max_wait_s=max_wait_s), list(queue), now)]
+
+    def compare(got, want):
+        """Shedding a started or preempted request, shedding with no limit, or keeping one
+        past the limit fails; shedding earlier, or listing in another order, differs."""
+        if got == want:
+            return None
+        extra = [r for r in got if r not in want]
+        kept = [r for r in queue if r.id in extra]  # the requests shed that the lesson's rule keeps
+        if any(r.output_ids for r in kept):
+            return f"{extra} was preempted (it has output_ids): a preempted request waits in the queue"
+        if max_wait_s is None and got:
+            return "max_wait_s None means: shed nothing"
+        if missing := [r for r in want if r not in got]:
+            return f"{missing} waited longer than max_wait_s ({max_wait_s} s): shed them"
+        if not extra:
+            return Differs("the right requests in another order; the lesson's rule keeps queue order")
+        if any(now - r.arrival_s == max_wait_s for r in kept):
+            return Differs(
+                f"{extra} waited exactly max_wait_s: the lesson's rule sheds only those that waited MORE"
+            )
+        return Differs(
+            f"{extra} waited no longer than max_wait_s ({max_wait_s} s): the lesson's rule keeps them"
+        )
+
+    return Case(label, call, call(Admission), compare, SHED)
+
+
+def _whole_run_case(name, label) -> Case:
+    """A whole simulated overload (``_shed_run``) on the learner's policy, judged by the contract."""
+    want, preemptions, _, _ = _shed_run(Admission(max_wait_s=8.0), name)
+    if name == "tight" and not preemptions:
+        raise AssertionError("checker case 'tight': the reference run had no preemption")
+
+    def judge(f):
+        reasons, _, preempted, late = _shed_run(_checked(f(max_wait_s=8.0)), name)
+        if dropped := sorted(r for r in preempted if reasons.get(r) == "shed"):
+            return f"{dropped[0]} was preempted, then shed: a preempted request waits in the queue"
+        if late:
+            return f"{len(late)} requests, e.g. {late[0]}, started after waiting over max_wait_s (8 s): shed them"
+        wrong = sorted(r for r in want if reasons.get(r) != want[r])
+        if not wrong:
+            return None
+        first = wrong[0]
+        return Differs(
+            f"{len(wrong)} requests end otherwise than by the lesson's rule, e.g. {first}: "
+            f"{reasons.get(first)!r}, not {want[first]!r}"
+        )
+
+    return piece_case(label, judge)
+
+
 def admission_policy(cls: Any) -> Verdict:
     """Check ``MyAdmission(AdmissionBase)``'s ``to_shed(queue, now)`` and ``check_room(queue_depth)``
     against the library's ``Admission``."""
-
-    def unit(label, queue, now, max_wait_s):
-        def call(f):  # the ids shed; Admission answers
-            return [r.id for r in _shed(f(max_wait_s=max_wait_s), list(queue), now)]
-
-        def compare(got, want):
-            """Shedding a started or preempted request, shedding with no limit, or keeping one
-            past the limit fails; shedding earlier, or listing in another order, differs."""
-            if got == want:
-                return None
-            extra = [r for r in got if r not in want]
-            kept = [r for r in queue if r.id in extra]  # the requests shed that the lesson's rule keeps
-            if any(r.output_ids for r in kept):
-                return f"{extra} was preempted (it has output_ids): a preempted request waits in the queue"
-            if max_wait_s is None and got:
-                return "max_wait_s None means: shed nothing"
-            if missing := [r for r in want if r not in got]:
-                return f"{missing} waited longer than max_wait_s ({max_wait_s} s): shed them"
-            if not extra:
-                return Differs("the right requests in another order; the lesson's rule keeps queue order")
-            if any(now - r.arrival_s == max_wait_s for r in kept):
-                return Differs(
-                    f"{extra} waited exactly max_wait_s: the lesson's rule sheds only those that waited MORE"
-                )
-            return Differs(
-                f"{extra} waited no longer than max_wait_s ({max_wait_s} s): the lesson's rule keeps them"
-            )
-
-        return Case(label, call, call(Admission), compare, SHED)
-
-    def whole(name, label):
-        want, preemptions, _, _ = _shed_run(Admission(max_wait_s=8.0), name)
-        if name == "tight" and not preemptions:
-            raise AssertionError("checker case 'tight': the reference run had no preemption")
-
-        def judge(f):
-            reasons, _, preempted, late = _shed_run(_checked(f(max_wait_s=8.0)), name)
-            if dropped := sorted(r for r in preempted if reasons.get(r) == "shed"):
-                return f"{dropped[0]} was preempted, then shed: a preempted request waits in the queue"
-            if late:
-                return f"{len(late)} requests, e.g. {late[0]}, started after waiting over max_wait_s (8 s): shed them"
-            wrong = sorted(r for r in want if reasons.get(r) != want[r])
-            if not wrong:
-                return None
-            first = wrong[0]
-            return Differs(
-                f"{len(wrong)} requests end otherwise than by the lesson's rule, e.g. {first}: "
-                f"{reasons.get(first)!r}, not {want[first]!r}"
-            )
-
-        return piece_case(label, judge)
 
     two = [_queued("a", 1.0), _queued("b", 8.0)]
     back = [_queued("back", 0.0, preempted=True), _queued("new", 9.5)]
     cases = [
         lineage_case(AdmissionBase, (Admission,)),
-        unit("no limit (max_wait_s None): nobody is shed", [_queued("a", 0.0)], 100.0, None),
-        unit("waits of 9 s and 2 s, limit 8 s: the first goes", two, 10.0, 8.0),
-        unit("exactly 8 s waited, limit 8 s: it stays", [_queued("edge", 2.0)], 10.0, 8.0),
-        unit("a preempted request (it has output_ids) that arrived long ago: it stays", back, 10.0, 8.0),
-        unit("several late ones among others, in queue order", [_queued(r, t) for r, t in LATE], 10.0, 8.0),
+        _shed_case("no limit (max_wait_s None): nobody is shed", [_queued("a", 0.0)], 100.0, None),
+        _shed_case("waits of 9 s and 2 s, limit 8 s: the first goes", two, 10.0, 8.0),
+        _shed_case("exactly 8 s waited, limit 8 s: it stays", [_queued("edge", 2.0)], 10.0, 8.0),
+        _shed_case(
+            "a preempted request (it has output_ids) that arrived long ago: it stays", back, 10.0, 8.0
+        ),
+        _shed_case(
+            "several late ones among others, in queue order", [_queued(r, t) for r, t in LATE], 10.0, 8.0
+        ),
         _door_case("the door, no bound (max_queue None), 10,000 waiting: room", None, 10_000),
         _door_case("the door, bound 3, 2 waiting: room", 3, 2),
         _door_case("the door, bound 3, 3 waiting: full (QueueFull)", 3, 3),
         _door_case("the door, bound 0: full even with nobody waiting", 0, 0),
-        whole("overload", "a whole simulated overload: every request ends as with Admission(max_wait_s=8)"),
-        whole("tight", "the same on a KV pool of 48 blocks, where preempted requests wait in the queue"),
+        _whole_run_case(
+            "overload", "a whole simulated overload: every request ends as with Admission(max_wait_s=8)"
+        ),
+        _whole_run_case(
+            "tight", "the same on a KV pool of 48 blocks, where preempted requests wait in the queue"
+        ),
     ]
     return run_cases("admission_policy", cls, cases)

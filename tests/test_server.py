@@ -174,6 +174,28 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
             "priority",
         ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "temperature": 2.5},
+            "temperature",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": -1}, "seed"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]},
+            "stop",
+        ),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 0}, "n"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+            "functions",
+        ),
         ("/v1/completions", {"prompt": ""}, None),
         ("/v1/completions", {"prompt": [1, 2, 999999]}, None),
         ("/v1/completions", {"prompt": [5] * 9000}, None),

@@ -151,3 +151,51 @@ def test_a_last_chunk_that_never_runs_fails_the_whole_workloads_too():
 def test_an_unwritten_piece_is_reported_as_not_written(piece):
     verdict = check.chunked_scheduler(piece)
     assert not verdict and verdict.not_written, verdict.message
+
+
+def _right_long_ttft(prompt_len, prefill_step, prefill_tokens_per_s, decode_step_s):
+    chunks = 1 if prefill_step is None else math.ceil(prompt_len / prefill_step)
+    return prompt_len / prefill_tokens_per_s + (chunks - 1) * decode_step_s
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (
+            lambda p, s, r, d: p / r + (1 if s is None else math.ceil(p / s)) * d,
+            "that counts a decode pass per chunk",
+        ),
+        (lambda p, s, r, d: p / r + (0 if s is None else p // s - 1) * d, "the number of chunks is off"),
+        (lambda p, s, r, d: p / r, "leaves out the decode passes"),
+        (lambda p, s, r, d: 0.5, "predict_long_ttft: "),
+    ],
+    ids=["a-pass-per-chunk", "rounds-down", "no-decodes", "a-constant"],
+)
+def test_predict_long_ttft_rejects_each_known_mistake(wrong, says):
+    assert check.predict_long_ttft(_right_long_ttft)
+    verdict = check.predict_long_ttft(wrong)
+    assert not verdict and not verdict.not_written and says in verdict.message, verdict.message
+
+
+def _right_largest(target, rate, decode, choices):
+    return max((c for c in choices if c / rate + decode <= target), default=None)
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (
+            lambda t, r, d, cs: min((c for c in cs if c / r + d <= t), default=None),
+            "the smallest chunk that fits",
+        ),
+        (lambda t, r, d, cs: max((c for c in cs if c / r <= t), default=None), "leaves out the decode pass"),
+        (lambda t, r, d, cs: max(cs), "over the target"),
+        (lambda t, r, d, cs: 100, "is not one of the choices"),
+        (lambda t, r, d, cs: max((c for c in cs if c / r + d <= t), default=0), "the answer is None"),
+    ],
+    ids=["smallest", "no-decode", "always-largest", "not-a-choice", "zero-for-none"],
+)
+def test_largest_chunk_rejects_each_known_mistake(wrong, says):
+    assert check.largest_chunk(_right_largest)
+    verdict = check.largest_chunk(wrong)
+    assert not verdict and not verdict.not_written and says in verdict.message, verdict.message

@@ -140,3 +140,33 @@ def test_interleaved_order_is_rounds_of_every_name_in_order():
     assert list(interleaved_order(names, 2)) == [(0, "a"), (0, "b"), (0, "c"), (1, "a"), (1, "b"), (1, "c")]
     assert list(interleaved_order({"x": 1, "y": 2}, 1)) == [(0, "x"), (0, "y")]
     assert list(interleaved_order("ab", 0)) == []
+
+
+def test_after_step_lets_clients_poll_and_cancel_between_steps():
+    """``after_step(engine, records)`` runs after every step: a client polling every request
+    drains exactly the trace's tokens, and one cancelling a running request and a queued one
+    ends them both as "cancelled" (the queued one never starts)."""
+    lm = FakeModel(vocab_size=32, max_seq_len=256)
+    reqs = [WorkloadRequest(f"r{i}", [1, 2, 3, 4], 6) for i in range(3)]
+    polled, polls, cancelled = {}, [0], []
+
+    def clients(engine, records):
+        for rid, rec in records.items():
+            if polled.get(rid, (None, "running"))[1] != "running":
+                continue
+            tokens, status, _ = engine.poll(rid)
+            polls[0] += 1
+            polled[rid] = (polled.get(rid, ([], ""))[0] + tokens, status)
+            if (rid == "r0" and len(polled[rid][0]) >= 2 or rid == "r2") and engine.cancel(rid):
+                cancelled.append(rid)
+
+    engine = make_engine("continuous", lm, runner=FakeRunner, max_batch_size=2)
+    trace = run_workload(engine, Workload("w", "", reqs), progress=False, after_step=clients)
+    assert sorted(cancelled) == ["r0", "r2"] and polls[0] >= len(trace.steps)
+    assert {rid: r.finish_reason for rid, r in trace.requests.items()} == {
+        "r0": "cancelled",
+        "r1": "length",
+        "r2": "cancelled",
+    }
+    assert trace.requests["r2"].first_token_s is None and len(trace.requests["r0"].output_ids) == 2
+    assert all(polled[rid] == (r.output_ids, "done") for rid, r in trace.requests.items())

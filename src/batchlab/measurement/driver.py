@@ -34,6 +34,7 @@ def run_workload(
     temperature: float = 0.0,
     priorities: dict[str, int] | None = None,
     max_idle_steps: int = 50,
+    after_step: Callable[[object, Mapping[str, RequestRecord]], None] | None = None,
 ) -> Trace:
     """Run ``workload`` on ``engine`` and return the trace of this run alone. The one
     driver of every run: real engines, the simulator and the exercise checkers.
@@ -47,10 +48,11 @@ def run_workload(
     finished with reason ``"rejected"``, so the trace accounts for every request.
     ``priorities`` maps request ids to a ``submit`` priority. After ``timeout_s`` seconds
     the requests still running are cancelled. ``max_idle_steps`` steps in a row that run
-    no forward pass raise ``EngineStuck``.
+    no forward pass raise ``EngineStuck``. ``after_step(engine, records)``, if given, is
+    called after every step with the records of the requests submitted so far (id to
+    record, refused ones included): the clients of a server, acting between steps
+    (``engine.poll`` their tokens, ``engine.cancel`` a request).
     """
-    from tqdm.auto import tqdm
-
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)  # stable: ties keep order
     if len({r.id for r in reqs}) != len(reqs):
         raise ValueError("workload request ids must be unique")
@@ -59,13 +61,7 @@ def run_workload(
     t0 = clock()
     records: dict[str, RequestRecord] = {}
     nxt = idle = 0
-    bar = tqdm(
-        total=sum(r.max_new_tokens for r in reqs),
-        unit="tok",
-        desc=workload.name,
-        disable=not progress,
-        leave=False,
-    )
+    bar = _progress_bar(reqs, workload.name, progress)
     try:
         while True:
             wall = clock()
@@ -73,7 +69,10 @@ def run_workload(
                 _cancel_unfinished(engine, records)
                 break
             nxt = _submit_due(engine, reqs, nxt, t0, wall, records, temperature, priorities)
-            if engine.step():
+            stepped = engine.step()
+            if after_step is not None:
+                after_step(engine, records)
+            if stepped:
                 idle = _after_step(engine, bar, idle, max_idle_steps)
             elif nxt < len(reqs):
                 wait_until(t0 + reqs[nxt].arrival_s)  # idle: wait for the next arrival
@@ -82,6 +81,14 @@ def run_workload(
     finally:
         bar.close()
     return _this_run(engine, reqs, records, t0, timeout_s)
+
+
+def _progress_bar(reqs, name: str, progress: bool):
+    """The run's progress bar, in output tokens (off unless ``progress``)."""
+    from tqdm.auto import tqdm
+
+    total = sum(r.max_new_tokens for r in reqs)
+    return tqdm(total=total, unit="tok", desc=name, disable=not progress, leave=False)
 
 
 def _submit_due(engine, reqs, nxt: int, t0: float, wall: float, records, temperature, priorities) -> int:

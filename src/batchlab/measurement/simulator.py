@@ -80,12 +80,13 @@ def make_sim_engine(kind: str = "stallfree", cost: CostModel | None = None, **op
     )
 
 
-def simulate(engine, workload: Workload, priorities: dict[str, int] | None = None) -> Trace:
+def simulate(engine, workload: Workload, priorities: dict[str, int] | None = None, after_step=None) -> Trace:
     """Run ``workload`` on a simulated engine (``driver.run_workload``, whose clock
-    jumps to the next arrival when the engine is idle) and return its trace."""
+    jumps to the next arrival when the engine is idle) and return its trace.
+    ``after_step(engine, records)`` is the clients' turn after every step (``run_workload``'s)."""
     if not isinstance(engine.clock, VirtualClock):
         raise ValueError("simulate needs an engine made by make_sim_engine (a virtual clock)")
-    return run_workload(engine, workload, progress=False, priorities=priorities)
+    return run_workload(engine, workload, progress=False, priorities=priorities, after_step=after_step)
 
 
 def service_rate(

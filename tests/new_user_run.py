@@ -6,7 +6,7 @@ What a new learner does, all inside a temporary folder (nothing is written anywh
 except ``--out`` and its screenshots in ``<out without .md>/``):
 
 1. A fresh clone of this repository (its HEAD), and the learner's own command in it:
-   ``python -m batchlab.course.lessons --no-browser`` (JupyterLab on 127.0.0.1, a random token),
+   ``batchlab lessons --no-browser`` (JupyterLab on 127.0.0.1, a random token),
    which copies the learner copies into ``my-course/``. The clone's ``src/`` comes first on
    ``PYTHONPATH`` (the kernels inherit it), so the clone's batchlab is what runs; the
    environment is this repository's ``.venv``. HOME and every Jupyter folder point into
@@ -447,7 +447,7 @@ def rerun_checks(ctx, course: Path, typed: str, command) -> list[Check]:
     )
     checks.append(
         Check(
-            "`python -m batchlab.course.lessons` again (a second start)",
+            "`batchlab lessons` again (a second start)",
             same and "(0 copied now" in out,
             [line for line in out.splitlines() if line.startswith("your lessons")],
             "every notebook in my-course/ and every file in my_engine/ unchanged"
@@ -470,7 +470,7 @@ def rerun_checks(ctx, course: Path, typed: str, command) -> list[Check]:
     untouched = tree_hashes(engine, "**/*.py") == engine_before
     checks.append(
         Check(
-            f"`python -m batchlab.course.lessons --refresh {name}`",
+            f"`batchlab lessons --refresh {name}`",
             kept_work and fresh_is_stub and untouched,
             [line for line in out.splitlines() if line.startswith("your lessons")],
             f"{old.name} holds the typed piece: {kept_work}; the fresh copy's piece cell is the empty "
@@ -692,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def lessons_command(extra: list[str]) -> str:
             done = subprocess.run(
-                [python, "-m", "batchlab.course.lessons", *extra],
+                [python, "-m", "batchlab.cli", "lessons", *extra],
                 cwd=clone,
                 env=env,
                 capture_output=True,
@@ -701,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if done.returncode != 0:
                 raise RuntimeError(
-                    f"batchlab.course.lessons {' '.join(extra)} exited {done.returncode}: {done.stderr[-500:]}"
+                    f"batchlab lessons {' '.join(extra)} exited {done.returncode}: {done.stderr[-500:]}"
                 )
             return done.stdout
 
@@ -711,13 +711,14 @@ def main(argv: list[str] | None = None) -> int:
         command = [
             python,
             "-m",
-            "batchlab.course.lessons",
+            "batchlab.cli",  # the README's `batchlab lessons`, the clone's code first on PYTHONPATH
+            "lessons",
             "--no-browser",
             f"--port={port}",
             "--ServerApp.port_retries=0",
             f"--IdentityProvider.token={token}",
         ]
-        log(f"cloned {commit}; starting: python -m batchlab.course.lessons --no-browser --port={port} ...")
+        log(f"cloned {commit}; starting: batchlab lessons --no-browser --port={port} ...")
         with jlog.open("w") as handle:
             server = subprocess.Popen(
                 command,
@@ -826,7 +827,7 @@ def write_transcript(
         "# A new user's run of the lessons in JupyterLab",
         "",
         f"Recorded by `tests/new_user_run.py` ({'PASS' if passed else 'FAIL'}, {minutes:.1f} min in all). "
-        "A fresh clone, the learner's own command `python -m batchlab.course.lessons --no-browser` (JupyterLab on "
+        "A fresh clone, the learner's own command `batchlab lessons --no-browser` (JupyterLab on "
         "127.0.0.1 with a token), and Debian's Chromium driven by Playwright: in each lesson the learner's piece "
         "is typed into its `%%piece` cell over the empty exercise, then Run > Run All Cells; the lines below "
         "are read from the rendered outputs. The smaller exercises at a lesson's end are left empty, as a "

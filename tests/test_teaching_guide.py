@@ -1,5 +1,8 @@
 """docs/teaching.md against the solved lessons: its answer key covers every "Predict first" and
-every numbered question, and every figure of its run sheet is in the lesson's outputs.
+every numbered question; every figure of its run sheet is in the lesson's outputs; the figures
+its misconceptions, answer key and 90-minute path quote with a unit are printed by the lesson
+they cite; its time table's run column is each lesson's recorded run; the 90-minute and half-day
+paths add up to the time table's reading and exercises.
 
 Reads the committed notebooks (JSON) only: fast, no model, nothing executed. The lessons are
 re-executed from time to time, so the run sheet's *exact* rows are figures that do not depend on
@@ -7,6 +10,7 @@ the machine (step counts, fake-model schedules, lesson 9's simulation, a recorde
 *about* rows are timings, checked within a factor of 2.
 """
 
+import datetime
 import json
 import re
 from pathlib import Path
@@ -170,3 +174,243 @@ def test_run_sheet_figure_is_printed(row):
             f"lesson {row['lesson']} now prints {got}, more than a factor of 2 from the run sheet's {want}: "
             f"{context!r}"
         )
+
+
+# --- Figures quoted in prose: the time table, the 90-minute path, misconceptions, answer key ---
+
+# A number with a unit, as the guide quotes figures ("2.0x", "390 ms", "61 %", "0.92 μ", "832 tokens").
+UNIT = (
+    r"tokens/s|tok/s|GFLOP/s|GB/s|ms|s|%|x|×|times|decode steps|empty slot-steps|slot-steps|steps|blocks|tokens|"
+    r"requests|minutes|KiB|MiB|μ|preemptions"
+)
+FIGURE = r"(?<![\w.\-\[:])\d+(?:,\d{3})*(?:\.\d+)?"
+WITH_UNIT = r"\s?(?:" + UNIT + r")(?![\w/])"
+# A run of figures sharing a unit: "2639 ms, against 390 ms", "39.9 to 32.1 tokens/s",
+# "1.1 to 1.6 times", "(5.7 times against 1.7)". Each number of a run with a unit is quoted.
+RUN = re.compile(
+    f"{FIGURE}(?:{WITH_UNIT})?(?:(?:,? against |,? to | and | or | → |, ){FIGURE}(?:{WITH_UNIT})?)*"
+)
+CITATION = re.compile(r"\b[Ll]esson (\d+[ab]?)\b")
+
+# Figures the guide may quote that no lesson prints: definitions, or arithmetic on printed figures.
+# (lesson, number): why. Keep it short; every entry must still be quoted somewhere (checked).
+NOT_PRINTED = {
+    ("5b", "0.04"): "answer key: the difference of the printed p99s, 0.34 s - 0.30 s",
+    ("6", "40"): "answer key: the question's 'forty times less often' (printed too, by chance)",
+    ("6", "0.2"): "answer key: 40 × the printed 5 ms poll interval",
+}
+
+
+def printed_numbers(lesson: str) -> str:
+    """The lesson's printed output with thousands separators dropped."""
+    return re.sub(r"(?<=\d),(?=\d{3})", "", output_text(lesson))
+
+
+def is_printed(lesson: str, number: str) -> bool:
+    number = number.replace(",", "")
+    return re.search(r"(?<![\d.])" + re.escape(number) + r"(?!\d|\.\d)", printed_numbers(lesson)) is not None
+
+
+def quoted_figures(text: str) -> list[str]:
+    """Numbers quoted with a unit, outside quoted questions and code spans."""
+    text = re.sub(r'^\*\*[^*]+\*\* "[^"]+"', "", text)  # an answer's quoted question
+    text = re.sub(r'^\*"[^"]+"\*', "", text)  # a misconception's quoted claim
+    found = []
+    for run in RUN.finditer(plain(text)):
+        if re.search(WITH_UNIT, run[0]):
+            found += re.findall(FIGURE, run[0])
+    return found
+
+
+def bullets(section: str) -> list[str]:
+    """The section's top-level "- " items, continuation lines joined."""
+    items = re.split(r"\n- ", "\n" + guide_section(section).split("\n- ", 1)[-1])
+    return [" ".join(item.split()) for item in items if item.strip()]
+
+
+def misconception_claims() -> list[tuple[str, str, str]]:
+    """(lesson, number, clause) for each figure of a misconception: a clause (sentence or
+    semicolon part) checks against the lesson it cites, or the last one cited before it in the
+    bullet, or else the bullet's first citation."""
+    found = []
+    for item in bullets("Common misconceptions"):
+        cited = CITATION.findall(item)
+        if not cited:
+            continue
+        last = None
+        for clause in re.split(r"(?<=[.;])\s+", item):
+            here = CITATION.findall(clause)
+            last = here[-1] if here else last
+            found += [(last or cited[0], n, clause) for n in quoted_figures(clause)]
+    return found
+
+
+def answer_claims() -> list[tuple[str, str, str]]:
+    """(lesson, number, entry) for each figure of an answer-key entry, against its own lesson."""
+    found = []
+    for item in bullets("Answer key"):
+        m = re.match(r"\*\*Lesson (\w+),", item)
+        if m:
+            found += [(m[1], n, item) for n in quoted_figures(item)]
+    return found
+
+
+def unprinted(claims: list[tuple[str, str, str]]) -> list[str]:
+    return [
+        f"lesson {lesson} prints no {number}: {text[:110]!r}"
+        for lesson, number, text in claims
+        if (lesson, number.replace(",", "")) not in NOT_PRINTED and not is_printed(lesson, number)
+    ]
+
+
+def test_misconception_figures_are_printed():
+    claims = misconception_claims()
+    assert len(claims) >= 15, f"found too few figures in the misconceptions: {claims}"
+    bad = unprinted(claims)
+    assert not bad, "misconceptions quote figures their lesson does not print:\n" + "\n".join(bad)
+
+
+def test_answer_key_figures_are_printed():
+    claims = answer_claims()
+    assert len(claims) >= 60, f"found too few figures in the answer key: {len(claims)}"
+    bad = unprinted(claims)
+    assert not bad, "the answer key quotes figures its lesson does not print:\n" + "\n".join(bad)
+
+
+def test_not_printed_allowlist_is_used():
+    quoted = {(les, n.replace(",", "")) for les, n, _ in misconception_claims() + answer_claims()}
+    quoted |= {(les, n.replace(",", "")) for les, n, _ in path_claims()}
+    assert set(NOT_PRINTED) <= quoted, f"allowlisted but not quoted: {sorted(set(NOT_PRINTED) - quoted)}"
+
+
+def run_seconds(lesson: str) -> float:
+    """Wall time from the first cell's start to the last cell's reply, as recorded (as in
+    test_lesson_prose)."""
+    times = [
+        c["metadata"]["execution"]
+        for c in cells(lesson, "code")
+        if "shell.execute_reply" in c["metadata"].get("execution", {})
+    ]
+    return (recorded(times[-1]["shell.execute_reply"]) - first_start(lesson)).total_seconds()
+
+
+def recorded(stamp: str) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+
+
+def first_start(lesson: str):
+    first = next(c["metadata"]["execution"] for c in cells(lesson, "code") if "execution" in c["metadata"])
+    return recorded(first.get("iopub.execute_input", first.get("iopub.status.busy")))
+
+
+def time_table() -> dict[str, dict]:
+    rows = {}
+    for line in guide_section("Time per lesson").splitlines():
+        m = re.match(
+            r"\| (\w+) · [^|]+\| (\d+) min \| (\d+) min[^|]*\| about (\d+) s[^|]*\| about (\d+) s[^|]*\|$",
+            line,
+        )
+        if m:
+            rows[m[1]] = {"reading": int(m[2]), "exercises": int(m[3]), "run": int(m[4]), "apple": int(m[5])}
+    return rows
+
+
+def test_time_table_run_column_is_the_recorded_run():
+    table = time_table()
+    assert set(table) == set(LESSONS), "every lesson needs a row in the time table"
+    off = [
+        f"lesson {les}: the table says about {row['run']} s, the committed run took {run_seconds(les):.1f} s"
+        for les, row in table.items()
+        if abs(row["run"] - run_seconds(les)) > 0.1 * run_seconds(les)
+    ]
+    assert not off, "; ".join(off)
+
+
+def test_apple_silicon_column_follows_its_stated_method():
+    """About half the 2-core run; lesson 5a (fake model, simulator) the same."""
+    wrong = []
+    for les, row in time_table().items():
+        low, high = (0.9, 1.1) if les == "5a" else (0.4, 0.65)
+        if not low <= row["apple"] / row["run"] <= high:
+            wrong.append(f"lesson {les}: {row['apple']} s against {row['run']} s")
+    assert not wrong, "; ".join(wrong)
+
+
+def test_recording_paragraph_matches_the_committed_run():
+    text = plain(guide_section("Time per lesson"))
+    machine = re.search(r"sgemm at (\d+) GFLOP/s and a copy at ([\d.]+) GB/s", text)
+    assert machine, "quote lesson 0's sgemm and copy figures"
+    printed = re.search(r"this machine: peak (\d+) GFLOP/s, bandwidth ([\d.]+) GB/s", output_text("0"))
+    assert machine.groups() == printed.groups(), f"lesson 0 printed {printed[0]!r}"
+    total = re.search(r"took (\d+) s of cell time", text)
+    assert total, "state the cell time of the whole course"
+    assert int(total[1]) == round(sum(run_seconds(les) for les in LESSONS))
+    window = re.search(r"recorded on (\d{4}-\d\d-\d\d), (\d\d:\d\d)-(\d\d:\d\d) UTC", text)
+    assert window, "state when the runs were recorded"
+    start = min(first_start(les) for les in LESSONS)
+    end = max(first_start(les).timestamp() + run_seconds(les) for les in LESSONS)
+    assert start.strftime("%Y-%m-%d %H:%M") == f"{window[1]} {window[2]}"
+    assert (
+        recorded(f"{window[1]}T{window[3]}:59Z").timestamp()
+        >= end
+        > recorded(f"{window[1]}T{window[3]}:00Z").timestamp() - 60
+    )
+
+
+def ninety_minute_path() -> tuple[str, list[tuple[int, str, str]]]:
+    text = guide_section("Two paths")
+    part = text[text.index("**90 minutes") : text.index("**Half a day")]
+    rows = []
+    for line in part.splitlines():
+        m = re.match(r"\| (\d+) \|([^|]*)\|([^|]*)\|$", line)
+        if m:
+            rows.append((int(m[1]), m[2].strip(), m[3].strip()))
+    return plain(part), rows
+
+
+def path_claims() -> list[tuple[str, str, str]]:
+    """(lesson, number, cell) for the figures of the path's "if late" column."""
+    return [
+        (lesson[1], n, late)
+        for _, what, late in ninety_minute_path()[1]
+        if (lesson := re.match(r"lesson (\w+)", what))
+        for n in quoted_figures(late)
+    ]
+
+
+def test_ninety_minute_path_agrees_with_the_time_table():
+    table = time_table()
+    text, rows = ninety_minute_path()
+    stated = re.search(r"(\d+) minutes of plan, (\d+) of buffer", text)
+    assert stated and rows, "state the plan and buffer, and give the path's table"
+    assert sum(m for m, _, _ in rows) == 90 == int(stated[1]) + int(stated[2])
+    assert [m for m, what, _ in rows if what.strip() == "buffer"] == [int(stated[2])]
+    wrong = []
+    for minutes, what, _ in rows:
+        m = re.match(r"lesson (\w+) in full", what)
+        if m:
+            want = table[m[1]]["reading"] + table[m[1]]["exercises"]
+            wrong += [f"{what}: {minutes} min, the table says {want}"] if minutes != want else []
+        elif what.strip() != "buffer" and "our estimate" not in what:
+            wrong.append(f"{what}: neither a whole lesson (the table's time) nor marked 'our estimate'")
+    # the lessons said not to fit, with the table's minutes
+    cut = re.search(r"Lessons ([^.]*) do not fit", text)
+    assert cut, "say which lessons do not fit"
+    for les, minutes in re.findall(r"(\d+[ab]?) \((\d+)", cut[1]):
+        want = table[les]["reading"] + table[les]["exercises"]
+        wrong += [f"lesson {les}: {minutes} min, the table says {want}"] if int(minutes) != want else []
+        assert int(minutes) > int(stated[2]), f"lesson {les} would fit in the buffer"
+    assert not wrong, "; ".join(wrong)
+    bad = unprinted(path_claims())
+    assert not bad, "the path's 'if late' figures are not the lessons' printed ones:\n" + "\n".join(bad)
+
+
+def test_half_day_path_agrees_with_the_time_table():
+    text = plain(guide_section("Two paths"))
+    stated = re.search(r"Half a day \((\d+) minutes by the time table", text)
+    assert stated, "state the half day's minutes by the time table"
+    table = time_table()
+    want = sum(
+        table[les]["reading"] + table[les]["exercises"] for les in ("0", "1", "2", "3", "4", "5a", "5b", "7")
+    )
+    assert int(stated[1]) == want, f"the half day (lessons 0-5b and 7) takes {want} minutes by the table"

@@ -78,16 +78,16 @@ def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, li
     have >= 32 requests, so static batching at B=16 runs several batches, not one."""
     tok = lm.tokenizer
     if quick:
-        return [
-            ("chat", workloads.chat(tok, num_requests=8, mean_output=48, max_output=96), [8]),
+        return [  # a smoke run: every engine and figure once, on workloads a few seconds long
+            ("chat", workloads.chat(tok, num_requests=6, mean_output=16, max_output=32), [8]),
             (
                 PREFILL_HEAVY,
-                workloads.high_variance(tok, num_requests=12, mean_output=16, max_output=64),
+                workloads.high_variance(tok, num_requests=8, mean_output=8, max_output=24),
                 [8, 16],
             ),
             (
                 "interference",
-                workloads.interference(tok, batch_size=8, num_long=1, long_range=(512, 640)),
+                workloads.interference(tok, batch_size=8, num_long=1, long_range=(256, 320)),
                 [8],
             ),
         ]

@@ -87,7 +87,7 @@ def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, li
             ),
             (
                 "interference",
-                workloads.interference(tok, batch_size=8, num_long=1, long_range=(256, 320)),
+                workloads.interference(tok, batch_size=8, num_long=1, long_range=(512, 576)),
                 [8],
             ),
         ]

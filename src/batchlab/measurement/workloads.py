@@ -514,9 +514,14 @@ def interference(
     return Workload(
         "interference",
         f"{n_short} short requests decoding {short_output} tokens "
-        f"each; {k} long prompts ({long_range[0]}-{long_range[1]} tokens, "
-        f"{long_output} output tokens) arriving one at a time from "
-        f"{first:.1f} s",
+        f"each; "
+        + (
+            f"{k} long prompts ({long_range[0]}-{long_range[1]} tokens, {long_output} output tokens) "
+            f"arriving one at a time from {first:.1f} s"
+            if k != 1
+            else f"1 long prompt ({long_range[0]}-{long_range[1]} tokens, {long_output} output tokens) "
+            f"arriving at {first:.1f} s"
+        ),
         reqs,
         seed,
         dict(

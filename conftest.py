@@ -9,6 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent
 
 # Everything the suite's processes would keep in the home folder goes to one temporary folder of
@@ -42,12 +44,24 @@ REAL_MODEL_FIXTURES = {"lm", "hf_model", "hf_gguf", "hf_tokenizer", "gguf_reader
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         notebook = item.path.suffix == ".ipynb"
         if notebook or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+COURSE_DIR_ENV = "BATCHLAB_COURSE_DIR"  # batchlab.course.my_engine reads it (not imported here: see above)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """nbval runs the solved lessons in notebooks/, so their kernels would write my_engine/
+    there: they write it to this run's temporary folder instead (the kernel, started at a
+    notebook's first cell, inherits the variable). Nothing else sees it."""
+    if item.path.suffix == ".ipynb" and item.path.parent == ROOT / "notebooks":
+        os.environ[COURSE_DIR_ENV] = str(SCRATCH / "course")
+    else:
+        os.environ.pop(COURSE_DIR_ENV, None)
 
 
 def pytest_unconfigure(config):

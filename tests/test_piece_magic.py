@@ -135,3 +135,57 @@ def test_a_piece_path_outside_my_engine_is_refused_and_nothing_is_written(folder
 def test_an_absolute_path_into_my_engine_is_accepted(folder):
     said = course.write_piece(folder / "my_engine" / "continuous.py", WRITTEN)
     assert said == "Saved my_engine/continuous.py."
+
+
+# A written piece that fails its checker, or does not import: the reference runs, and one line says why.
+WRONG = """from batchlab.core.scheduler import ContinuousScheduler
+
+
+class MyContinuousScheduler(ContinuousScheduler):
+    def admit_next(self, max_tokens):
+        return None  # never starts anyone
+"""
+
+
+def test_a_piece_that_fails_its_checker_is_replaced_by_the_reference(folder, capsys):
+    from batchlab.core.scheduler import ContinuousScheduler
+    from batchlab.course import checks as check
+
+    course.write_piece("my_engine/continuous.py", WRONG)
+    mine = course.piece("continuous", "MyContinuousScheduler")
+    verdict = check.continuous_scheduler(mine)
+    assert not verdict, verdict.message
+    capsys.readouterr()
+    assert course.choose(mine, verdict, ContinuousScheduler) is ContinuousScheduler
+    said = capsys.readouterr().out
+    assert said.strip().splitlines() == [
+        "Your MyContinuousScheduler does not pass its checker yet: the runs below use the reference "
+        "ContinuousScheduler in its place."
+    ]
+    assert course.mine_or_reference("continuous", check.continuous_scheduler) is ContinuousScheduler
+    said = capsys.readouterr().out
+    assert "does not pass its checker yet" in said and "my_engine/continuous.py" in said, said
+    assert len(said.strip().splitlines()) == 1, said  # the checker's own report stays quiet here
+
+
+def test_a_piece_that_does_not_import_is_replaced_and_the_line_says_where(folder, capsys):
+    from batchlab.core.scheduler import ContinuousScheduler
+
+    course.write_piece("my_engine/continuous.py", WRITTEN + "\nundefined_name + 1\n")
+    assert course.mine_or_reference("continuous") is ContinuousScheduler
+    said = capsys.readouterr().out
+    assert "NameError" in said and "continuous.py" in said and "stands in" in said, said
+
+
+def test_an_unwritten_piece_is_said_to_be_unwritten_not_failing(folder, capsys):
+    from batchlab.core.scheduler import ContinuousScheduler
+    from batchlab.course import checks as check
+
+    course.write_piece("my_engine/continuous.py", STUB)
+    mine = course.piece("continuous", "MyContinuousScheduler")
+    verdict = check.continuous_scheduler(mine)
+    capsys.readouterr()
+    assert course.choose(mine, verdict, ContinuousScheduler) is ContinuousScheduler
+    assert "is not written yet" in capsys.readouterr().out
+    assert course.mine_or_reference("continuous", check.continuous_scheduler) is ContinuousScheduler
+    assert "is not written yet" in capsys.readouterr().out

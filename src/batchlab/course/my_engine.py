@@ -28,6 +28,7 @@ lesson, or (when it is not written yet) the library's, with one line saying whic
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -57,12 +58,16 @@ OTHERS: dict[tuple[str, str], str] = {
 _STUB = re.compile(r"^\s*# YOUR CODE HERE\s*\n\s*raise NotImplementedError\(", re.M)
 
 
-def setup(folder: str | Path = ".") -> Path:
+COURSE_DIR_ENV = "BATCHLAB_COURSE_DIR"  # where my_engine/ goes instead of "." (the test suite's nbval runs)
+
+
+def setup(folder: str | Path | None = None) -> Path:
     """Make ``folder/my_engine/`` a package (once) and importable, register the ``%%piece``
     cell magic (in a notebook); return the package's path. Every lesson calls this in its
-    first code cell."""
+    first code cell. ``folder`` defaults to ``$BATCHLAB_COURSE_DIR`` if set, else the
+    working directory (the notebook's folder)."""
     global _root
-    _root = Path(folder).resolve()
+    _root = Path(folder if folder is not None else os.environ.get(COURSE_DIR_ENV) or ".").resolve()
     package = _root / PACKAGE
     package.mkdir(parents=True, exist_ok=True)
     init = package / "__init__.py"

@@ -147,9 +147,10 @@ def test_no_learner_class_has_a_reference_in_its_ancestry(tmp_path):
     assert not on_a_reference, f"pieces on a reference: {on_a_reference}"
 
 
-def delegating(cls: type) -> type:
-    """``cls`` with every method it defines (but ``__init__``) replaced by a call to ``super()``:
-    the piece a learner would write to pass without writing anything."""
+def delegating(cls: type, only: str | None = None) -> type:
+    """``cls`` with every method it defines (but ``__init__``), or only the method ``only``,
+    replaced by a call to ``super()``: the piece a learner would write to pass without writing
+    anything, or without writing that one method."""
     import inspect
 
     made: list[type] = []
@@ -173,7 +174,7 @@ def delegating(cls: type) -> type:
 
     body = {
         name: through_super(name, inspect.isgeneratorfunction(value), inspect.isasyncgenfunction(value))
-        if inspect.isfunction(value) and name != "__init__"
+        if inspect.isfunction(value) and name != "__init__" and only in (None, name)
         else value
         for name, value in vars(cls).items()
         if name not in ("__dict__", "__weakref__")
@@ -223,3 +224,39 @@ def test_no_checker_accepts_a_piece_that_only_delegates_to_super(checker, pieces
         lazy[which] = delegating(pieces[which])
         verdict = getattr(checks, checker)(*lazy, *extra)
     assert not verdict, f"{checker} accepted {pieces[which].__name__} whose methods only call super()"
+
+
+def _one_method_each():
+    import inspect
+
+    return [
+        (checker, pieces, which, name)
+        for checker, pieces, which in _pieces_and_checkers()
+        for name, value in vars(pieces[which]).items()
+        if inspect.isfunction(value) and not name.startswith("_")  # the methods the lesson asks for
+    ]
+
+
+@pytest.mark.parametrize(
+    "checker, pieces, which, method",
+    _one_method_each(),
+    ids=lambda v: getattr(v, "__name__", v if isinstance(v, str) else None),
+)
+def test_no_checker_accepts_a_piece_with_one_method_left_to_super(checker, pieces, which, method, request):
+    """The same, one method at a time: each method a lesson asks for is one its checker needs."""
+    import contextlib
+    import io
+
+    from batchlab.course import checks
+    from batchlab.model.tokenizer import Tokenizer
+
+    extra = (
+        (Tokenizer.from_gguf_metadata(request.getfixturevalue("gguf_meta")),)
+        if checker == "server_events"
+        else ()
+    )
+    lazy = list(pieces)
+    lazy[which] = delegating(pieces[which], only=method)
+    with contextlib.redirect_stdout(io.StringIO()):
+        verdict = getattr(checks, checker)(*lazy, *extra)
+    assert not verdict, f"{checker} accepted {pieces[which].__name__} whose {method} only calls super()"

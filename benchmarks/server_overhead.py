@@ -22,7 +22,7 @@ import httpx
 
 import batchlab  # first: makes MLX use OpenBLAS on Linux
 from batchlab import make_engine
-from batchlab.serving.server import serve_in_thread
+from batchlab.serving.launch import serve_in_thread
 
 ACTIVE, IDLE, MAX_NEW = 8, 16, 64
 QUESTIONS = [

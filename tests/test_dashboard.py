@@ -16,7 +16,7 @@ from openai import OpenAI
 
 from batchlab import viz
 from batchlab.serving.loadgen import run_loadgen
-from batchlab.serving.server import serve_in_thread
+from batchlab.serving.launch import serve_in_thread
 from batchlab.core.trace import Trace
 from batchlab.measurement.workloads import Workload, WorkloadRequest
 

@@ -21,7 +21,7 @@ import pytest
 
 from batchlab import generate
 from batchlab.model.model_runner import ModelRunner
-from batchlab.serving.server import serve_in_thread
+from batchlab.serving.launch import serve_in_thread
 from waiting import wait_for
 
 

@@ -10,7 +10,7 @@ import pytest
 import batchlab.model.load
 from batchlab import cli, generate
 from batchlab.serving.loadgen import run_loadgen
-from batchlab.serving.server import serve_in_thread
+from batchlab.serving.launch import serve_in_thread
 from batchlab.measurement.workloads import Workload, WorkloadRequest, mixed
 
 

@@ -282,7 +282,7 @@ def test_the_server_runs_the_learners_whole_engine(lm):
 
     import learner_pieces as L
     from batchlab import generate
-    from batchlab.serving.server import serve_in_thread
+    from batchlab.serving.launch import serve_in_thread
 
     calls: dict[str, int] = {}
 

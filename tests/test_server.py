@@ -17,7 +17,8 @@ from openai import OpenAI
 
 from batchlab import generate
 from batchlab.core.policies import QueueFull
-from batchlab.serving.server import StopMatcher, serve_in_thread
+from batchlab.serving.launch import serve_in_thread
+from batchlab.serving.server import StopMatcher
 
 PROMPTS = [
     "The capital of France is",

@@ -214,7 +214,7 @@ def test_a_cancel_that_returns_true_twice_is_rejected():
 
 
 def test_a_missing_piece_is_not_written_yet():
-    from batchlab.course.my_engine import Missing
+    from batchlab.course.pieces import Missing
 
     verdict = checks.engine_front(Missing("MyEngine", "my_engine/front.py does not exist yet"))
     assert not verdict and verdict.not_written and "not written yet" in verdict.message

@@ -131,7 +131,7 @@ def test_a_victim_that_picks_the_most_important_is_rejected():
 
 
 def test_a_missing_piece_is_not_written_yet():
-    from batchlab.course.my_engine import Missing
+    from batchlab.course.pieces import Missing
 
     verdict = checks.memory_scheduler(RightFits, Missing("MyVictimPolicy", "no such class"))
     assert not verdict and verdict.not_written

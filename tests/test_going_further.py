@@ -107,9 +107,9 @@ def test_a_different_design_stays_the_learners_in_later_lessons(tmp_path, capsys
     from pathlib import Path
 
     from batchlab import course
-    from batchlab.course import my_engine
+    from batchlab.course import pieces
 
-    my_engine.setup(tmp_path)
+    pieces.setup(tmp_path)
     tests = str(Path(__file__).parent)
     (tmp_path / "my_engine" / "chunked.py").write_text(
         f"import sys\nsys.path.insert(0, {tests!r})\nimport test_going_further\n\n\n"

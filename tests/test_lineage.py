@@ -58,7 +58,7 @@ def test_a_lesson_runs_a_learners_piece_only_once_its_checker_passes():
     ``course.mine_or_reference`` with a checker, so a piece that is written but wrong never runs a
     lesson's measurements; ``course.earlier`` (no check, for a piece to build on) is left for the
     second classes of a piece's file, which its piece's checker checks with it."""
-    from batchlab.course.my_engine import OTHERS
+    from batchlab.course.pieces import OTHERS
 
     seconds = {f'"{module}", "{name}"' for module, name in OTHERS}
     found = [

@@ -6,7 +6,7 @@ checkers), ``listing`` (library code shown in a lesson), ``exercises`` (learner 
 the solved lessons) and ``lessons`` (``python -m batchlab.course.lessons``: your own copy).
 """
 
-from .my_engine import (  # noqa: F401 (the names lessons use: course.piece, course.choose...)
+from .pieces import (  # noqa: F401 (the names lessons use: course.piece, course.choose...)
     HISTORY,
     PACKAGE,
     Missing,

@@ -17,7 +17,7 @@ The convention every lesson follows
 * In a learner copy, an exercise cell is recognised by its placeholder (``# YOUR CODE HERE``
   followed by ``raise NotImplementedError(...)``), so the copies can be checked too.
 * A lesson's main exercise is a piece of the learner's engine: its cell starts with
-  ``%%piece my_engine/<piece>.py`` (see :mod:`batchlab.course.my_engine`), its checker cell loads
+  ``%%piece my_engine/<piece>.py`` (see :mod:`batchlab.course.pieces`), its checker cell loads
   the piece with ``course.piece(...)``, and the cells after it run on
   ``course.choose(piece, verdict, Reference)``, so a learner copy whose piece is not written
   yet still runs top to bottom on the reference. Smaller exercises (a function in the

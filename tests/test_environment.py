@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -41,7 +42,17 @@ def pip_section() -> tuple[str, list[str]]:
     return python, pip
 
 
-def dry_run(args: list[str], report: Path) -> list[dict]:
+def project_copy(folder: Path) -> Path:
+    """What ``pip install -e .`` reads (pyproject.toml, README.md, src/), copied to ``folder``:
+    building its metadata writes an egg-info beside the sources, which must not be the repository's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / "pyproject.toml", folder)
+    shutil.copy(ROOT / "README.md", folder)
+    shutil.copytree(ROOT / "src", folder / "src", ignore=shutil.ignore_patterns("*.egg-info", "__pycache__"))
+    return folder
+
+
+def dry_run(args: list[str], report: Path, cwd: Path) -> list[dict]:
     done = subprocess.run(
         [
             sys.executable,
@@ -55,7 +66,7 @@ def dry_run(args: list[str], report: Path) -> list[dict]:
             str(report),
             *args,
         ],
-        cwd=ROOT,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=1200,
@@ -67,7 +78,8 @@ def dry_run(args: list[str], report: Path) -> list[dict]:
 def test_the_pip_section_resolves_here(tmp_path):
     _, pip = pip_section()
     assert pip == ["-e .[test]"], "this test reads the pip section as an install of this project"
-    installs = dry_run([arg for line in pip for arg in shlex.split(line)], tmp_path / "report.json")
+    project = project_copy(tmp_path / "project")
+    installs = dry_run([arg for line in pip for arg in shlex.split(line)], tmp_path / "report.json", project)
     names = {i["metadata"]["name"].lower() for i in installs}
     assert {"batchlab", "mlx", "mlx-lm", "jupyterlab", "torch", "transformers"} <= names
 
@@ -106,6 +118,7 @@ def test_every_requirement_has_a_wheel_for_macos_arm64(tmp_path):
             *specs,
         ],
         tmp_path / "report.json",
+        tmp_path,
     )
     got = {i["metadata"]["name"].lower().replace("_", "-"): i["download_info"]["url"] for i in installs}
     assert set(got) == {r.name.lower().replace("_", "-") for r in mac}

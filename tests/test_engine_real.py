@@ -15,6 +15,7 @@ from kinds import kind_configs
 from near_tie import near_tie_for, parting_problem
 
 from batchlab import generate, make_engine
+from batchlab.model.backend import gpu_path
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,10 @@ def test_sequential_engine_equals_generate(lm, mixed, sequential):
     assert any(t[-1] in lm.tokenizer.eos_token_ids for t in sequential), "some end on EOS"
 
 
-CONFIGS = kind_configs(exclude=("sequential",), per_kind=3)  # the reference below is sequential
+# The reference below is sequential. Three configurations a kind; on the GPU path (run again by
+# test_gpu_path_suite.py on MLX's CPU backend, slowly) the last of them, each kind once: the
+# path's own lines are test_gpu_path.py's to cover, this checks each kind end to end on it.
+CONFIGS = kind_configs(exclude=("sequential",), per_kind=1 if gpu_path() else 3)
 
 
 @pytest.mark.parametrize("kind,options", CONFIGS, ids=[f"{k}-{o}" for k, o in CONFIGS])

@@ -39,7 +39,7 @@ collect_ignore = ["notebooks/learner"]
 
 
 # Tests that need the real model (or a browser, a server process, a notebook) are "slow";
-# `pytest -m "not slow"` runs the rest (fake model, pure logic) in about a minute.
+# `pytest -m "not slow"` runs the rest (fake model, pure logic): about 750 tests.
 REAL_MODEL_FIXTURES = {"lm", "hf_model", "hf_gguf", "hf_tokenizer", "gguf_reader", "gguf_meta", "gguf_file"}
 
 
@@ -48,6 +48,11 @@ def pytest_collection_modifyitems(config, items):
         notebook = item.path.suffix == ".ipynb"
         if notebook or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        # Under pytest-xdist (`-n 2 --dist loadgroup`, the README's test command) a worker takes a
+        # whole file, and the solved lessons all together, in order: a lesson builds on the
+        # pieces the lessons before it wrote to my_engine/.
+        lessons = notebook and item.path.parent == ROOT / "notebooks"
+        item.add_marker(pytest.mark.xdist_group("lessons" if lessons else str(item.path.relative_to(ROOT))))
 
 
 COURSE_DIR_ENV = "BATCHLAB_COURSE_DIR"  # batchlab.course.my_engine reads it (not imported here: see above)
@@ -69,6 +74,7 @@ def pytest_unconfigure(config):
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's (where it is not installed)")
     config.addinivalue_line(
         "markers",
         "slow: needs the real model, a browser, a server "

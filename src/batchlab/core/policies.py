@@ -120,7 +120,7 @@ class AdmissionBase:
 @dataclass(frozen=True)
 class Admission(AdmissionBase):
     """Ours: refuse at the door when ``max_queue`` requests wait; shed the queued requests
-    that never started and waited more than ``max_wait_s``."""
+    with no token yet that waited more than ``max_wait_s``."""
 
     def check_room(self, queue_depth: Callable[[], int]) -> None:
         """Raise ``QueueFull`` if one more waiting request would exceed the bound.
@@ -129,8 +129,8 @@ class Admission(AdmissionBase):
             raise QueueFull(f"the queue is full ({self.max_queue} waiting); retry later")
 
     def to_shed(self, queue: Iterable[Request], now: float) -> list[Request]:
-        """Queued requests that never started (a preempted one has begun its answer: it
-        stays) and have waited longer than ``max_wait_s``."""
+        """Queued requests with no token yet (one preempted after its first token has begun
+        its answer: it stays) that have waited longer than ``max_wait_s``."""
         if self.max_wait_s is None:
             return []
         return [

@@ -195,7 +195,6 @@ CITATION = re.compile(r"\b[Ll]esson (\d+[ab]?)\b")
 # Figures the guide may quote that no lesson prints: definitions, or arithmetic on printed figures.
 # (lesson, number): why. Keep it short; every entry must still be quoted somewhere (checked).
 NOT_PRINTED = {
-    ("5b", "0.04"): "answer key: the difference of the printed p99s, 0.42 s - 0.38 s",
     ("6", "40"): "answer key: the question's 'forty times less often' (printed too, by chance)",
     ("6", "0.2"): "answer key: 40 × the printed 5 ms poll interval",
 }

@@ -5,6 +5,7 @@ it collects ``tests/``, ``notebooks/`` or a single notebook.
 """
 
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -48,11 +49,22 @@ def pytest_collection_modifyitems(config, items):
         notebook = item.path.suffix == ".ipynb"
         if notebook or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-        # Under pytest-xdist (`-n 2 --dist loadgroup`) a worker takes a whole file, and the solved
-        # lessons all together, in order: a lesson builds on the pieces the lessons before it wrote
-        # to my_engine/. (Not yet for the whole suite: nbval's kernels restarted mid-lesson there.)
-        lessons = notebook and item.path.parent == ROOT / "notebooks"
-        item.add_marker(pytest.mark.xdist_group("lessons" if lessons else str(item.path.relative_to(ROOT))))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook (the other Pythons' fast tier runs without it)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`-n 2`) a worker takes a whole test file at a time, and the solved
+    lessons all together, in order: a lesson builds on the pieces the lessons before it wrote to
+    my_engine/, and nbval runs a notebook's cells in one kernel. (xdist's own ``loadgroup`` cannot
+    do this with pytest 9: the group it appends to a test's id no longer reaches the id.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LessonsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            path = nodeid.split("::", 1)[0]
+            return "notebooks (the solved lessons)" if re.fullmatch(r"notebooks/[^/]+\.ipynb", path) else path
+
+    return LessonsTogether(config, log)
 
 
 COURSE_DIR_ENV = "BATCHLAB_COURSE_DIR"  # batchlab.course.my_engine reads it (not imported here: see above)
@@ -74,7 +86,6 @@ def pytest_unconfigure(config):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "xdist_group(name): pytest-xdist's (where it is not installed)")
     config.addinivalue_line(
         "markers",
         "slow: needs the real model, a browser, a server "

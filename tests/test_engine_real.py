@@ -44,9 +44,9 @@ def test_sequential_engine_equals_generate(lm, mixed, sequential):
     assert any(t[-1] in lm.tokenizer.eos_token_ids for t in sequential), "some end on EOS"
 
 
-# The reference below is sequential. Three configurations a kind; on the GPU path (run again by
-# test_gpu_path_suite.py on MLX's CPU backend, slowly) the last of them, each kind once: the
-# path's own lines are test_gpu_path.py's to cover, this checks each kind end to end on it.
+# The reference below is sequential. Three configurations a kind; run under BATCHLAB_GPU_PATH=1
+# (MLX's CPU backend, slowly) the last of them, each kind once: the path's own lines are
+# test_gpu_path.py's to cover and check, in CI.
 CONFIGS = kind_configs(exclude=("sequential",), per_kind=1 if gpu_path() else 3)
 
 

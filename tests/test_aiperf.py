@@ -2,8 +2,8 @@
 extra), offline with the folder ``batchlab export-mlx`` writes as its tokenizer.
 
 aiperf sends vLLM's ``ignore_eos`` to fix output lengths, as serving benchmarks do; every
-answer must then be exactly the asked length by the server's own count, on both endpoints,
-streamed and not. A run without ``ignore_eos`` shows that these prompts do end early by
+answer must then be exactly the asked length by the server's own count, on both endpoints
+(chat streamed, completions whole). A run without ``ignore_eos`` shows that these prompts do end early by
 themselves, so the exact lengths are the extension's doing. The aiperf command line is the
 one ``benchmarks/aiperf_side_by_side.py`` runs (imported from there).
 """
@@ -75,8 +75,11 @@ def aiperf(bench, server, tokenizer_dir, tmp_path, endpoint, streaming, body):
     return summary
 
 
-@pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "whole"])
-@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+# Each endpoint once, one streamed and one whole: every combination of the two is the server's
+# own test (test_server.py's vLLM length extensions); aiperf adds an independent client's count.
+@pytest.mark.parametrize(
+    "endpoint,streaming", [("chat", True), ("completions", False)], ids=["chat-streamed", "completions-whole"]
+)
 def test_ignore_eos_gives_aiperf_exactly_the_asked_length(
     bench, server, tokenizer_dir, tmp_path, endpoint, streaming
 ):

@@ -6,7 +6,8 @@ The relative error is printed beside the held-out error ``fit-cost`` reported: o
 machine it is a measurement, not a bound a test may assert. What is asserted: every kind of
 pass (decode, prefill, hybrid) is predicted, finite and positive, and a pass that computes
 more of everything is predicted to take longer.
-The model is fitted here, on this machine, by the same function as ``batchlab fit-cost``:
+The model is fitted here, on this machine, by ``batchlab fit-cost --quick`` itself, once for
+the command's own test and this one:
 the committed ``data/cost_model.json`` describes the machine the lessons were run on, and a
 faster or slower machine would make its absolute times wrong (that is not the model's error).
 
@@ -15,6 +16,7 @@ the engine's pass runs, then runs twice more on the same chunks (rewriting ident
 keys and values), and the fastest run counts. The tokens are those of the first run.
 """
 
+import io
 import math
 import time
 
@@ -24,7 +26,6 @@ import pytest
 from batchlab.measurement import driver, workloads
 from batchlab import make_engine
 from batchlab.model.model_runner import ModelRunner
-from batchlab.measurement.costfit import fit_cost_model
 from batchlab.core.costmodel import CostModel
 from batchlab.measurement.simulator import VirtualClock, sim_runner, simulate
 
@@ -45,8 +46,21 @@ class TimedRunner(ModelRunner):
         return logits
 
 
-def test_cost_model_predicts_real_forward_passes(lm):
-    cost = fit_cost_model(lm, reps=2, progress=False)
+@pytest.fixture(scope="module")
+def quick_fit(tmp_path_factory):
+    """``batchlab fit-cost --quick --reps 2``: what it printed and the model it wrote."""
+    from batchlab.cli import main
+
+    out = tmp_path_factory.mktemp("fit") / "cost.json"
+    with pytest.MonkeyPatch.context() as patch:
+        printed = io.StringIO()
+        patch.setattr("sys.stdout", printed)
+        code = main(["fit-cost", "--quick", "--reps", "2", "--json", str(out)])
+    return code, printed.getvalue(), out
+
+
+def test_cost_model_predicts_real_forward_passes(lm, quick_fit):
+    cost = CostModel.load(quick_fit[2])
     engine = make_engine("stallfree", lm, max_batch_size=8, token_budget=128, runner=TimedRunner)
     workload = workloads.mixed(lm, seed=5, num_requests=8).capped(12)
     trace = driver.run_workload(engine, workload, progress=False)
@@ -94,16 +108,13 @@ def test_cost_model_predicts_real_forward_passes(lm):
 
 
 @pytest.mark.slow
-def test_fit_cost_command_writes_a_model_the_simulator_loads(tmp_path, capsys):
-    from batchlab.cli import main
-
-    out = tmp_path / "cost.json"
-    assert main(["fit-cost", "--quick", "--reps", "1", "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
+def test_fit_cost_command_writes_a_model_the_simulator_loads(quick_fit):
+    code, printed, out = quick_fit
+    assert code == 0
     assert "held-out relative error: median" in printed and f"wrote {out}" in printed
     model = CostModel.load(out)
     assert set(model.error) == {"median", "p90", "max"}
-    assert model.meta["command"] == f"batchlab fit-cost --quick --reps 1 --json {out}"
+    assert model.meta["command"] == f"batchlab fit-cost --quick --reps 2 --json {out}"
     assert model.meta["passes_fitted"] + model.meta["passes_held_out"] == len(model.meta["passes"])
 
 

@@ -79,15 +79,15 @@ def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, li
     tok = lm.tokenizer
     if quick:
         return [  # a smoke run: every engine and figure once, on workloads a few seconds long
-            ("chat", workloads.chat(tok, num_requests=6, mean_output=16, max_output=32), [8]),
+            ("chat", workloads.chat(tok, num_requests=4, mean_output=8, max_output=16), [8]),
             (
                 PREFILL_HEAVY,
-                workloads.high_variance(tok, num_requests=8, mean_output=8, max_output=24),
+                workloads.high_variance(tok, num_requests=6, mean_output=6, max_output=12),
                 [8, 16],
             ),
             (
                 "interference",
-                workloads.interference(tok, batch_size=8, num_long=1, long_range=(512, 576)),
+                workloads.interference(tok, batch_size=8, num_long=1, long_range=(512, 544), long_output=8),
                 [8],
             ),
         ]

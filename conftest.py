@@ -36,7 +36,9 @@ NBVAL_SANITIZE = ROOT / "tests" / "nbval_sanitize.cfg"
 # The learner copies (notebooks/learner/) have their solutions removed and their checker
 # outputs cleared, so running them under nbval would only report the missing solutions.
 # tests/test_exercises.py checks them instead (they are current, and they fail their checkers).
-collect_ignore = ["notebooks/learner"]
+collect_ignore = ["notebooks/learner", "tests/data"]
+# tests/data/widget_demo.ipynb is the browser test's notebook (its last cell keeps the kernel busy
+# until the test interrupts it): tests/test_browser.py runs it, nbval does not.
 
 
 # Tests that need the real model (or a browser, a server process, a notebook) are "slow";
@@ -62,7 +64,11 @@ def pytest_xdist_make_scheduler(config, log):
     class LessonsTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             path = nodeid.split("::", 1)[0]
-            return "notebooks (the solved lessons)" if re.fullmatch(r"notebooks/[^/]+\.ipynb", path) else path
+            if re.fullmatch(r"notebooks/[^/]+\.ipynb", path):
+                return "notebooks (the solved lessons)"
+            # a learner copy's run is minutes long and needs nothing another one wrote: each is
+            # a unit of its own, so the copies spread over both workers
+            return nodeid if "test_learner_copy_runs" in nodeid else path
 
     return LessonsTogether(config, log)
 

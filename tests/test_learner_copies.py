@@ -3,8 +3,9 @@
 A learner who opens a lesson and runs it before writing anything must see the lesson work:
 each unwritten piece of their engine is reported by its checker and replaced by the
 reference (``batchlab.course.pieces.choose``), never a traceback. The copies run in order in one
-fresh folder, as a learner's working copy would, so what one lesson writes to
-``my_engine/`` is what the next one finds. Lessons 2, 5b and 8 run on the GPU path.
+fresh folder (one a worker under ``-n 2``, where the copies spread over both), as a learner's working
+copy would, so what one lesson writes to ``my_engine/`` is what a later one finds. Lessons 2, 5b and 8
+run on the GPU path.
 """
 
 from __future__ import annotations

@@ -36,9 +36,7 @@ NBVAL_SANITIZE = ROOT / "tests" / "nbval_sanitize.cfg"
 # The learner copies (notebooks/learner/) have their solutions removed and their checker
 # outputs cleared, so running them under nbval would only report the missing solutions.
 # tests/test_exercises.py checks them instead (they are current, and they fail their checkers).
-collect_ignore = ["notebooks/learner", "tests/data"]
-# tests/data/widget_demo.ipynb is the browser test's notebook (its last cell keeps the kernel busy
-# until the test interrupts it): tests/test_browser.py runs it, nbval does not.
+collect_ignore = ["notebooks/learner"]
 
 
 # Tests that need the real model (or a browser, a server process, a notebook) are "slow";

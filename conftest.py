@@ -71,7 +71,7 @@ def pytest_xdist_make_scheduler(config, log):
     return LessonsTogether(config, log)
 
 
-COURSE_DIR_ENV = "BATCHLAB_COURSE_DIR"  # batchlab.course.my_engine reads it (not imported here: see above)
+COURSE_DIR_ENV = "BATCHLAB_COURSE_DIR"  # batchlab.course.setup() reads it (not imported here: see above)
 
 
 @pytest.hookimpl(tryfirst=True)

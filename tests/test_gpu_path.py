@@ -13,7 +13,7 @@ fails here.
 The same runs check what a Mac's float16 weights do on their own: ``batchlab.generate`` (the
 sequential loop, no engine) gives float32's answers except at near-ties; and a pool too small
 for the batch (preemption by recompute) with the prefix cache on gives them too.
-``test_learner_copies.py`` runs lessons 2, 5b and 8 on the same path (in float32, for time).
+``test_learner_copies.py`` runs lesson 8's learner copy on the same path (in float32, for time).
 """
 
 from __future__ import annotations

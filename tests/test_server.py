@@ -246,7 +246,10 @@ def test_a_full_queue_gets_429_and_others_are_not_disturbed(lm, server, referenc
     assert reply.choices[0].text == expected_text(lm, references["Water boils at"], MAX_TOKENS)
 
 
-def test_soak_300_requests_8_clients_random_disconnects(lm, server, references):
+SOAK_REQUESTS = 120  # 15 a client, 3 in 7 of them abandoned; 300 took 128 s of CI time (a425d5d)
+
+
+def test_soak_8_clients_random_disconnects(lm, server, references):
     """Nothing lost, nothing duplicated: every completed stream is exactly the greedy text,
     every abandoned one a prefix of it, and every slot is free at the end."""
     results, errors = [], []
@@ -254,7 +257,7 @@ def test_soak_300_requests_8_clients_random_disconnects(lm, server, references):
     def client(seed):
         rng = random.Random(seed)
         with httpx.Client(timeout=60) as http:
-            for _ in range(300 // 8 + (seed < 300 % 8)):
+            for _ in range(SOAK_REQUESTS // 8 + (seed < SOAK_REQUESTS % 8)):
                 prompt, max_tokens = rng.choice(PROMPTS), rng.randint(1, MAX_TOKENS)
                 leave_after = rng.choice([None] * 4 + [1, 2, 3])
                 body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
@@ -281,7 +284,7 @@ def test_soak_300_requests_8_clients_random_disconnects(lm, server, references):
     for t in threads:
         t.join(timeout=600)
     assert not errors, errors[:3]
-    assert len(results) == 300
+    assert len(results) == SOAK_REQUESTS
     abandoned = 0
     for prompt, max_tokens, text, finish, left in results:
         expected = expected_text(lm, references[prompt], max_tokens)

@@ -27,6 +27,16 @@ for name, sub in [
     ("JUPYTER_RUNTIME_DIR", "jupyter-runtime"),
 ]:
     os.environ[name] = str(SCRATCH / sub)
+# Under pytest-xdist (`-n 2`) each worker is a process of its own: its OpenBLAS (and so the model's
+# matrix products, in the lessons' kernels and the servers it starts too, which inherit this) gets
+# its share of the cores instead of every core. Two workers each running two BLAS threads on two
+# cores took 227 s over test_engine_real.py and test_kv_real.py, one thread each 171 s (2026-12-06,
+# back to back on this 2-core EPYC). A setting of the user's own is kept. Set here, before anything
+# imports batchlab, which loads OpenBLAS.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OPENBLAS_NUM_THREADS" not in os.environ:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    os.environ["OPENBLAS_NUM_THREADS"] = str(max(1, cores // workers))
 # Lessons and micro-benchmarks run each timed comparison once under test: nbval compares no
 # timing, so more rounds would only cost minutes (``driver.capped``; tests of the rounds
 # themselves unset it).

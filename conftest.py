@@ -32,8 +32,7 @@ for name, sub in [
 # its share of the cores instead of every core. Two workers each running two BLAS threads on two
 # cores took 227 s over test_engine_real.py and test_kv_real.py, one thread each 171 s (2026-12-06,
 # back to back on this 2-core EPYC, four read-only reader sessions beside them). A setting of the
-# user's own is kept. Set here, before anything
-# imports batchlab, which loads OpenBLAS.
+# user's own is kept. Set here, before anything imports batchlab, which loads OpenBLAS.
 if os.environ.get("PYTEST_XDIST_WORKER") and "OPENBLAS_NUM_THREADS" not in os.environ:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

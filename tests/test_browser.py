@@ -67,8 +67,9 @@ def jupyterlab(tmp_path):
         "notebook-extension/tracker": {"windowingMode": "none"},
     }
     env = isolated_env(tmp_path, settings)
-    # every round of lesson 2's timed comparisons: the test presses play while they keep the kernel busy
-    env.pop("BATCHLAB_REPETITIONS", None)
+    # The suite's one round of each timed comparison (BATCHLAB_REPETITIONS, inherited) is enough:
+    # the test presses play while the lesson's arrivals-over-time run (requests arriving at one a
+    # second, over about 16 s an engine) keeps the kernel busy.
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "jupyterlab.log"
@@ -116,7 +117,7 @@ def test_slot_animation_plays_in_jupyterlab(jupyterlab):
             grid = view.locator(".batchlab-slots")
             grid.wait_for(timeout=RUN_ALL_TIMEOUT_MS)
             # The replay plays in the browser alone: press play while the lesson's later cells
-            # still run (lesson 2's arrivals-over-time rounds keep the kernel busy for a minute).
+            # still run (lesson 2's arrivals-over-time run keeps the kernel busy for half a minute).
             busy = page.locator(".jp-StatusBar-Widget").get_by_text(BUSY)
             assert busy.count() == 1, "the kernel finished the lesson before the test could press play"
             assert grid.locator(".bl-lane[data-slot]").count() == EXPECTED_SLOTS

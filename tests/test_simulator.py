@@ -45,7 +45,7 @@ def test_virtual_clock_moves_only_forward():
 
 
 def test_simulation_is_deterministic_and_complete():
-    workload = synthetic_workload(300, rate=1.5, seed=7)
+    workload = synthetic_workload(100, rate=1.5, seed=7)
     a = simulate(make_sim_engine("stallfree", COST, **OPTIONS), workload)
     b = simulate(make_sim_engine("stallfree", COST, **OPTIONS), workload)
     assert a.to_json() == b.to_json()
@@ -65,7 +65,7 @@ def test_queue_is_bounded_below_capacity_and_grows_above(kind, options):
 
     def queue_thirds(load):
         trace = simulate(
-            make_sim_engine(kind, COST, **options), synthetic_workload(900, rate=load * mu, seed=2)
+            make_sim_engine(kind, COST, **options), synthetic_workload(300, rate=load * mu, seed=2)
         )
         t, q = queue_timeline(trace)
         last_arrival = max(r.arrival_s for r in trace.requests.values())

@@ -9,7 +9,7 @@ always stop the loop again.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .app import create_app
@@ -26,8 +26,10 @@ GRACEFUL_SHUTDOWN_S = 5
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Everything a server is started with. The defaults are ``batchlab serve``'s;
-    :func:`serve_in_thread` gives its own (a free port, a longer trace, quieter logs)."""
+    """Everything a server is started with, in one place: :func:`serve` and
+    :func:`serve_in_thread` take its fields as keywords (:func:`server_config`). The defaults are
+    ``batchlab serve``'s; :func:`serve_in_thread` gives its own (a free port, a longer trace,
+    quieter logs)."""
 
     lm: LoadedModel
     kind: Any  # an engine kind's name, or a scheduler class (a learner's)
@@ -93,42 +95,22 @@ def _start(config: ServerConfig):
         raise
 
 
-def serve(
-    lm: LoadedModel,
-    kind,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    max_queue: int = 64,
-    api_key: str | None = None,
-    insecure: bool = False,
-    max_running_per_user: int | None = None,
-    show_prompts: bool = False,
-    shedding: type[AdmissionBase] = Admission,
-    max_wait_s: float | None = None,
-    server_class: type[ServerBase] = Server,
-    **engine_options,
-) -> None:
-    """Run the server until interrupted (``batchlab serve``). ``shedding`` (an
-    ``AdmissionBase`` class, e.g. a learner's) sheds what waited over ``max_wait_s``;
-    ``server_class`` writes each request's stream (a learner's ``ServerBase`` subclass);
-    ``engine_options`` go to ``make_engine`` (``engine_class``: a learner's front). See
-    :class:`ServerConfig`."""
-    config = ServerConfig(
-        lm,
-        kind,
-        host=host,
-        port=port,
-        max_queue=max_queue,
-        api_key=api_key,
-        insecure=insecure,
-        max_running_per_user=max_running_per_user,
-        show_prompts=show_prompts,
-        shedding=shedding,
-        max_wait_s=max_wait_s,
-        server_class=server_class,
-        engine_options=engine_options,
-    )
-    uv, loop = _start(config)
+def server_config(lm: LoadedModel, kind, options: dict, **defaults) -> ServerConfig:
+    """A :class:`ServerConfig` from keyword ``options``: those named like one of its fields set
+    that field (over ``defaults``), and every other keyword goes to ``make_engine``
+    (``engine_options``: ``max_batch_size``, ``token_budget``, ``engine_class`` ...)."""
+    own = {f.name for f in fields(ServerConfig)} - {"lm", "kind", "engine_options"}
+    settings = {**defaults, **{k: v for k, v in options.items() if k in own}}
+    engine = {k: v for k, v in options.items() if k not in own}
+    return ServerConfig(lm, kind, engine_options=engine, **settings)
+
+
+def serve(lm: LoadedModel, kind, **options) -> None:
+    """Run the server until interrupted (``batchlab serve``). ``options``: any field of
+    :class:`ServerConfig` (``shedding``: a learner's ``AdmissionBase`` class, which sheds what
+    waited over ``max_wait_s``; ``server_class``: a learner's ``ServerBase`` subclass, which
+    writes each request's stream); any other keyword goes to ``make_engine``."""
+    uv, loop = _start(server_config(lm, kind, options))
     try:
         uv.run()  # here, until SIGTERM or Ctrl+C
     finally:
@@ -159,47 +141,13 @@ class ServerThread:
         self.stop()
 
 
-def serve_in_thread(
-    lm: LoadedModel,
-    kind="stallfree",
-    host: str = "127.0.0.1",
-    port: int = 0,
-    max_queue: int = 64,
-    model_id: str | None = None,
-    trace_limit: int | None = 5000,
-    api_key: str | None = None,
-    insecure: bool = False,
-    max_running_per_user: int | None = None,
-    show_prompts: bool = False,
-    shedding: type[AdmissionBase] = Admission,
-    max_wait_s: float | None = None,
-    server_class: type[ServerBase] = Server,
-    **engine_options,
-) -> ServerThread:
+def serve_in_thread(lm: LoadedModel, kind="stallfree", **options) -> ServerThread:
     """Start the server in a background thread of this process (a notebook or a test) and
-    return once it accepts connections. ``port=0`` takes a free port; the socket is bound
-    here, before the thread starts, so no other process can take it in between.
-    ``api_key``, ``insecure``, ``max_running_per_user``, ``show_prompts``, ``shedding``,
-    ``max_wait_s`` and ``server_class`` are as for ``batchlab serve`` (:class:`ServerConfig`)."""
-    config = ServerConfig(
-        lm,
-        kind,
-        host=host,
-        port=port,
-        max_queue=max_queue,
-        trace_limit=trace_limit,
-        model_id=model_id,
-        api_key=api_key,
-        insecure=insecure,
-        max_running_per_user=max_running_per_user,
-        show_prompts=show_prompts,
-        shedding=shedding,
-        max_wait_s=max_wait_s,
-        server_class=server_class,
-        engine_options=engine_options,
-        log_level="warning",
-    )
-    return _start_in_thread(config)
+    return once it accepts connections. ``options`` are as for :func:`serve`; the defaults
+    differ in three: ``port=0`` takes a free port (the socket is bound here, before the thread
+    starts, so no other process can take it in between), the trace keeps 5,000 steps, and
+    uvicorn logs warnings only."""
+    return _start_in_thread(server_config(lm, kind, options, port=0, trace_limit=5000, log_level="warning"))
 
 
 def _start_in_thread(config: ServerConfig) -> ServerThread:

@@ -4,8 +4,8 @@ This file sits at the root because it is the one conftest pytest always loads, w
 it collects ``tests/``, ``notebooks/`` or a single notebook.
 """
 
+import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -63,34 +63,56 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook (the other Pythons' fast tier runs without it)
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (`-n 2`) a worker takes a whole test file at a time, and the solved
-    lessons all together, in order: a lesson builds on the pieces the lessons before it wrote to
-    my_engine/, and nbval runs a notebook's cells in one kernel. (xdist's own ``loadgroup`` cannot
-    do this with pytest 9: the group it appends to a test's id no longer reaches the id.)"""
+    """Under pytest-xdist (`-n 2`) a worker takes a whole test file at a time (nbval runs a
+    notebook's cells in order in one kernel), and each learner copy's run on its own. The solved
+    lessons need no order between them: each runs in a course folder of its own that already
+    holds what the lessons before it wrote (``lesson_course_folder``), so they spread over both
+    workers. (xdist's own ``loadgroup`` cannot split a file's tests with pytest 9: the group it
+    appends to a test's id no longer reaches the id.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    class LessonsTogether(LoadScopeScheduling):
+    class CopiesApart(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            path = nodeid.split("::", 1)[0]
-            if re.fullmatch(r"notebooks/[^/]+\.ipynb", path):
-                return "notebooks (the solved lessons)"
             # a learner copy's run is minutes long and needs nothing another one wrote: each is
             # a unit of its own, so the copies spread over both workers
-            return nodeid if "test_learner_copy_runs" in nodeid else path
+            return nodeid if "test_learner_copy_runs" in nodeid else nodeid.split("::", 1)[0]
 
-    return LessonsTogether(config, log)
+    return CopiesApart(config, log)
 
 
 COURSE_DIR_ENV = "BATCHLAB_COURSE_DIR"  # batchlab.course.setup() reads it (not imported here: see above)
 
 
+def lesson_course_folder(lesson: Path) -> Path:
+    """The course folder one solved lesson runs in under test (made once a run): its
+    ``my_engine/`` holds what the ``%%piece`` cells of the solved lessons before it write, in
+    lesson order, as a learner's folder would after working through them. So a lesson finds
+    what it would find after the others ran, without waiting for them: the lessons run apart."""
+    folder = SCRATCH / "course" / lesson.stem
+    if folder.exists():
+        return folder
+    for earlier in sorted(lesson.parent.glob("*.ipynb")):
+        if earlier.name >= lesson.name:
+            break
+        for cell in json.loads(earlier.read_text(encoding="utf-8"))["cells"]:
+            source = "".join(cell["source"]) if cell["cell_type"] == "code" else ""
+            if source.startswith("%%piece"):
+                magic, _, body = source.partition("\n")  # what the magic gets: the cell after its line
+                (target,) = [a for a in magic.split()[1:] if not a.startswith("-")]
+                (folder / target).parent.mkdir(parents=True, exist_ok=True)
+                (folder / target).write_text(body if body.endswith("\n") else body + "\n", encoding="utf-8")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """nbval runs the solved lessons in notebooks/, so their kernels would write my_engine/
-    there: they write it to this run's temporary folder instead (the kernel, started at a
-    notebook's first cell, inherits the variable). Nothing else sees it."""
+    there: each writes it to a folder of this run's temporary folder instead
+    (``lesson_course_folder``; the kernel, started at a notebook's first cell, inherits the
+    variable). Nothing else sees it."""
     if item.path.suffix == ".ipynb" and item.path.parent == ROOT / "notebooks":
-        os.environ[COURSE_DIR_ENV] = str(SCRATCH / "course")
+        os.environ[COURSE_DIR_ENV] = str(lesson_course_folder(item.path))
     else:
         os.environ.pop(COURSE_DIR_ENV, None)
 

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .numbers import is_int, is_number
 from .runner import Chunk
 
 COST_MODEL_FILE = Path(__file__).parents[1] / "data" / "cost_model.json"
@@ -142,9 +143,9 @@ def token_budget_for_slo(
     The search is a bisection, so it needs the predicted step to grow with the chunk:
     it does for any cost model whose per-token and attention coefficients are >= 0
     (``CostModel.fit`` gives those on real timings; a model that does not is refused)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    if isinstance(limit, bool) or not isinstance(limit, int) or limit < batch_size:
+    if not is_int(limit) or limit < batch_size:
         raise ValueError(f"limit must be an integer >= batch_size ({batch_size}), got {limit!r}")
     for name in ("tokens", "prefill_attention"):
         if cost.coefficients[name] < 0:
@@ -155,7 +156,7 @@ def token_budget_for_slo(
             )
     if tbt_slo_s is None:
         tbt_slo_s = default_tbt_slo(cost, batch_size, context)
-    if isinstance(tbt_slo_s, bool) or not isinstance(tbt_slo_s, (int, float)) or not tbt_slo_s > 0:
+    if not is_number(tbt_slo_s) or not tbt_slo_s > 0:
         raise ValueError(f"tbt_slo must be a number of seconds > 0, got {tbt_slo_s!r}")
 
     def fits(n: int) -> bool:

@@ -26,6 +26,7 @@ from . import metrics
 from .batch import Batch
 from .runner import Model, Runner
 from .kv import BlockManager
+from .numbers import is_int
 from .policies import Admission, AdmissionBase
 from .request import Request, check_prompt_ids, clamp_new_tokens
 from .sampling import SamplingParams
@@ -116,13 +117,13 @@ class EngineBase:
         check_prompt_ids(prompt_ids, self.lm.tokenizer.vocab_size, self.max_seq_len)
         max_new = clamp_new_tokens(len(prompt_ids), max_new_tokens, self.max_seq_len)
         sampling = SamplingParams(temperature, top_p, top_k, seed)
-        if isinstance(priority, bool) or not isinstance(priority, int):
+        if not is_int(priority):
             raise ValueError(f"priority must be an integer (lower is more important), got {priority!r}")
-        if isinstance(min_new_tokens, bool) or not isinstance(min_new_tokens, int) or min_new_tokens < 0:
+        if not is_int(min_new_tokens) or min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
         extra_stops = list(stop_token_ids or ())
         vocab = self.lm.tokenizer.vocab_size
-        bad = [t for t in extra_stops if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in extra_stops if not is_int(t) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:3]!r}")
         self.scheduler.check_pool_holds(len(prompt_ids) + max_new)  # the pool's size never changes

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from .numbers import is_number
 from .request import Request, State
 
 
@@ -66,7 +67,7 @@ class AgingPolicy(PriorityPolicy):
     deadline is more important, the more important class on a tie."""
 
     def __init__(self, age_s: float = 30.0):
-        if isinstance(age_s, bool) or not isinstance(age_s, (int, float)) or not 0 < age_s < math.inf:
+        if not is_number(age_s) or not 0 < age_s < math.inf:
             raise ValueError(f"age_s must be a number of seconds > 0, got {age_s!r}")
         self.age_s = age_s
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from .numbers import is_int
 from .sampling import Sampler, SamplingParams
 from .trace import RequestRecord
 
@@ -123,7 +124,7 @@ def check_prompt_ids(ids: list, vocab_size: int, max_seq_len: int) -> None:
     """Raise ValueError unless ``ids`` is a usable prompt for a model with these limits."""
     if len(ids) == 0:
         raise ValueError("the prompt is empty: it needs at least one token")
-    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    bad = [t for t in ids if not is_int(t) or not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"token ids must be integers in [0, {vocab_size}); got {bad[:5]!r}")
     if len(ids) >= max_seq_len:
@@ -136,6 +137,6 @@ def check_prompt_ids(ids: list, vocab_size: int, max_seq_len: int) -> None:
 def clamp_new_tokens(prompt_len: int, max_new_tokens: int, max_seq_len: int) -> int:
     """How many tokens a request may generate: ``max_new_tokens``, cut so prompt + output
     fits in ``max_seq_len`` (such a request finishes with reason "length" at the limit)."""
-    if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     return min(max_new_tokens, max_seq_len - prompt_len)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .numbers import is_int
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -30,11 +32,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0
-        ):
+        if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
 
     @property

@@ -23,9 +23,11 @@ from collections.abc import Collection, Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from .numbers import is_int
+
 
 def _check_int(name: str, value, lowest: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < lowest:
+    if not (is_int(value) or isinstance(value, np.integer)) or value < lowest:
         raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
 
 

@@ -12,6 +12,7 @@ from typing import Callable, Iterator
 
 from ..batch import Batch
 from ..kv import BlockManager
+from ..numbers import is_int
 from ..policies import Policy, PriorityPolicy
 from ..request import Request, State
 from ..runner import Chunk
@@ -60,7 +61,7 @@ class Scheduler:
         max_batch_size: int = 8,
         policy: Policy | None = None,
     ):
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        if not is_int(max_batch_size) or max_batch_size < 1:
             raise ValueError(f"max_batch_size must be an integer >= 1, got {max_batch_size!r}")
         self.max_batch_size = max_batch_size
         self.blocks, self.clock = blocks, clock

@@ -8,6 +8,7 @@ from typing import Iterator
 
 from ..batch import Batch
 from ..kv import BlockManager
+from ..numbers import is_int
 from ..policies import Policy
 from ..request import Request, State
 from .base import Option, Scheduler
@@ -54,9 +55,7 @@ class ContinuousScheduler(StopRules, OnDemandKV, Scheduler):
         policy: Policy | None = None,
     ):
         super().__init__(blocks, clock, max_batch_size, policy)
-        if prefill_step is not None and (
-            isinstance(prefill_step, bool) or not isinstance(prefill_step, int) or prefill_step < 1
-        ):
+        if prefill_step is not None and (not is_int(prefill_step) or prefill_step < 1):
             raise ValueError(f"prefill_step must be an integer >= 1, got {prefill_step!r}")
         self.prefill_step = prefill_step or math.inf
 

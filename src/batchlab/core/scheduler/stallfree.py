@@ -7,6 +7,7 @@ from __future__ import annotations
 from ..batch import Batch
 from ..costmodel import CostModel, token_budget_for_slo
 from ..kv import BlockManager
+from ..numbers import is_int
 from ..policies import Policy
 from ..request import Request, State
 from .base import Option
@@ -58,11 +59,7 @@ class StallFreeScheduler(ContinuousScheduler):
         super().__init__(blocks, clock, max_batch_size, policy=policy)
         if token_budget is None:
             token_budget = token_budget_for_slo(CostModel.load(), max_batch_size, tbt_slo)
-        if (
-            isinstance(token_budget, bool)
-            or not isinstance(token_budget, int)
-            or token_budget < max_batch_size
-        ):
+        if not is_int(token_budget) or token_budget < max_batch_size:
             raise ValueError(
                 f"token_budget must be an integer >= max_batch_size ({max_batch_size}), got {token_budget!r}"
             )

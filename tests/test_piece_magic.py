@@ -80,8 +80,11 @@ def test_an_empty_exercise_is_saved_where_nothing_is_written_yet(folder):
 
 def test_the_cell_magic_is_registered_by_setup_and_writes_through_write_piece(folder, capsys):
     from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
 
-    shell = InteractiveShell.instance()
+    memory = Config()  # no history file: the shell would write one as the process exits
+    memory.HistoryManager.hist_file = ":memory:"
+    shell = InteractiveShell.instance(config=memory)
     try:
         course.setup(folder)
         shell.run_cell_magic("piece", "my_engine/continuous.py", WRITTEN)

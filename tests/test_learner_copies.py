@@ -60,8 +60,12 @@ def test_learner_copy_runs_without_an_error_cell(course_folder, name, monkeypatc
         nb.cells.insert(
             0, nbformat.v4.new_code_cell("import batchlab.model.backend as b\nprint(b.describe())")
         )
-    nb.cells.insert(0, nbformat.v4.new_code_cell(
-        "from batchlab.model.load import layers_kept\nprint('layers kept:', layers_kept(30))"))
+    nb.cells.insert(
+        0,
+        nbformat.v4.new_code_cell(
+            "from batchlab.model.load import layers_kept\nprint('layers kept:', layers_kept(30))"
+        ),
+    )
     errors = error_cells(nb, course_folder)
     assert not errors, f"{name}: error cells {errors}"
     assert f"layers kept: {MODEL_LAYERS}" in nb.cells[0].outputs[0]["text"], nb.cells[0].outputs

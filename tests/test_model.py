@@ -101,6 +101,7 @@ def test_fewer_layers_are_the_full_models_first_layers(lm, monkeypatch):
     here from the full model's own mlx-lm modules."""
     monkeypatch.setenv(batchlab.model.load.LAYERS_ENV, "2")
     cut = batchlab.load_model()
+    assert batchlab.model.load.layers_kept(30, 5) == 5  # an argument outranks the switch
     assert len(cut.model.model.layers) == cut.args.num_hidden_layers == 2
     assert cut.info.name.endswith("(its first 2 of 30 layers)"), cut.info.name
     assert cut.info.parameters < lm.info.parameters
@@ -121,6 +122,12 @@ def test_fewer_layers_refuses_a_bad_count(monkeypatch, value):
     monkeypatch.setenv(batchlab.model.load.LAYERS_ENV, value)
     with pytest.raises(ValueError, match="BATCHLAB_LAYERS must be a whole number from 1 to 30"):
         batchlab.model.load.layers_kept(30)
+
+
+@pytest.mark.parametrize("value", [0, 31, 2.0, True])
+def test_fewer_layers_refuses_a_bad_argument(value):
+    with pytest.raises(ValueError, match="layers must be a whole number from 1 to 30"):
+        batchlab.model.load.layers_kept(30, value)
 
 
 def test_config_rejects_other_architectures(gguf_meta):

@@ -21,6 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import llama
 
+from ..core.numbers import is_int
 from .backend import device as backend, gpu_path
 from .model_runner import ModelRunner
 from .tokenizer import Tokenizer
@@ -83,13 +84,17 @@ def default_dtype() -> mx.Dtype:
 LAYERS_ENV = "BATCHLAB_LAYERS"
 
 
-def layers_kept(block_count: int) -> int:
-    """How many of the model's ``block_count`` layers ``load_model`` keeps: all of them, unless
-    ``BATCHLAB_LAYERS`` says fewer. The same weights, tokenizer and code with fewer layers is a
+def layers_kept(block_count: int, layers: int | None = None) -> int:
+    """How many of the model's ``block_count`` layers ``load_model`` keeps: ``layers`` if given,
+    else all of them, unless ``BATCHLAB_LAYERS`` says fewer. The same weights, tokenizer and code with fewer layers is a
     real model that computes less and answers worse; the test suite runs the learner copies of
     the lessons on one, since they check that every cell runs, not what the model says (the
     solved lessons, the benchmarks and every figure use all the layers). ``batchlab info`` and
     the model's name say when layers are left out."""
+    if layers is not None:
+        if not is_int(layers) or not 1 <= layers <= block_count:
+            raise ValueError(f"layers must be a whole number from 1 to {block_count}, not {layers!r}")
+        return layers
     chosen = os.environ.get(LAYERS_ENV)
     if not chosen:
         return block_count
@@ -213,24 +218,35 @@ def _plain(value):
     return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
-def load_model(path: str | None = None, dtype: mx.Dtype | None = None) -> LoadedModel:
-    """The course's SmolLM2-135M-Instruct, or any mlx-lm model folder / hub id given as ``path``."""
+def load_model(
+    path: str | None = None, dtype: mx.Dtype | None = None, layers: int | None = None
+) -> LoadedModel:
+    """The course's SmolLM2-135M-Instruct, or any mlx-lm model folder / hub id given as ``path``.
+    ``layers`` keeps only the first that many of the course model's layers (``layers_kept``)."""
     if path is not None and not str(path).endswith(".gguf"):
         return _load_mlx_lm(path)
     source = Path(path) if path else gguf_path()
     dtype = dtype or default_dtype()
     meta, weights = _float32_weights(source)
     args = config_from_gguf(meta)
-    kept = layers_kept(args.num_hidden_layers)
+    kept = layers_kept(args.num_hidden_layers, layers)
     if kept < args.num_hidden_layers:
         args.num_hidden_layers, args.layer_types = kept, args.layer_types[:kept]
-        weights = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < kept}
+        weights = {
+            k: v
+            for k, v in weights.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < kept
+        }
     model = llama.Model(args)
     model.load_weights([(k, v.astype(dtype)) for k, v in weights.items()], strict=True)
     mx.eval(model.parameters())
     info = ModelInfo(
         name=(source.stem.split(".")[0] if path is None else source.stem)
-        + (f" (its first {kept} of {int(meta['llama.block_count'])} layers)" if kept < int(meta["llama.block_count"]) else ""),
+        + (
+            f" (its first {kept} of {int(meta['llama.block_count'])} layers)"
+            if kept < int(meta["llama.block_count"])
+            else ""
+        ),
         parameters=sum(int(v.size) for v in weights.values()),
         dtype=str(dtype).removeprefix("mlx.core."),
         backend=backend(),

@@ -114,16 +114,32 @@ def lesson_course_folder(lesson: Path) -> Path:
     return folder
 
 
+# Under nbval the solved lessons run the model's first two layers (``batchlab.model.load``'s
+# ``BATCHLAB_LAYERS``; the learner copies do too): the same weights, tokenizer and code at a
+# fraction of the compute. What nbval compares in them (schedules on the fake model, checkers'
+# verdicts, tokenization) does not depend on the depth, and no timing is compared. The lessons
+# whose compared cells print the whole model's own figures (its KV bytes per token, its greedy
+# tokens, its name as a server lists it) run all thirty layers. Every figure a learner reads in a
+# lesson comes from a run of the whole model (the committed outputs).
+LAYERS_ENV, LESSON_LAYERS = "BATCHLAB_LAYERS", "2"
+WHOLE_MODEL_LESSONS = {"05b_one_fused_pass", "07_serving", "08_memory"}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """nbval runs the solved lessons in notebooks/, so their kernels would write my_engine/
     there: each writes it to a folder of this run's temporary folder instead
     (``lesson_course_folder``; the kernel, started at a notebook's first cell, inherits the
-    variable). Nothing else sees it."""
+    variable). Nothing else sees it. The kernel takes the model's depth the same way."""
     if item.path.suffix == ".ipynb" and item.path.parent == ROOT / "notebooks":
         os.environ[COURSE_DIR_ENV] = str(lesson_course_folder(item.path))
+        if item.path.stem in WHOLE_MODEL_LESSONS:
+            os.environ.pop(LAYERS_ENV, None)
+        else:
+            os.environ[LAYERS_ENV] = LESSON_LAYERS
     else:
         os.environ.pop(COURSE_DIR_ENV, None)
+        os.environ.pop(LAYERS_ENV, None)
 
 
 def pytest_unconfigure(config):

@@ -130,6 +130,11 @@ def test_fewer_layers_refuses_a_bad_argument(value):
         batchlab.model.load.layers_kept(30, value)
 
 
+def test_fewer_layers_is_refused_for_an_mlx_lm_folder(tmp_path):
+    with pytest.raises(ValueError, match="layers applies to a GGUF model"):
+        batchlab.load_model(str(tmp_path), layers=2)
+
+
 def test_config_rejects_other_architectures(gguf_meta):
     with pytest.raises(ValueError, match="llama"):
         config_from_gguf({**gguf_meta, "general.architecture": "gpt2"})

@@ -86,11 +86,12 @@ LAYERS_ENV = "BATCHLAB_LAYERS"
 
 def layers_kept(block_count: int, layers: int | None = None) -> int:
     """How many of the model's ``block_count`` layers ``load_model`` keeps: ``layers`` if given,
-    else all of them, unless ``BATCHLAB_LAYERS`` says fewer. The same weights, tokenizer and code with fewer layers is a
-    real model that computes less and answers worse; the test suite runs the learner copies of
-    the lessons on one, since they check that every cell runs, not what the model says (the
-    solved lessons, the benchmarks and every figure use all the layers). ``batchlab info`` and
-    the model's name say when layers are left out."""
+    else all of them, unless ``BATCHLAB_LAYERS`` says fewer. The same weights, tokenizer and code
+    with fewer layers is a real model that computes less and answers worse. The test suite runs
+    it where a test checks that code runs, not what the model says or how fast (the learner
+    copies, most solved lessons under nbval, the bench's and the browser's plumbing); every
+    figure a lesson or the bench reports comes from all the layers. The model's name (which
+    ``batchlab info`` and a server's ``/v1/models`` show) says when layers are left out."""
     if layers is not None:
         if not is_int(layers) or not 1 <= layers <= block_count:
             raise ValueError(f"layers must be a whole number from 1 to {block_count}, not {layers!r}")
@@ -224,6 +225,8 @@ def load_model(
     """The course's SmolLM2-135M-Instruct, or any mlx-lm model folder / hub id given as ``path``.
     ``layers`` keeps only the first that many of the course model's layers (``layers_kept``)."""
     if path is not None and not str(path).endswith(".gguf"):
+        if layers is not None:
+            raise ValueError("layers applies to a GGUF model (the course's), not to an mlx-lm folder")
         return _load_mlx_lm(path)
     source = Path(path) if path else gguf_path()
     dtype = dtype or default_dtype()

@@ -126,6 +126,27 @@ def test_a_case_that_finishes_in_time_is_judged_as_before():
     assert isinstance(raised, ZeroDivisionError)
 
 
+def test_a_stop_that_lands_after_the_call_returned_does_not_escape(monkeypatch):
+    """The watchdog's last signal can land while the guard cleans up after a call that has just
+    returned (it was seen in the join): the guard must still return the call's outcome, never
+    raise the stop at its caller."""
+    real = threading.Thread
+
+    class LateStop(real):
+        landed = False
+
+        def join(self, *args, **kwargs):
+            if self.name == "batchlab-watchdog" and not LateStop.landed:
+                LateStop.landed = True
+                raise guard.OutOfTime()
+            return super().join(*args, **kwargs)
+
+    monkeypatch.setattr(guard.threading, "Thread", LateStop)
+    outcome = guard.run_guarded(lambda: 6 * 7)
+    assert LateStop.landed, "the guard ran no watchdog: this test tests nothing"
+    assert (outcome.value, outcome.error) == (42, None)
+
+
 class NeverAdmits(learner_pieces.MyContinuousScheduler):
     def admit(self):
         pass  # nobody ever starts: every step yields nothing

@@ -157,7 +157,8 @@ def _run_here(call: Callable[[], Any], limit_s: float) -> Outcome:
             try:
                 done.set()
                 watchdog.join()
-                if _armed.is_set():  # the watchdog fired: later signals raise nothing, a pending exception goes
+                # the watchdog fired: later signals raise nothing, a pending exception goes
+                if _armed.is_set():
                     _armed.clear()
                     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(me), None)
                 break

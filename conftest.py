@@ -50,7 +50,7 @@ collect_ignore = ["notebooks/learner"]
 
 
 # Tests that need the real model (or a browser, a server process, a notebook) are "slow";
-# `pytest -m "not slow"` runs the rest (fake model, pure logic): about 790 tests.
+# `pytest -m "not slow"` runs the rest (fake model, pure logic): about 900 tests.
 REAL_MODEL_FIXTURES = {
     "lm",
     "lm_two_layers",

@@ -170,3 +170,26 @@ def test_after_step_lets_clients_poll_and_cancel_between_steps():
     }
     assert trace.requests["r2"].first_token_s is None and len(trace.requests["r0"].output_ids) == 2
     assert all(polled[rid] == (r.output_ids, "done") for rid, r in trace.requests.items())
+
+
+def test_an_idle_engine_skips_to_the_next_arrival_instead_of_sleeping(monkeypatch):
+    """Requests an hour apart on a real engine: while it is idle, its ``EngineClock`` jumps to
+    the next arrival (the driver never sleeps), and every request is still submitted when due,
+    on the engine's clock, with its tokens and timestamps in order after it."""
+
+    def no_sleep(seconds):
+        raise AssertionError(f"the driver slept {seconds:.1f} s on an idle engine")
+
+    monkeypatch.setattr(driver.time, "sleep", no_sleep)
+    hour = 3600.0
+    reqs = [WorkloadRequest(f"r{i}", [1, 2, 3, 4], 3, arrival_s=i * hour) for i in range(3)]
+    engine = make_engine("continuous", LM, runner=FakeRunner, max_batch_size=2)
+    trace = run_workload(engine, Workload("w", "", reqs), progress=False)
+    t0 = trace.steps[0].start_s
+    for i, r in enumerate(reqs):
+        rec = trace.requests[r.id]
+        assert rec.arrival_s == pytest.approx(t0 + i * hour, abs=1.0), (r.id, rec.arrival_s - t0)
+        assert rec.arrival_s <= rec.first_token_s <= rec.finished_s < rec.arrival_s + hour
+        assert rec.finish_reason == "length" and len(rec.output_ids) == 3
+    assert engine.clock() >= 2 * hour  # the engine's own time (0 when made) went past the last arrival
+    assert engine.scheduler.clock is engine.clock

@@ -459,6 +459,23 @@ class Engine(EngineBase):
             return True
 
 
+class EngineClock:
+    """An engine's default clock: seconds of real time since it was made. ``advance_to(t)``
+    is for the one moment nothing runs, an idle engine waiting for the next request a
+    workload has yet to send (``driver.run_workload``): the clock jumps to ``t`` instead of
+    the driver sleeping until then. The engine holds no work, so every timestamp after it is
+    what a sleep would have given; only the wall time of the run is shorter."""
+
+    def __init__(self):
+        self.start, self.skipped = time.perf_counter(), 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.start + self.skipped
+
+    def advance_to(self, t: float) -> None:
+        self.skipped += max(0.0, t - self())
+
+
 def make_engine(
     kind: str | type[Scheduler],
     lm: Model,
@@ -486,8 +503,8 @@ def make_engine(
     fake), so the engine core never imports MLX. ``enable_prefix_cache`` (kinds that take KV on demand)
     shares the KV blocks of a prompt prefix that an earlier request already computed.
     ``admission`` bounds the queue and sheds stale requests (default: neither).
-    ``clock()`` gives every timestamp in seconds (default: real time since the engine
-    was made; the simulator passes its virtual clock). ``engine_class`` (``Engine``, or
+    ``clock()`` gives every timestamp in seconds (default: ``EngineClock``, real time since the
+    engine was made; the simulator passes its virtual clock). ``engine_class`` (``Engine``, or
     an ``EngineBase`` subclass with a learner's own poll/cancel front) is what gets built; ``lock``
     replaces its lock (a checker's counting one).
     """
@@ -514,12 +531,7 @@ def make_engine(
             math.ceil(max(max_seq_len, (batch + 1) * 1024) / kv_block_size) if isinstance(batch, int) else 1
         )
     blocks = BlockManager(num_kv_blocks, kv_block_size, enable_prefix_cache)
-    if clock is None:
-        t0 = time.perf_counter()
-
-        def clock() -> float:
-            return time.perf_counter() - t0
-
+    clock = EngineClock() if clock is None else clock
     scheduler = cls(blocks, clock, **options)
     if runner is None:  # the model says what runs it: the MLX side injects its runner
         runner = getattr(lm, "default_runner", None)

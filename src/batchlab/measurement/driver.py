@@ -43,8 +43,9 @@ def run_workload(
     engine's clock) has come, with ``arrival_s`` = when it was *due*: a request due while
     a step was running is submitted after the step, and that wait is part of its TTFT, as
     it would be in a server. When the engine is idle and the next request is still to
-    come, the driver waits: it sleeps on a real clock and jumps a virtual one (the
-    simulator's) forward. A request refused at the door (``QueueFull``) gets a record
+    come, the driver waits for it: a clock with ``advance_to`` (an engine's own
+    ``EngineClock``, the simulator's ``VirtualClock``) jumps forward to it, since nothing runs
+    meanwhile; any other clock is slept on. A request refused at the door (``QueueFull``) gets a record
     finished with reason ``"rejected"``, so the trace accounts for every request.
     ``priorities`` maps request ids to a ``submit`` priority. After ``timeout_s`` seconds
     the requests still running are cancelled. ``max_idle_steps`` steps in a row that run
@@ -75,7 +76,7 @@ def run_workload(
             if stepped:
                 idle = _after_step(engine, bar, idle, max_idle_steps)
             elif nxt < len(reqs):
-                wait_until(t0 + reqs[nxt].arrival_s)  # idle: wait for the next arrival
+                wait_until(t0 + reqs[nxt].arrival_s)  # idle: on to the next arrival
             else:
                 break
     finally:

@@ -361,7 +361,10 @@ def test_drafts_take_only_free_blocks_and_never_preempt():
         ({"prompt_lookup_min": 0}, "prompt_lookup_min must be an integer >= 1"),
         ({"prompt_lookup_max": 0}, "prompt_lookup_max must be an integer >= 1"),
         ({"prompt_lookup_max": 2.0}, "prompt_lookup_max must be an integer >= 1"),
-        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, r"prompt_lookup_min \(3\) must be <= prompt_lookup_max \(2\)"),
+        (
+            {"prompt_lookup_min": 3, "prompt_lookup_max": 2},
+            r"prompt_lookup_min \(3\) must be <= prompt_lookup_max \(2\)",
+        ),
     ],
 )
 def test_bad_option_values_are_refused(options, says):
@@ -438,6 +441,32 @@ def test_sampled_rows_same_seed_same_output_and_banned_ids_honoured():
                 assert made[rid] >= min_new, f"{rid} drafted before min_new_tokens"
         for rid, tokens in step.emitted.items():
             made[rid] += len(tokens)
+    check_trace(engine)
+
+
+# -- the cost model and the simulator -----------------------------------------------------------
+
+
+def test_a_verify_row_is_priced_as_a_prefill_chunk_of_one_plus_k_tokens():
+    from batchlab.core.costmodel import CostModel, pass_features
+    from batchlab.core.runner import Chunk
+
+    verify = Chunk("v", [7, 1, 2, 3], 100, num_drafts=3)
+    assert (pass_features([verify]) == pass_features([Chunk("p", [7, 1, 2, 3], 100)])).all()
+    cost = CostModel.load()
+    row = Chunk("d", [7], 100)
+    assert cost.predict([row]) < cost.predict([verify])
+
+
+def test_the_simulator_runs_speculation_on_its_cost_model():
+    from batchlab.measurement.simulator import make_sim_engine
+
+    engine = make_sim_engine("stallfree", max_batch_size=4, token_budget=32, num_speculative_tokens=3)
+    ids = [engine.submit([1, 2, 3] * 10, max_new_tokens=20, ignore_eos=True) for _ in range(4)]
+    engine.run_until_idle()
+    assert all(engine.poll(i)[1:] == ("done", "length") for i in ids)
+    stats = engine.stats()
+    assert stats["spec_drafted"] > 0 and engine.clock() > 0
     check_trace(engine)
 
 

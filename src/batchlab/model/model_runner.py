@@ -160,7 +160,9 @@ class ModelRunner(Runner):
         ends = np.cumsum([len(c.tokens) for c in chunks]) - 1
         last = np.zeros(0, dtype=np.int64)
         if head:  # each head chunk's last `head` packed positions, in the caller's order
-            last = np.concatenate([np.arange(ends[where[i]] - chunks[where[i]].num_drafts, ends[where[i]] + 1) for i in head])
+            last = np.concatenate(
+                [np.arange(ends[where[i]] - chunks[where[i]].num_drafts, ends[where[i]] + 1) for i in head]
+            )
         if self.cpu_path:
             return self._cpu.forward(chunks, rows, prefills, last, self.pool, self._tick)
 

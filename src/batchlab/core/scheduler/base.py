@@ -233,7 +233,10 @@ class Scheduler:
         request, in ``batch.requests`` order. (On-demand kinds took them while planning,
         with ``make_room``; for up-front kinds this is where reserved blocks are taken.)"""
         # a decode row: its last token, then its drafts if it has any (a verify row)
-        chunks = [self._chunk(r, r.next_input(), sample=True, drafts=batch.drafts.get(r.id, [])) for r in batch.decode]
+        chunks = [
+            self._chunk(r, r.next_input(), sample=True, drafts=batch.drafts.get(r.id, []))
+            for r in batch.decode
+        ]
         for req, n in batch.prefill:  # the prompt (+ generated tokens, recomputed after preemption)
             end = req.num_computed + n
             chunks.append(

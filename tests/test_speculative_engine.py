@@ -23,7 +23,9 @@ from test_kv import check_blocks
 from batchlab import make_engine
 from batchlab.core.fake import FakeModel, FakeRunner, next_token, reference_output
 from batchlab.core.kv import BlockManager
+from batchlab.core.metrics import summarize
 from batchlab.core.speculative import propose_ngram
+from batchlab.core.trace import Trace
 
 LM = FakeModel()
 EOS = frozenset({LM.eos_id})
@@ -190,6 +192,11 @@ def test_all_drafts_accepted_yields_k_plus_one_tokens_a_pass():
     # after its prefill's token, 32 tokens in 8 verify rows of 4
     assert all(len(s.emitted[r]) == 4 for s in engine.trace.steps for r in s.drafts)
     assert stats["spec_passes_per_token"] == 0.25
+    # the trace keeps the drafts through JSON: the metrics read the same from a saved run
+    saved = summarize(Trace.from_json(engine.trace.to_json()))
+    assert {k: v for k, v in saved.items() if k.startswith("spec")} == {
+        k: v for k, v in stats.items() if k.startswith("spec")
+    }
     check_trace(engine)
 
 

@@ -24,7 +24,7 @@ from batchlab import make_engine
 from batchlab.core.fake import FakeModel, FakeRunner, next_token, reference_output
 from batchlab.core.kv import BlockManager
 from batchlab.core.metrics import summarize
-from batchlab.core.speculative import propose_ngram
+from batchlab.core.speculative import accept_sampled, propose_ngram
 from batchlab.core.trace import Trace
 
 LM = FakeModel()
@@ -449,6 +449,82 @@ def test_sampled_rows_same_seed_same_output_and_banned_ids_honoured():
         for rid, tokens in step.emitted.items():
             made[rid] += len(tokens)
     check_trace(engine)
+
+
+NEW = 4  # tokens each sampled request makes: the prefill's, then verify rows of up to 2 drafts
+
+
+def sampled_joint(accept=None, n=3000):
+    """The ``NEW`` tokens of ``n`` seeded sampled requests (top-k 3, EOS ignored) on one
+    echo-heavy prompt, with 2 speculative tokens: a Counter of token tuples. ``accept``
+    replaces the scheduler's acceptance rule (a wrong one, to see the check fail)."""
+    engine = engine_for(SoftEchoRunner, num_speculative_tokens=2, max_batch_size=16, token_budget=64)
+    if accept is not None:
+        engine.scheduler.accept = accept
+    prompt = [3, 9, 4, 7, 5] * 3
+    ids = [
+        engine.submit(prompt, max_new_tokens=NEW, temperature=1.0, top_k=3, seed=i, ignore_eos=True)
+        for i in range(n)
+    ]
+    engine.run_until_idle()
+    stats = engine.stats()
+    assert stats["spec_drafted"] > n, "most requests verified drafts"
+    if accept is None:
+        assert 0 < stats["spec_accepted"] < stats["spec_drafted"], "drafts accepted and rejected"
+    return prompt, Counter(tuple(engine.poll(i)[0]) for i in ids)
+
+
+def exact_joint(prompt, depth=NEW) -> dict[tuple, float]:
+    """P(t0, ..., t_depth-1) straight from the model's logits (top-k 3, temperature 1), no engine."""
+    if depth == 0:
+        return {(): 1.0}
+    logits = SoftEchoRunner.soft(prompt)
+    best = np.argsort(-logits)[:3]
+    p = np.exp(logits[best] - logits[best].max())
+    return {
+        (int(t), *rest): pt * q
+        for t, pt in zip(best, p / p.sum())
+        for rest, q in exact_joint(prompt + [int(t)], depth - 1).items()
+    }
+
+
+def chi_square_p001(counts: Counter, probs: dict) -> tuple[float, float]:
+    """Pearson's statistic over the cells expected at least 5 times (the rest pooled in one),
+    and its critical value at alpha = 0.001 (Wilson-Hilferty; a sequence the model never
+    makes counts as infinitely unlikely)."""
+    n = sum(counts.values())
+    if set(counts) - set(probs):
+        return float("inf"), 0.0
+    big = [cell for cell, p in probs.items() if p * n >= 5]
+    observed = [counts[c] for c in big] + [n - sum(counts[c] for c in big)]
+    expected = [probs[c] * n for c in big] + [n - sum(probs[c] * n for c in big)]
+    if expected[-1] < 5:  # nothing worth a cell left over
+        observed[-2] += observed.pop()
+        expected[-2] += expected.pop()
+    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    k = len(expected) - 1
+    return stat, k * (1 - 2 / (9 * k) + 3.090 * (2 / (9 * k)) ** 0.5) ** 3
+
+
+def test_sampled_rows_keep_the_models_distribution_through_the_engine():
+    """Sampled requests with speculation emit their tokens with exactly the model's joint
+    distribution (a chi-square test against probabilities computed from the logits alone);
+    an engine that keeps every draft fails the same test."""
+    prompt, counts = sampled_joint()
+    stat, critical = chi_square_p001(counts, exact_joint(prompt))
+    assert stat < critical, f"chi-square {stat:.1f} >= {critical:.1f}"
+
+    def keep_every_draft(req, drafts, picks):
+        return [*drafts, picks[-1]]
+
+    def bonus_from_the_end(req, drafts, picks):  # the model's token always from the last position
+        kept = accept_sampled(drafts, picks)
+        return [*kept[:-1], picks[-1]]
+
+    for wrong in (keep_every_draft, bonus_from_the_end):
+        prompt, counts = sampled_joint(accept=wrong, n=1000)
+        stat, critical = chi_square_p001(counts, exact_joint(prompt))
+        assert stat > critical, f"the check cannot tell {wrong.__name__} is wrong"
 
 
 # -- the cost model and the simulator -----------------------------------------------------------

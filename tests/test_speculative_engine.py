@@ -24,6 +24,7 @@ from batchlab import make_engine
 from batchlab.core.fake import FakeModel, FakeRunner, next_token, reference_output
 from batchlab.core.kv import BlockManager
 from batchlab.core.metrics import summarize
+from batchlab.core.scheduler import StallFreeScheduler
 from batchlab.core.speculative import accept_sampled, propose_ngram
 from batchlab.core.trace import Trace
 
@@ -212,6 +213,30 @@ def test_eos_inside_an_accepted_run_ends_it_there():
     # the prefill gave 6; one verify row carried 7, EOS, 8, 5 and handed out 7, EOS only
     (verify,) = [s for s in engine.trace.steps if s.drafts]
     assert verify.emitted == {"req-0": [7, LM.eos_id]} and verify.accepted == {"req-0": 2}
+    check_trace(engine)
+
+
+class StopsAfterThirteen(StallFreeScheduler):
+    """A kind with a finishing rule of its own (as a learner's may have): 13 ends a request."""
+
+    kind = "stops-after-13"
+
+    def finish_reason(self, req, token):
+        return "stop" if token == 13 else super().finish_reason(req, token)
+
+
+@pytest.mark.parametrize("how", ["stop_token_ids", "the kind's own rule"])
+def test_every_finishing_rule_applies_inside_an_accepted_run(how):
+    prompt = [11, 12, 9, 13, 14] * 3 + [11]  # the model echoes 12, 9, 13, 14, ...
+    kind = StopsAfterThirteen if how != "stop_token_ids" else "stallfree"
+    options = dict(max_batch_size=4, token_budget=24, kv_block_size=4, num_speculative_tokens=4)
+    engine = make_engine(kind, LM, runner=PureEchoRunner, **options)
+    stops = [13] if how == "stop_token_ids" else []
+    rid = engine.submit(prompt, max_new_tokens=20, stop_token_ids=stops)
+    engine.run_until_idle()
+    assert engine.poll(rid) == ([12, 9, 13], "done", "stop")
+    (verify,) = [s for s in engine.trace.steps if s.drafts]
+    assert verify.drafts == {rid: 4} and verify.emitted == {rid: [9, 13]}
     check_trace(engine)
 
 

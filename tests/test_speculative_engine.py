@@ -193,6 +193,7 @@ def test_all_drafts_accepted_yields_k_plus_one_tokens_a_pass():
     # after its prefill's token, 32 tokens in 8 verify rows of 4
     assert all(len(s.emitted[r]) == 4 for s in engine.trace.steps for r in s.drafts)
     assert stats["spec_passes_per_token"] == 0.25
+    assert stats["decode_step_s"] is None, "a step of verify rows is no plain decode step"
     # the trace keeps the drafts through JSON: the metrics read the same from a saved run
     saved = summarize(Trace.from_json(engine.trace.to_json()))
     assert {k: v for k, v in saved.items() if k.startswith("spec")} == {

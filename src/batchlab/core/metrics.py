@@ -197,7 +197,9 @@ def scheduler_share(trace: Trace) -> float | None:
 
 
 def _decode_only(trace: Trace):
-    return [s for s in trace.steps if s.decoded and not s.prefill and not s.padding]
+    """Steps of plain decode rows only: no prefill, no padding, no drafts (a verify row is a
+    chunk of 1 + k tokens, not a decode row's one)."""
+    return [s for s in trace.steps if s.decoded and not s.prefill and not s.padding and not s.drafts]
 
 
 def decode_step_s(trace: Trace, batch_size: int | None = None, forward_only: bool = False) -> float | None:

@@ -584,22 +584,26 @@ def test_the_simulator_runs_speculation_on_its_cost_model():
 
 @pytest.mark.slow
 def test_real_model_echo_prompt_same_answer_with_and_without_speculation(lm):
+    """The course's model asked to repeat a list: greedy answers with 4 speculative tokens and
+    without are the same (up to a near-tie), drafts are accepted, and fewer steps run."""
     from near_tie import near_tie_for, parting_problem
 
     words = "apple, river, candle, mountain, violin, pepper, window, comet, garden, ladder, ocean, pencil"
-    text = f"Repeat this list exactly: {words}"
-    prompt = lm.tokenizer.encode_chat([{"role": "user", "content": text}])
+    prompt = lm.tokenizer.encode_chat([{"role": "user", "content": f"Repeat this list exactly: {words}"}])
     n = 48
     answers, stats = {}, {}
     for k in (0, 4):
         engine = make_engine("stallfree", lm, max_batch_size=2, token_budget=32, num_speculative_tokens=k)
-        rid = engine.submit(prompt, max_new_tokens=n, ignore_eos=True)
+        rid = engine.submit(prompt, max_new_tokens=n)
         engine.run_until_idle()
-        answers[k], stats[k] = engine.poll(rid)[0], engine.stats()
-    assert len(answers[0]) == len(answers[4]) == n
-    assert stats[4]["spec_acceptance_rate"] > 0 and stats[4]["steps"] < stats[0]["steps"]
-    if answers[4] != answers[0]:  # only a near-tie may part them
-        for k in (0, 4):
-            wrong = parting_problem(lm, prompt, answers[k], n, near_tie_for(lm), ignore_eos=True)
+        answers[k], stats[k] = engine.poll(rid), engine.stats()
+    print(
+        repr(lm.tokenizer.decode(answers[4][0])), {k: v for k, v in stats[4].items() if k.startswith("spec")}
+    )
+    for k in (0, 4):
+        tokens, status, reason = answers[k]
+        assert status == "done" and (reason == "stop") == (tokens[-1] in lm.tokenizer.eos_token_ids)
+        if tokens != answers[0][0]:  # only a near-tie may part them from the reference
+            wrong = parting_problem(lm, prompt, tokens, n, near_tie_for(lm))
             assert wrong is None, f"k={k}: {wrong}"
-    print(lm.tokenizer.decode(answers[4]), {k: v for k, v in stats[4].items() if k.startswith("spec")})
+    assert stats[4]["spec_acceptance_rate"] > 0 and stats[4]["steps"] < stats[0]["steps"]

@@ -86,9 +86,6 @@ def random_prompt(rng) -> list[int]:
     return [rng.randrange(1, LM.vocab_size) for _ in range(rng.randint(3, 40))]
 
 
-PROMPTS: dict[int, dict[str, list[int]]] = {}  # id(engine) -> request id -> prompt
-
-
 def engine_for(runner, **options):
     options = {"max_batch_size": 4, "token_budget": 24, "kv_block_size": 4, **options}
     return make_engine("stallfree", LM, runner=runner, **options)
@@ -96,7 +93,7 @@ def engine_for(runner, **options):
 
 def run(engine, requests, check_each_step=False, **params):
     ids = [engine.submit(p, max_new_tokens=m, **params) for p, m in requests]
-    PROMPTS.setdefault(id(engine), {}).update(zip(ids, (p for p, _ in requests)))
+    engine.__dict__.setdefault("test_prompts", {}).update(zip(ids, (p for p, _ in requests)))
     while engine.step():
         if check_each_step:
             check_blocks(engine.scheduler.blocks)
@@ -130,7 +127,7 @@ def check_cached_blocks_are_verified(engine) -> None:
     tokens and everything before them are those the block's keys and values came from."""
     real = set()
     bs = engine.scheduler.blocks.block_size
-    for rid, prompt in PROMPTS[id(engine)].items():
+    for rid, prompt in engine.test_prompts.items():  # every prompt ``run`` submitted to it
         seq, key = prompt + engine.trace.requests[rid].output_ids, b""
         for i in range(len(seq) // bs):
             key = BlockManager.block_key(key, seq[i * bs : (i + 1) * bs])

@@ -67,6 +67,8 @@ CONFIGS = {  # every kind, each with prefill chunks over earlier context where i
 }
 
 
+SPECULATIVE = "stallfree, speculative"  # num_speculative_tokens=3, the long prompt alone
+
 # In float16 (and the loop without an engine): the starved learner engine's fused,
 # chunked, paged passes are every mask and KV layout the library's stall-free kind would take in
 # float16 too, and it runs them in float32 beside (MLX's float16 CPU kernels are slow here).
@@ -143,6 +145,12 @@ def gpu_runs(lm, lm_two_layers, workload):
                 engine.run_until_idle()
                 answers[label].append(engine.poll(again)[:2])
                 stats[label] = engine.stats()
+            # speculative decoding: verify rows (multi-token chunks over earlier context, the
+            # LM head at each of their last 1 + k positions) on the GPU path, the long prompt alone
+            engine = make_engine("stallfree", lm, max_batch_size=1, token_budget=24, num_speculative_tokens=3)
+            rid = engine.submit(workload[3], max_new_tokens=NEW_TOKENS, ignore_eos=True)
+            engine.run_until_idle()
+            answers[SPECULATIVE], stats[SPECULATIVE] = [engine.poll(rid)[:2]], engine.stats()
             # the sequential loop of lesson 0, no engine: greedy, EOS ignored
             answers["generate"] = [
                 (generate(lm16, p, NEW_TOKENS, ignore_eos=True).token_ids, "done") for p in workload[3:]
@@ -193,6 +201,14 @@ def test_every_kind_on_the_gpu_path_gives_the_float32_answers(lm, lm_two_layers,
         reference = lm_two_layers if label in FLOAT16 else lm  # float32, as deep as the run
         wrong = parting_problem(reference, prompt, tokens, NEW_TOKENS, NEAR_TIE_F16, ignore_eos=not eos)
         assert wrong is None, f"{label}: {wrong}"
+
+
+def test_speculation_on_the_gpu_path_gives_the_float32_answer(lm, workload, gpu_runs):
+    (tokens, status), stats = gpu_runs[1][SPECULATIVE][0], gpu_runs[4][SPECULATIVE]
+    assert stats["spec_drafted"] > 0, "prompt lookup proposed drafts: verify rows ran"
+    assert status == "done" and len(tokens) == NEW_TOKENS
+    wrong = parting_problem(lm, workload[3], tokens, NEW_TOKENS, NEAR_TIE_F16, ignore_eos=True)
+    assert wrong is None, f"{SPECULATIVE}: {wrong}"
 
 
 def test_the_starved_pool_preempted_and_the_prefix_cache_hit(gpu_runs):

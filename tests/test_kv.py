@@ -88,6 +88,33 @@ def test_prefix_blocks_are_shared_cached_and_evicted_least_recent_first():
     check_blocks(bm)
 
 
+def test_truncate_frees_the_blocks_wholly_past_a_length():
+    """Speculative decoding's rewind: a table shrinks to the blocks its first n tokens use."""
+    bm = BlockManager(6, 4, enable_prefix_cache=True)
+    assert bm.ensure("a", 11) == [0, 1, 2]
+    bm.truncate("a", 8)  # positions 0-7: exactly two blocks, the third held only 8-10
+    assert bm.tables["a"] == [0, 1] and bm.num_free == 4 and bm.free_blocks[-1] == 2
+    bm.truncate("a", 5)  # position 4 is in block 1: it stays
+    assert bm.tables["a"] == [0, 1]
+    bm.truncate("a", 9)  # never grows
+    assert bm.tables["a"] == [0, 1]
+    check_blocks(bm)
+    # a block another request shares loses one holder, not its keys and values
+    seq = [5, 6, 7, 8, 9]
+    bm.cache_full_blocks("a", 5, lambda i, j: seq[i:j])
+    bm.share("b", bm.lookup(seq + [1]))
+    bm.ensure("b", 7)
+    bm.truncate("b", 0)
+    assert bm.tables["b"] == [] and bm.ref_counts[0] == 1 and bm.tables["a"] == [0, 1]
+    bm.truncate("a", 0)  # the cached block stays cached, evictable
+    assert list(bm.evictable) == [0] and bm.num_free == 6
+    bm.truncate("nobody", 3)  # a request with no blocks: nothing to do
+    check_blocks(bm)
+    for bad in (-1, 1.5, None, True):
+        with pytest.raises(ValueError, match="num_tokens must be an integer >= 0"):
+            bm.truncate("a", bad)
+
+
 def test_prefix_cache_off_caches_nothing():
     bm = BlockManager(4, 2)
     bm.ensure("a", 4)

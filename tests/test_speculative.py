@@ -2,8 +2,8 @@
 
 ``propose_ngram`` against a brute-force search written with plain loops; ``accept_sampled``
 against the distribution it must keep (a chi-square test over many seeded trials, which a
-wrong acceptance rule is shown to fail); ``accept_greedy`` and ``finish_within`` against hand
-cases and the one-token finishing rule. No model: the whole file runs in about a second.
+wrong acceptance rule is shown to fail); ``accept_greedy`` against hand cases. (The finishing
+rules inside an accepted run are the engine's: ``test_speculative_engine.py``.) No model: the whole file runs in about a second.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batchlab.core.speculative import accept_greedy, accept_sampled, finish_within, propose_ngram
+from batchlab.core.speculative import accept_greedy, accept_sampled, propose_ngram
 
 # --- propose_ngram ----------------------------------------------------------------------
 
@@ -200,59 +200,3 @@ def test_the_joint_check_catches_a_wrong_second_distribution():
     runs = emitted(accept_sampled, second_from=P)
     assert first_token_chi_square(runs) < CRITICAL[3]
     assert first_two_chi_square(runs) > CRITICAL[6]
-
-
-# --- finish_within ----------------------------------------------------------------------
-
-
-def test_finish_within_hand_cases():
-    eos = frozenset({2})
-    assert finish_within([5, 2, 7], eos, 10, 10) == ([5, 2], "stop")  # EOS kept
-    assert finish_within([5, 6, 7, 8], eos, 2, 10) == ([5, 6], "length")  # max_new_tokens
-    assert finish_within([5, 6, 7, 8], eos, 10, 3) == ([5, 6, 7], "length")  # max_seq_len
-    assert finish_within([5, 6], eos, 2, 10) == ([5, 6], "length")  # reached at the run's end
-    assert finish_within([5, 6], eos, 5, 5) == ([5, 6], None)  # finishes nothing
-    assert finish_within([], eos, 5, 5) == ([], None)
-    assert finish_within([5, 6], eos, 0, 5) == ([], "length")  # nothing left to add
-    assert finish_within([5, 6], eos, 5, 0) == ([], "length")
-
-
-def test_finish_within_the_earlier_rule_wins():
-    eos = {2, 3}
-    assert finish_within([5, 2, 7, 8], eos, 3, 10) == ([5, 2], "stop")  # EOS before the limit
-    assert finish_within([5, 6, 7, 3], eos, 2, 10) == ([5, 6], "length")  # limit before EOS
-    assert finish_within([5, 6, 7, 8], eos, 3, 2) == ([5, 6], "length")  # room before tokens_left
-    assert finish_within([5, 6, 7, 8], eos, 2, 3) == ([5, 6], "length")
-    assert finish_within([5, 3, 2], eos, 10, 10) == ([5, 3], "stop")  # the first EOS
-    # an EOS on the last allowed token is a stop, as the one-token rule decides
-    assert finish_within([5, 2, 7], eos, 2, 2) == ([5, 2], "stop")
-
-
-def one_token_at_a_time(accepted, eos_ids, tokens_left, room):
-    """The reference: add the run's tokens one by one, checking the finishing rules after
-    each (the rule a plain decode step applies), and before the first if nothing fits."""
-    if min(tokens_left, room) == 0:
-        return [], "length"
-    kept = []
-    for token in accepted:
-        kept.append(token)
-        if token in eos_ids:
-            return kept, "stop"
-        if len(kept) >= tokens_left or len(kept) >= room:
-            return kept, "length"
-    return kept, None
-
-
-def test_finish_within_matches_the_one_token_rule():
-    rng = np.random.default_rng(5)
-    for _ in range(500):
-        run = rng.integers(0, 8, size=int(rng.integers(0, 7))).tolist()
-        eos = set(rng.choice(8, size=int(rng.integers(0, 3)), replace=False).tolist())
-        tokens_left, room = (int(x) for x in rng.integers(0, 8, size=2))
-        assert finish_within(run, eos, tokens_left, room) == one_token_at_a_time(run, eos, tokens_left, room)
-
-
-@pytest.mark.parametrize("tokens_left, room", [(-1, 5), (5, -1), (1.0, 5), (5, None), (True, 5)])
-def test_finish_within_rejects_bad_limits(tokens_left, room):
-    with pytest.raises(ValueError):
-        finish_within([1, 2], {2}, tokens_left, room)

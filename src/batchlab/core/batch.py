@@ -23,10 +23,17 @@ class Batch:
     prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, prompt tokens)
     padding: list[Request] = field(default_factory=list)  # static: finished rows still computed
     padding_tokens: int = 0  # static: prompt padding a padded batch would compute (not run)
+    # speculative decoding: request id -> the draft tokens its decode row carries (a verify
+    # row of 1 + k tokens); ``postprocess`` fills ``accepted``: id -> drafts that became output
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decode) + len(self.padding) + sum(n for _, n in self.prefill)
+        """Tokens this pass pushes through the model: decode rows (with their drafts),
+        padding rows and prefill chunks."""
+        drafted = sum(len(self.drafts.get(r.id, ())) for r in self.decode)
+        return len(self.decode) + drafted + len(self.padding) + sum(n for _, n in self.prefill)
 
     @property
     def requests(self) -> list[Request]:

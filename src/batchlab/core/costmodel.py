@@ -34,7 +34,9 @@ FEATURES = (
 
 
 def pass_features(chunks: Sequence[Chunk]) -> np.ndarray:
-    """The ``FEATURES`` of one forward pass over ``chunks``."""
+    """The ``FEATURES`` of one forward pass over ``chunks``. A verify row (a decode row with
+    k drafts, speculative decoding) is what it computes: a chunk of 1 + k tokens over its
+    context, priced as a prefill chunk (its attention is one, in every runner)."""
     rows = [c.start + 1 for c in chunks if len(c.tokens) == 1]
     prefills = [(len(c.tokens), c.start + len(c.tokens)) for c in chunks if len(c.tokens) > 1]
     return np.array(

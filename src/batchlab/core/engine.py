@@ -301,6 +301,8 @@ class EngineBase:
         record.slot_of.update({r.id: r.slot for r in batch.requests if r.slot is not None})
         record.padding += [r.id for r in batch.padding]
         record.padding_tokens += batch.padding_tokens
+        for rid, drafts in batch.drafts.items():
+            record.drafts[rid] = record.drafts.get(rid, 0) + len(drafts)
 
     def _run(self, batch: Batch, chunks, record: StepRecord) -> None:
         """One forward pass, outside the lock; the scheduler takes the new tokens (or the
@@ -325,6 +327,8 @@ class EngineBase:
                 if reason is not None:
                     self._count(reason)
                     record.finished[req.id] = reason
+            for rid, n in batch.accepted.items():
+                record.accepted[rid] = record.accepted.get(rid, 0) + n
 
     def _pass_failed(self, e: Exception, num_chunks: int) -> None:
         """Count a failed pass; log the first failure with its traceback, later ones in a line,

@@ -72,10 +72,12 @@ class FakeRunner(Runner):
         self.passes: list[list[Chunk]] = []
 
     def forward(self, chunks: list[Chunk]) -> np.ndarray:
-        """Logits [len(chunks), vocab] that put all weight on the fake model's choice."""
+        """Logits [sum of the chunks' heads, vocab] that put all weight on the fake model's
+        choice after each chunk's last ``chunk.head`` positions (one, or 1 + k for a verify row)."""
         self.passes.append(chunks)
-        logits = np.full((len(chunks), self.lm.vocab_size), -1e9, dtype=np.float32)
-        for row, chunk in enumerate(chunks):
+        logits = np.full((sum(c.head for c in chunks), self.lm.vocab_size), -1e9, dtype=np.float32)
+        row = 0
+        for chunk in chunks:
             writes = chunk.kv_addresses(chunk.start, chunk.end, self.block_size)
             context = self.kv[chunk.kv_addresses(0, chunk.start, self.block_size)]
             if (context < 0).any():
@@ -84,8 +86,15 @@ class FakeRunner(Runner):
                     f"cache has never-written positions before it (a gap)"
                 )
             self.kv[writes] = chunk.tokens
-            logits[row, next_token(context.tolist() + list(chunk.tokens), self.lm.vocab_size)] = 0.0
+            seq = context.tolist() + list(chunk.tokens)
+            for cut in range(len(seq) - chunk.head + 1, len(seq) + 1):
+                logits[row, self.choose(seq[:cut])] = 0.0
+                row += 1
         return logits
+
+    def choose(self, sequence: list[int]) -> int:
+        """The fake model's token after ``sequence`` (a test's runner may choose otherwise)."""
+        return next_token(sequence, self.lm.vocab_size)
 
     def sample(self, logits: np.ndarray, rows: list[int], samplers) -> list[int]:
         return sample_rows(logits[rows], samplers)

@@ -18,6 +18,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .numbers import is_int
+
 
 class BlockManager:
     """Bookkeeping only (pure Python): which blocks are free, who holds which, what is cached.
@@ -129,16 +131,32 @@ class BlockManager:
                     f"requests share"
                 )
 
+    def truncate(self, req_id: str, num_tokens: int) -> None:
+        """Shrink ``req_id``'s table to the blocks its first ``num_tokens`` tokens use, freeing
+        the blocks wholly past them, last first (a speculative row's rejected drafts: their
+        keys and values are garbage, and the request's length went back). A block past the
+        length holds no full-block name (only computed blocks are cached), so it frees plainly."""
+        if not is_int(num_tokens) or num_tokens < 0:
+            raise ValueError(f"num_tokens must be an integer >= 0, got {num_tokens!r}")
+        table = self.tables.get(req_id, [])
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            self._drop(table.pop())
+
+    def _drop(self, block: int) -> None:
+        """One table lets go of ``block``: free (or evictable, if cached) when nobody holds it."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            if block in self.key_of:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+
     def release(self, req_id: str) -> None:
         """Drop ``req_id``'s hold on its blocks. Its last block goes first, so a cached
         prompt's tail is evicted before its head (the head is what others share)."""
         for block in reversed(self.tables.pop(req_id, [])):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if block in self.key_of:
-                    self.evictable[block] = None
-                else:
-                    self.free_blocks.append(block)
+            self._drop(block)
         self.reserved.pop(req_id, None)
         self.keys.pop(req_id, None)
 

@@ -24,6 +24,14 @@ The terms:
   ``slo.max_tbt_s`` (a max-TBT SLO: one stall fails the request). Not to be confused with
   ``loadgen``'s client-side goodput, which bounds a request's *mean* TPOT (vLLM's rule),
   so a single stall there is averaged away.
+- **Speculative decoding** (prompt lookup): a *verify row* is a decode row that carried
+  draft tokens. ``spec_drafted`` / ``spec_accepted``: drafts proposed, and drafts the model
+  agreed with that became output tokens; ``spec_acceptance_rate`` the second over the first;
+  ``spec_tokens_per_verify_row``: 1 + accepted drafts per verify row, the tokens a verify
+  row yields on average (vLLM's "mean acceptance length"); ``spec_passes_per_token``: decode
+  rows (each one model pass of its request) per token they yielded, 1.0 without speculation,
+  below 1 when drafts pay. (A run cut short by a finishing rule yields a token fewer than
+  counted; a prefill's first token is not a decode row's and counts in neither.)
 - **Scheduler share**: ``1 - Σ forward_s / Σ step duration``: the fraction of step time
   spent outside the model's forward passes (scheduling, sampling, bookkeeping).
 
@@ -189,7 +197,9 @@ def scheduler_share(trace: Trace) -> float | None:
 
 
 def _decode_only(trace: Trace):
-    return [s for s in trace.steps if s.decoded and not s.prefill and not s.padding]
+    """Steps of plain decode rows only: no prefill, no padding, no drafts (a verify row is a
+    chunk of 1 + k tokens, not a decode row's one)."""
+    return [s for s in trace.steps if s.decoded and not s.prefill and not s.padding and not s.drafts]
 
 
 def decode_step_s(trace: Trace, batch_size: int | None = None, forward_only: bool = False) -> float | None:
@@ -208,6 +218,24 @@ def decode_step_by_batch(trace: Trace) -> dict[int, float]:
     for s in _decode_only(trace):
         by.setdefault(len(s.decoded), []).append(s.duration_s)
     return {b: _median(v) for b, v in sorted(by.items())}
+
+
+# -- speculative decoding ---------------------------------------------------------------------
+def speculation(trace: Trace) -> dict:
+    """Drafts proposed and accepted over the run, the acceptance rate, the tokens a verify row
+    yields on average and the decode rows per token they yielded (None where undefined)."""
+    drafted = sum(sum(s.drafts.values()) for s in trace.steps)
+    accepted = sum(sum(s.accepted.values()) for s in trace.steps)
+    verify_rows = sum(len(s.drafts) for s in trace.steps)
+    rows = sum(len(s.decoded) for s in trace.steps)
+    return {
+        "spec_drafted": drafted,
+        "spec_accepted": accepted,
+        "spec_acceptance_rate": accepted / drafted if drafted else None,
+        "spec_verify_rows": verify_rows,
+        "spec_tokens_per_verify_row": 1 + accepted / verify_rows if verify_rows else None,
+        "spec_passes_per_token": rows / (rows + accepted) if rows else None,
+    }
 
 
 # -- goodput ----------------------------------------------------------------------------------
@@ -264,6 +292,7 @@ def summarize(trace: Trace, slo: SLO | None = None, decode_batch: int | None = N
         **padding_waste(trace),
         "scheduler_share": scheduler_share(trace),
         "decode_step_s": decode_step_s(trace, decode_batch),
+        **speculation(trace),
     }
     if slo is not None:
         out.update(goodput(trace, slo), slo_ttft_s=slo.ttft_s, slo_max_tbt_s=slo.max_tbt_s)

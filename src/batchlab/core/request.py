@@ -3,7 +3,8 @@
     queued -> prefilling -> (awaiting slot) -> decoding -> finished
 
 *Prefill* runs the prompt's tokens through the model to fill the KV cache; it ends by
-sampling the first new token. *Decode* then adds one token per step. A request
+sampling the first new token. *Decode* then adds one token per step (or several, when
+speculative decoding's drafts are accepted: ``scheduler.StallFreeScheduler.drafts``). A request
 finishes on an EOS token ("stop"), at max_new_tokens or the maximum sequence length
 ("length"), when cancelled ("cancelled"), shed by an overloaded engine ("shed"), or when
 its forward pass failed ("error").

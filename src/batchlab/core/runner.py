@@ -35,17 +35,28 @@ class Model(Protocol):
 class Chunk:
     """Consecutive tokens of one sequence for the runner: one token for a decode row,
     several for a prefill chunk. ``sampler`` is set when the chunk's last position
-    yields the sequence's next token (a decode row, or the chunk that ends a prefill)."""
+    yields the sequence's next token (a decode row, or the chunk that ends a prefill).
+
+    A *verify row* (speculative decoding) is a decode row with drafts: ``[last, d1..dk]``
+    at ``start = num_computed``, its last ``num_drafts`` tokens guesses. The runner then
+    samples at each of its last ``1 + num_drafts`` positions (``head``): the model's own
+    pick after the context, after ``d1``, ..., after ``dk``."""
 
     req_id: str
     tokens: list[int]
     start: int  # position of tokens[0] in its sequence (= tokens already in the KV cache)
     block_table: list[int] = field(default_factory=list)  # KV blocks of positions 0, bs, 2bs, ...
     sampler: Sampler | None = None
+    num_drafts: int = 0  # the last num_drafts tokens are drafts to verify
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def head(self) -> int:
+        """Positions (the chunk's last ones) whose next-token distribution the pass needs."""
+        return 1 + self.num_drafts
 
     def kv_addresses(self, start: int, stop: int, block_size: int) -> np.ndarray:
         """Flat KV-pool addresses of positions ``start..stop-1`` (vLLM calls this the slot mapping):
@@ -62,7 +73,8 @@ class Chunk:
 
 class Runner:
     """Runs chunks as one forward pass. Subclasses give ``forward`` (logits of each chunk's
-    last position, [len(chunks), vocab]) and ``sample`` (tokens from some of those rows)."""
+    last ``chunk.head`` positions, in order, stacked: [sum of heads, vocab]) and ``sample``
+    (tokens from some of those rows)."""
 
     def forward(self, chunks: list[Chunk]):
         raise NotImplementedError
@@ -70,12 +82,38 @@ class Runner:
     def sample(self, logits, rows: list[int], samplers: list[Sampler]) -> list[int]:
         raise NotImplementedError
 
-    def run(self, chunks: list[Chunk]) -> list[int | None]:
-        """One pass; the next token of every chunk that has a sampler, None for the others."""
+    def run(self, chunks: list[Chunk]) -> list[int | list[int] | None]:
+        """One pass; the next token of every chunk that has a sampler (for a verify row, the
+        list of its ``1 + num_drafts`` picks), None for the others."""
         logits = self.forward(chunks)
-        rows = [i for i, c in enumerate(chunks) if c.sampler is not None]
-        tokens: list[int | None] = [None] * len(chunks)
-        if rows:
-            for i, token in zip(rows, self.sample(logits, rows, [chunks[i].sampler for i in rows])):
-                tokens[i] = token
-        return tokens
+        firsts = np.cumsum([0] + [c.head for c in chunks])[:-1].tolist()  # each chunk's first logits row
+        rows, samplers = rows_to_sample(chunks, firsts)
+        return picks_by_chunk(chunks, self.sample(logits, rows, samplers) if rows else [])
+
+
+def rows_to_sample(chunks: list[Chunk], firsts: list[int]) -> tuple[list[int], list[Sampler]]:
+    """The logits rows to sample (chunk i's heads start at row ``firsts[i]``) and the sampler
+    of each: every head position of every chunk that samples, in order. A verify row's
+    positions follow each other, so its own sampler draws them in position order."""
+    rows: list[int] = []
+    samplers: list[Sampler] = []
+    for c, first in zip(chunks, firsts):
+        if c.sampler is not None:
+            rows += range(first, first + c.head)
+            samplers += [c.sampler] * c.head
+    return rows, samplers
+
+
+def picks_by_chunk(chunks: list[Chunk], picks: list[int]) -> list[int | list[int] | None]:
+    """The sampled ``picks`` (in ``rows_to_sample`` order) handed back per chunk: an int for a
+    plain sampling chunk, a list of ``1 + num_drafts`` for a verify row, None if it samples not."""
+    out: list[int | list[int] | None] = []
+    at = 0
+    for c in chunks:
+        if c.sampler is None:
+            out.append(None)
+            continue
+        mine = [int(t) for t in picks[at : at + c.head]]
+        at += c.head
+        out.append(mine if c.num_drafts else mine[0])
+    return out

@@ -8,17 +8,21 @@ itself, as vLLM's "ngram" method does: find where the sequence's last few tokens
 before and propose what followed them there (answers quote their prompts, code repeats
 names, lists repeat their shape). No second model, no training: just a search.
 
-Four building blocks, pure numpy (the scheduler and the lessons import this without MLX):
+Three building blocks, pure numpy (the scheduler and the lessons import this without MLX):
 
 - ``propose_ngram``: the guesses (the *drafts*) for one request;
 - ``accept_greedy`` / ``accept_sampled``: which drafts the model's verify pass keeps, plus
-  the one token the model always contributes;
-- ``finish_within``: where the accepted run must stop (EOS, max_new_tokens, max_seq_len).
+  the one token the model always contributes.
+
+Where an accepted run must stop (EOS, a stop token, max_new_tokens, max_seq_len) is not
+decided here: the engine hands the run's tokens out one at a time through the scheduler's own
+``finish_reason`` and stops at the first that finishes (``Scheduler.postprocess``), so every
+finishing rule, a learner's included, applies inside a run as it does to one token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -115,30 +119,3 @@ def accept_sampled(drafts: Sequence[int], draws: Sequence[int]) -> list[int]:
     would have used, and the next position's draw is conditioned on the right context.
     """
     return _accept(drafts, draws)
-
-
-def finish_within(
-    accepted: Sequence[int], eos_ids: Collection[int], tokens_left: int, room: int
-) -> tuple[list[int], str | None]:
-    """Cut an accepted run at the first finishing rule that falls inside it.
-
-    The rules, checked token by token through the run: an EOS id (kept; reason "stop"); the
-    request reaching ``tokens_left`` more tokens (its max_new_tokens minus the tokens it
-    already has; reason "length"); or ``room`` more tokens (the positions left before
-    max_seq_len; reason "length"). Whichever comes first in the run wins; an EOS that lands
-    exactly on a length limit counts as "stop", as the one-token finishing rule does. Returns
-    the tokens kept and the reason, or None if the whole run finishes nothing.
-    """
-    _check_int("tokens_left", tokens_left, 0)
-    _check_int("room", room, 0)
-    limit = min(tokens_left, room)  # the request may have at most this many more tokens
-    if limit == 0:
-        return [], "length"
-    kept: list[int] = []
-    for token in accepted:
-        kept.append(int(token))
-        if token in eos_ids:
-            return kept, "stop"
-        if len(kept) == limit:
-            return kept, "length"
-    return kept, None

@@ -30,6 +30,10 @@ class StepRecord:
     preempted: list[str] = field(default_factory=list)  # requests preempted in this step
     block_tables: dict[str, list[int]] = field(default_factory=dict)  # after the step
     cached_blocks: list[int] = field(default_factory=list)  # free but still cached (evictable)
+    # speculative decoding, per verify row: the draft tokens it carried, and how many of them
+    # the model agreed with and became output tokens
+    drafts: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
 
     @property
     def duration_s(self) -> float:
@@ -37,8 +41,14 @@ class StepRecord:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens this step pushed through the model (decode rows, padding rows, prefill)."""
-        return len(self.decoded) + len(self.padding) + sum(n for _, _, n in self.prefill)
+        """Tokens this step pushed through the model (decode rows with their drafts, padding
+        rows, prefill)."""
+        return (
+            len(self.decoded)
+            + sum(self.drafts.values())
+            + len(self.padding)
+            + sum(n for _, _, n in self.prefill)
+        )
 
 
 @dataclass

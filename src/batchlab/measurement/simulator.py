@@ -46,7 +46,11 @@ class SimRunner(Runner):
 
     It computes nothing: each pass costs the cost model's prediction on the virtual
     clock, and every sampled token is ``1``. Simulated workloads therefore set
-    ``ignore_eos`` so that lengths, not tokens, decide when a request ends."""
+    ``ignore_eos`` so that lengths, not tokens, decide when a request ends. A verify row
+    (speculative decoding) is priced as the prefill chunk of 1 + k tokens it is, and gets a
+    ``1`` at each of its positions; so once prompt lookup finds ``1``s to propose, the model
+    "agrees" with every draft: a simulation shows speculation's best case, not its
+    acceptance."""
 
     def __init__(self, lm, cost: CostModel, clock: VirtualClock):
         self.lm, self.cost, self.clock = lm, cost, clock

@@ -25,7 +25,7 @@ import numpy as np
 from . import attention
 from .backend import gpu_path
 from .cpu_llama import CpuLlama, cpu_path_applies, silu_mul
-from ..core.runner import Chunk, Model, Runner
+from ..core.runner import Chunk, Model, Runner, picks_by_chunk, rows_to_sample
 from ..core.sampling import Sampler, sample_rows
 
 
@@ -124,17 +124,18 @@ class ModelRunner(Runner):
             return sample(logits[rows], samplers)
         return sample(logits[mx.array(rows)], samplers)
 
-    def run(self, chunks: list[Chunk]) -> list[int | None]:
+    def run(self, chunks: list[Chunk]) -> list[int | list[int] | None]:
         """One pass; the LM head runs only on the chunks that sample (a prefill chunk in the
-        middle of its prompt needs no logits)."""
-        rows = [i for i, c in enumerate(chunks) if c.sampler is not None]
-        tokens: list[int | None] = [None] * len(chunks)
-        logits = self.forward(chunks, head_rows=rows)  # [len(rows), vocab]
-        if rows:
-            for i, token in zip(
-                rows, self.sample(logits, list(range(len(rows))), [chunks[i].sampler for i in rows])
-            ):
-                tokens[i] = token
+        middle of its prompt needs no logits), at each one's last ``chunk.head`` positions."""
+        heads = [i for i, c in enumerate(chunks) if c.sampler is not None]
+        logits = self.forward(chunks, head_rows=heads)  # [sum of their heads, vocab]
+        sampling = [chunks[i] for i in heads]
+        firsts = np.cumsum([0] + [c.head for c in sampling])[:-1].tolist()
+        rows, samplers = rows_to_sample(sampling, firsts)
+        picks = picks_by_chunk(sampling, self.sample(logits, rows, samplers) if rows else [])
+        tokens: list[int | list[int] | None] = [None] * len(chunks)
+        for i, pick in zip(heads, picks):
+            tokens[i] = pick
         return tokens
 
     def _tick(self, name: str) -> None:
@@ -144,9 +145,10 @@ class ModelRunner(Runner):
             self._t = now
 
     def forward(self, chunks: list[Chunk], head_rows: list[int] | None = None):
-        """Run all ``chunks`` in one pass; return logits for the last token of each chunk in
-        ``head_rows`` (default: every chunk), in that order, ``[len(head_rows), vocab]``: the
-        distribution of the token that comes next. ``run`` asks only for the rows that sample."""
+        """Run all ``chunks`` in one pass; return logits for the last ``chunk.head`` tokens of
+        each chunk in ``head_rows`` (default: every chunk), in that order, ``[sum of their
+        heads, vocab]``: the distribution of the token that comes next after each (one position
+        for a plain chunk, 1 + k for a verify row). ``run`` asks only for the rows that sample."""
         self._t = time.perf_counter()
         head = list(range(len(chunks))) if head_rows is None else head_rows
         # Decode rows first, then prefill chunks: each group's attention is done together.
@@ -156,7 +158,11 @@ class ModelRunner(Runner):
         rows = [c for c in chunks if len(c.tokens) == 1]
         prefills = [c for c in chunks if len(c.tokens) > 1]
         ends = np.cumsum([len(c.tokens) for c in chunks]) - 1
-        last = ends[where[head]] if head else np.zeros(0, dtype=np.int64)
+        last = np.zeros(0, dtype=np.int64)
+        if head:  # each head chunk's last `head` packed positions, in the caller's order
+            last = np.concatenate(
+                [np.arange(ends[where[i]] - chunks[where[i]].num_drafts, ends[where[i]] + 1) for i in head]
+            )
         if self.cpu_path:
             return self._cpu.forward(chunks, rows, prefills, last, self.pool, self._tick)
 

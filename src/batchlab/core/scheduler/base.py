@@ -16,6 +16,7 @@ from ..numbers import is_int
 from ..policies import Policy, PriorityPolicy
 from ..request import Request, State
 from ..runner import Chunk
+from ..speculative import accept_greedy, accept_sampled
 
 
 @dataclass(frozen=True)
@@ -231,7 +232,11 @@ class Scheduler:
         """Take the KV blocks ``batch`` writes and describe it to the runner: one chunk per
         request, in ``batch.requests`` order. (On-demand kinds took them while planning,
         with ``make_room``; for up-front kinds this is where reserved blocks are taken.)"""
-        chunks = [self._chunk(r, r.next_input(), sample=True) for r in batch.decode]
+        # a decode row: its last token, then its drafts if it has any (a verify row)
+        chunks = [
+            self._chunk(r, r.next_input(), sample=True, drafts=batch.drafts.get(r.id, []))
+            for r in batch.decode
+        ]
         for req, n in batch.prefill:  # the prompt (+ generated tokens, recomputed after preemption)
             end = req.num_computed + n
             chunks.append(
@@ -241,46 +246,86 @@ class Scheduler:
         chunks += [self._chunk(r, r.next_input(), sample=False) for r in batch.padding]
         return chunks
 
-    def _chunk(self, req: Request, tokens: list[int], sample: bool) -> Chunk:
+    def _chunk(self, req: Request, tokens: list[int], sample: bool, drafts: list[int] = ()) -> Chunk:
+        tokens = [*tokens, *drafts]
         start, end = req.num_computed, req.num_computed + len(tokens)
         table = self.blocks.ensure(req.id, end)
         self.blocks.check_writable(req.id, start, end)
-        return Chunk(req.id, tokens, start, list(table), req.sampler if sample else None)
+        return Chunk(req.id, tokens, start, list(table), req.sampler if sample else None, len(drafts))
 
     def postprocess(
-        self, batch: Batch, tokens: list[int | None], now: float
+        self, batch: Batch, tokens: list[int | list[int] | None], now: float
     ) -> list[tuple[Request, int, str | None]]:
         """The one result hook, after every pass of every kind: advance each request by
-        what it computed, name full blocks for the prefix cache, hand out the new tokens
-        (one per ``batch.requests`` entry, None where none was sampled), free the
-        requests that finished, and move a request whose prompt is done on to decoding
-        (it holds a slot) or to await a slot. Returns ``(request, token, finish reason or
-        None)`` for every token handed out."""
-        for req in batch.decode:
-            req.num_computed += 1
-        for req, n in batch.prefill:
-            req.num_computed += n
-        for req in batch.requests[: len(batch.decode) + len(batch.prefill)]:
-            if not req.finished:  # full blocks join the prefix cache
-                self.blocks.cache_full_blocks(req.id, req.num_computed, req.token_ids)
+        what it computed, hand out the new tokens (one per ``batch.requests`` entry, None
+        where none was sampled; for a verify row, its picks, of which ``accept`` keeps some),
+        each through the kind's ``finish_reason``, name the full blocks of the accepted tokens
+        for the prefix cache, free the requests that finished, and move a request whose
+        prompt is done on to decoding (it holds a slot) or to await a slot. Returns
+        ``(request, token, finish reason or None)`` for every token handed out."""
         events = []
-        for req, token in zip(batch.requests, tokens):
-            if token is None or req.finished:  # nothing sampled, or cancelled during the pass
+        rows = len(batch.decode) + len(batch.prefill)
+        done = []
+        for i, (req, token) in enumerate(zip(batch.requests, tokens)):
+            if i >= rows:  # padding: nothing computed that counts
                 continue
-            req.add_token(token, now)
-            reason = self.finish_reason(req, token)
-            if reason not in (None, "stop", "length"):
-                raise TypeError(
-                    f'{type(self).__name__}.finish_reason returned {reason!r}: "stop", "length" or None'
-                )
-            if reason is not None:
-                req.finish(reason, now)
-                self.remove(req)
-            events.append((req, token, reason))
+            start, decode = req.num_computed, i < len(batch.decode)
+            req.num_computed += 1 if decode else batch.prefill[i - len(batch.decode)][1]
+            if req.finished:  # cancelled during the pass: it leaves at the next sweep
+                continue
+            drafts = batch.drafts.get(req.id, []) if decode else []
+            if token is None:
+                run = []
+            elif drafts:  # a verify row: the drafts its picks confirm, then the model's own token
+                run = self.accept(req, drafts, token)
+            else:
+                run = [token]
+            handed = 0
+            for new in run:
+                handed += 1
+                reason = self.hand_out(req, new, now)
+                events.append((req, new, reason))
+                if reason is not None:  # a finishing rule fell inside the run: the rest is dropped
+                    break
+            if drafts:
+                # The KV cache keeps the input token and the drafts handed out (the last token
+                # handed out is the next input). The rejected drafts' keys and values are
+                # garbage: the length goes back over them and the blocks wholly past it are
+                # freed (rewind), so nothing unverified is ever read or cached.
+                req.num_computed = start + max(handed, 1)
+                batch.accepted[req.id] = min(handed, len(run) - 1)
+                self.blocks.truncate(req.id, req.num_computed)
+            # Full blocks of verified tokens join the prefix cache, now that the tokens are
+            # handed out and the length is final (and before a finished request gives its
+            # blocks back, so that a later prompt can share them).
+            self.blocks.cache_full_blocks(req.id, req.num_computed, req.token_ids)
+            if req.finished:
+                done.append(req)
+        for req in done:
+            self.remove(req)
         for req, _ in batch.prefill:  # a finished prompt moves on: decode in its slot, or await one
             if req.prefill_left == 0 and req.state is State.PREFILLING:
                 req.set_state(State.DECODING if req.slot is not None else State.AWAITING_SLOT, self.clock())
         return events
+
+    def accept(self, req: Request, drafts: list[int], picks: list[int]) -> list[int]:
+        """The tokens a verify row adds: the drafts its picks confirm, then the model's own
+        (``accept_greedy`` for a greedy request, ``accept_sampled`` for a sampled one)."""
+        rule = accept_greedy if req.sampler.params.greedy else accept_sampled
+        return rule(drafts, picks)
+
+    def hand_out(self, req: Request, token: int, now: float) -> str | None:
+        """``req`` gets ``token``; the kind's ``finish_reason`` says whether it ends there
+        (then it finishes now; ``postprocess`` frees it after the pass)."""
+        req.add_token(token, now)
+        reason = self.finish_reason(req, token)
+        if reason not in (None, "stop", "length"):
+            raise TypeError(
+                f'{type(self).__name__}.finish_reason returned {reason!r}: "stop", "length" or None'
+            )
+        if reason is not None:
+            req.finish(reason, now)
+        return reason
 
     def fail(self, batch: Batch, cause: BaseException, now: float) -> list[Request]:
         """The pass of ``batch`` raised ``cause``: its requests finish with reason "error"

@@ -90,8 +90,13 @@ class ContinuousScheduler(StopRules, OnDemandKV, Scheduler):
             return batch
         decode = [r for r in batch.decode if id(r) in held]
         prefill = [(r, n) for r, n in batch.prefill if id(r) in held]
+        drafts = {r.id: batch.drafts[r.id] for r in decode if r.id in batch.drafts}
         return Batch(
-            decode=decode, prefill=prefill, padding=batch.padding, padding_tokens=batch.padding_tokens
+            decode=decode,
+            prefill=prefill,
+            padding=batch.padding,
+            padding_tokens=batch.padding_tokens,
+            drafts=drafts,
         )
 
     def preempt(self, req: Request) -> None:

@@ -10,6 +10,7 @@ from ..kv import BlockManager
 from ..numbers import is_int
 from ..policies import Policy
 from ..request import Request, State
+from ..speculative import propose_ngram
 from .base import Option
 from .continuous import ContinuousScheduler
 
@@ -24,7 +25,12 @@ class StallFreeScheduler(ContinuousScheduler):
 
     The budget, unless given, is the largest whose predicted step time (the packaged cost
     model, ``batchlab fit-cost``) meets ``tbt_slo`` seconds between tokens; without a
-    target, ``costmodel.DEFAULT_SLO_DECODE_STEPS`` decode steps of a full batch."""
+    target, ``costmodel.DEFAULT_SLO_DECODE_STEPS`` decode steps of a full batch.
+
+    ``num_speculative_tokens`` > 0 turns on speculative decoding by prompt lookup (vLLM's
+    option names): a decode row carries up to that many draft tokens (``drafts``) and
+    becomes a verify row of 1 + k tokens in the same fused pass; ``postprocess`` keeps the
+    drafts the model agrees with and rewinds the rest."""
 
     kind = "stallfree"
     description = (
@@ -43,6 +49,14 @@ class StallFreeScheduler(ContinuousScheduler):
             "the time-between-tokens target in seconds the budget is chosen "
             "for (default: a multiple of the predicted decode step)",
         ),
+        "num_speculative_tokens": Option(
+            int,
+            "speculative decoding by prompt lookup: up to this many draft tokens a decode row, "
+            "verified in the same pass and paid from the token budget (0: off)",
+            (0, 3),
+        ),
+        "prompt_lookup_min": Option(int, "prompt lookup: the shortest n-gram a draft is looked up by"),
+        "prompt_lookup_max": Option(int, "prompt lookup: the longest n-gram a draft is looked up by"),
     }
     bench_variants = {"stallfree": {}}
     prefill_lane = False
@@ -54,9 +68,25 @@ class StallFreeScheduler(ContinuousScheduler):
         max_batch_size: int = 8,
         token_budget: int | None = None,
         tbt_slo: float | None = None,
+        num_speculative_tokens: int = 0,
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 4,
         policy: Policy | None = None,
     ):
         super().__init__(blocks, clock, max_batch_size, policy=policy)
+        for name, value, lowest in (
+            ("num_speculative_tokens", num_speculative_tokens, 0),
+            ("prompt_lookup_min", prompt_lookup_min, 1),
+            ("prompt_lookup_max", prompt_lookup_max, 1),
+        ):
+            if not is_int(value) or value < lowest:
+                raise ValueError(f"{name} must be an integer >= {lowest}, got {value!r}")
+        if prompt_lookup_min > prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({prompt_lookup_min}) must be <= prompt_lookup_max ({prompt_lookup_max})"
+            )
+        self.num_speculative_tokens = num_speculative_tokens
+        self.prompt_lookup_min, self.prompt_lookup_max = prompt_lookup_min, prompt_lookup_max
         if token_budget is None:
             token_budget = token_budget_for_slo(CostModel.load(), max_batch_size, tbt_slo)
         if not is_int(token_budget) or token_budget < max_batch_size:
@@ -72,14 +102,57 @@ class StallFreeScheduler(ContinuousScheduler):
             yield batch
 
     def plan(self) -> Batch:
-        """The step's one pass: decodes, then partial prefills, then admissions."""
+        """The step's one pass: decodes (with their drafts, when speculating), then partial
+        prefills, then admissions."""
         decode = self.decodes()
-        prefill = self.continue_prefills(self.token_budget - len(decode))
-        prefill += self.admit_within(self.token_budget - len(decode) - sum(n for _, n in prefill))
+        budget = self.token_budget - len(decode)
+        drafts = self.drafts(decode, budget)
+        budget -= sum(len(d) for d in drafts.values())
+        prefill = self.continue_prefills(budget)
+        prefill += self.admit_within(budget - sum(n for _, n in prefill))
         held = set(map(id, self.running))  # a later phase may have preempted an earlier pick
+        decode = [r for r in decode if id(r) in held]
         return Batch(
-            decode=[r for r in decode if id(r) in held], prefill=[(r, n) for r, n in prefill if id(r) in held]
+            decode=decode,
+            prefill=[(r, n) for r, n in prefill if id(r) in held],
+            drafts={r.id: drafts[r.id] for r in decode if r.id in drafts},
         )
+
+    def drafts(self, decode: list[Request], budget: int) -> dict[str, list[int]]:
+        """Speculative decoding by prompt lookup (vLLM's "ngram" method): each decode row, the
+        most important first, gets up to ``num_speculative_tokens`` draft tokens
+        (``propose_ngram`` over its prompt and output), verified in this same pass. As vLLM V1
+        does, drafts are paid from the token budget before partial prefills and admissions.
+        A row gets at most one draft fewer than the tokens it has left (the verify pass adds
+        one token of the model's own), none while its stop tokens are banned (``min_new_tokens``
+        not reached), and only as many as FREE KV blocks hold: a draft never preempts anyone,
+        and the blocks the partial prefills may need this step stay free for them."""
+        if not self.num_speculative_tokens:
+            return {}
+        bs = self.blocks.block_size
+        spare = self.blocks.num_free - sum(
+            self.blocks.blocks_to_grow(r.id, r.num_computed + min(r.prefill_left, budget))
+            for r in self.in_state(State.PREFILLING)
+        )
+        drafts = {}
+        for req in sorted(decode, key=self.policy.importance):
+            tokens_left = req.max_new_tokens - len(req.output_ids)
+            k = min(self.num_speculative_tokens, tokens_left - 1, budget)
+            if k <= 0 or req.sampler.banned:
+                continue
+            length = req.prompt_len + len(req.output_ids)
+            proposal = propose_ngram(
+                req.token_ids(0, length), k, self.prompt_lookup_min, self.prompt_lookup_max
+            )
+            end = req.num_computed + 1  # its row's input token; decodes() took its block
+            room = (len(self.blocks.tables[req.id]) + max(spare, 0)) * bs - end
+            proposal = proposal[: max(room, 0)]
+            if proposal:
+                spare -= self.blocks.blocks_to_grow(req.id, end + len(proposal))
+                self.blocks.ensure(req.id, end + len(proposal))
+                drafts[req.id] = proposal
+                budget -= len(proposal)
+        return drafts
 
     def decodes(self) -> list[Request]:
         """Every decoding request, one token each (blocks to the most important first)."""

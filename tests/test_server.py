@@ -554,3 +554,38 @@ def test_continuous_usage_stats_count_the_tokens_behind_every_chunk(lm, server, 
     plain = sse_events(server.url + path, {**body, "stream_options": {"include_usage": True}})
     assert [e for e in plain if "usage" in e] == [plain[-1]]
     assert [e for e in sse_events(server.url + path, body) if "usage" in e] == []
+
+
+def test_a_speculating_server_streams_the_greedy_answer_and_counts_its_drafts(lm):
+    """``num_speculative_tokens`` on the server (as ``batchlab serve --num-speculative-tokens``):
+    an answer that repeats its prompt streams exactly mlx-lm's greedy tokens, several a step,
+    and /metrics counts the drafts verified and kept."""
+    listing = "red, green, blue, yellow, purple, orange, black, white"
+    messages = [{"role": "user", "content": f"Repeat this list exactly: {listing}. {listing}."}]
+    expected = generate(lm, lm.tokenizer.encode_chat(messages), 24, ignore_eos=True).token_ids
+    with serve_in_thread(
+        lm, "stallfree", max_batch_size=2, token_budget=32, num_speculative_tokens=4
+    ) as handle:
+        client = OpenAI(base_url=handle.base_url + "/v1", api_key="none")
+        stream = client.chat.completions.create(
+            model="smollm2",
+            messages=messages,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        counters = dict(
+            re.findall(
+                r"^(batchlab_spec_\w+_total) (\d+)$", httpx.get(handle.base_url + "/metrics").text, re.M
+            )
+        )
+        steps = [s for s in handle.engine.trace.steps if s.emitted]
+    assert text == lm.tokenizer.decode(expected)
+    drafted, kept = (
+        int(counters["batchlab_spec_draft_tokens_total"]),
+        int(counters["batchlab_spec_accepted_tokens_total"]),
+    )
+    assert 0 < kept <= drafted, counters
+    assert any(len(t) > 1 for s in steps for t in s.emitted.values()), "some step handed out several tokens"

@@ -421,15 +421,8 @@ class SoftEchoRunner(FakeRunner):
     """Logits that leave a real choice: a seeded spread over the vocabulary (by a hash of the
     sequence), the token ``PERIOD`` back well ahead, EOS close behind it."""
 
-    def forward(self, chunks):
-        super().forward(chunks)  # writes the KV pool, checks the block tables
-        rows = []
-        for chunk in chunks:
-            context = self.kv[chunk.kv_addresses(0, chunk.start, self.block_size)].tolist()
-            seq = context + list(chunk.tokens)
-            for cut in range(len(seq) - chunk.head + 1, len(seq) + 1):
-                rows.append(self.soft(seq[:cut]))
-        return np.array(rows, dtype=np.float32)
+    def logits_row(self, seq):
+        return self.soft(seq)
 
     @staticmethod
     def soft(seq):

@@ -86,6 +86,7 @@ class EngineBase:
         # now and then ends its requests and the engine goes on; passes that fail as often
         # as they run are a broken engine, said once (``failing``).
         self.passes_ok = self.passes_failed = 0
+        self.spec_drafted = self.spec_accepted = 0  # draft tokens verified, and kept, since the start
         self.first_error: BaseException | None = None
         self._said_failing = False
 
@@ -329,6 +330,9 @@ class EngineBase:
                     record.finished[req.id] = reason
             for rid, n in batch.accepted.items():
                 record.accepted[rid] = record.accepted.get(rid, 0) + n
+            # speculation's running totals (the trace may keep only its last steps)
+            self.spec_drafted += sum(map(len, batch.drafts.values()))
+            self.spec_accepted += sum(batch.accepted.values())
 
     def _pass_failed(self, e: Exception, num_chunks: int) -> None:
         """Count a failed pass; log the first failure with its traceback, later ones in a line,

@@ -71,26 +71,37 @@ class FakeRunner(Runner):
         self.kv = np.full(num_blocks * block_size, -1, dtype=np.int64)  # -1: never written
         self.passes: list[list[Chunk]] = []
 
-    def forward(self, chunks: list[Chunk]) -> np.ndarray:
-        """Logits [sum of the chunks' heads, vocab] that put all weight on the fake model's
-        choice after each chunk's last ``chunk.head`` positions (one, or 1 + k for a verify row)."""
+    def forward(self, chunks: list[Chunk], head_rows: list[int] | None = None) -> np.ndarray:
+        """Write every chunk's tokens into the pool; return the logits after the last
+        ``chunk.head`` positions (one, or 1 + k for a verify row) of the chunks in
+        ``head_rows`` (None: all), stacked: ``logits_row`` of each prefix, in that order."""
         self.passes.append(chunks)
-        logits = np.full((sum(c.head for c in chunks), self.lm.vocab_size), -1e9, dtype=np.float32)
-        row = 0
-        for chunk in chunks:
-            writes = chunk.kv_addresses(chunk.start, chunk.end, self.block_size)
-            context = self.kv[chunk.kv_addresses(0, chunk.start, self.block_size)]
-            if (context < 0).any():
-                raise AssertionError(
-                    f"{chunk.req_id}: chunk starts at {chunk.start} but the "
-                    f"cache has never-written positions before it (a gap)"
-                )
-            self.kv[writes] = chunk.tokens
-            seq = context.tolist() + list(chunk.tokens)
-            for cut in range(len(seq) - chunk.head + 1, len(seq) + 1):
-                logits[row, self.choose(seq[:cut])] = 0.0
-                row += 1
-        return logits
+        seqs = [self._write(chunk) for chunk in chunks]
+        heads = range(len(chunks)) if head_rows is None else head_rows
+        prefixes = [
+            seqs[i][:cut] for i in heads for cut in range(len(seqs[i]) - chunks[i].head + 1, len(seqs[i]) + 1)
+        ]
+        return np.array([self.logits_row(p) for p in prefixes], dtype=np.float32).reshape(
+            len(prefixes), self.lm.vocab_size
+        )
+
+    def _write(self, chunk: Chunk) -> list[int]:
+        """Store ``chunk``'s tokens at its KV addresses; return its whole sequence so far, read
+        through its block table (a gap before it is an error)."""
+        context = self.kv[chunk.kv_addresses(0, chunk.start, self.block_size)]
+        if (context < 0).any():
+            raise AssertionError(
+                f"{chunk.req_id}: chunk starts at {chunk.start} but the "
+                f"cache has never-written positions before it (a gap)"
+            )
+        self.kv[chunk.kv_addresses(chunk.start, chunk.end, self.block_size)] = chunk.tokens
+        return context.tolist() + list(chunk.tokens)
+
+    def logits_row(self, sequence: list[int]) -> np.ndarray:
+        """The logits after ``sequence``: all weight on ``choose(sequence)``."""
+        row = np.full(self.lm.vocab_size, -1e9, dtype=np.float32)
+        row[self.choose(sequence)] = 0.0
+        return row
 
     def choose(self, sequence: list[int]) -> int:
         """The fake model's token after ``sequence`` (a test's runner may choose otherwise)."""

@@ -72,11 +72,16 @@ class Chunk:
 
 
 class Runner:
-    """Runs chunks as one forward pass. Subclasses give ``forward`` (logits of each chunk's
-    last ``chunk.head`` positions, in order, stacked: [sum of heads, vocab]) and ``sample``
-    (tokens from some of those rows)."""
+    """Runs chunks as one forward pass. Subclasses give ``forward`` and ``sample``.
 
-    def forward(self, chunks: list[Chunk]):
+    ``forward(chunks, head_rows)`` runs every chunk (each writes its keys and values) and
+    returns the logits of the last ``chunk.head`` positions of the chunks listed in
+    ``head_rows`` (indices into ``chunks``; None: all of them), in that order, stacked:
+    ``[sum of their heads, vocab]``. A prefill chunk in the middle of its prompt needs no
+    logits, so ``run`` lists only the chunks that sample and the LM head skips the rest.
+    ``sample(logits, rows, samplers)`` draws one token from each of ``rows`` of those logits."""
+
+    def forward(self, chunks: list[Chunk], head_rows: list[int] | None = None):
         raise NotImplementedError
 
     def sample(self, logits, rows: list[int], samplers: list[Sampler]) -> list[int]:
@@ -85,10 +90,16 @@ class Runner:
     def run(self, chunks: list[Chunk]) -> list[int | list[int] | None]:
         """One pass; the next token of every chunk that has a sampler (for a verify row, the
         list of its ``1 + num_drafts`` picks), None for the others."""
-        logits = self.forward(chunks)
-        firsts = np.cumsum([0] + [c.head for c in chunks])[:-1].tolist()  # each chunk's first logits row
-        rows, samplers = rows_to_sample(chunks, firsts)
-        return picks_by_chunk(chunks, self.sample(logits, rows, samplers) if rows else [])
+        heads = [i for i, c in enumerate(chunks) if c.sampler is not None]
+        logits = self.forward(chunks, head_rows=heads)  # [sum of their heads, vocab]
+        sampling = [chunks[i] for i in heads]
+        firsts = np.cumsum([0] + [c.head for c in sampling])[:-1].tolist()  # each one's first logits row
+        rows, samplers = rows_to_sample(sampling, firsts)
+        picks = picks_by_chunk(sampling, self.sample(logits, rows, samplers) if rows else [])
+        tokens: list[int | list[int] | None] = [None] * len(chunks)
+        for i, pick in zip(heads, picks):
+            tokens[i] = pick
+        return tokens
 
 
 def rows_to_sample(chunks: list[Chunk], firsts: list[int]) -> tuple[list[int], list[Sampler]]:

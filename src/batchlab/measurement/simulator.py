@@ -56,7 +56,7 @@ class SimRunner(Runner):
         self.lm, self.cost, self.clock = lm, cost, clock
         self.passes = 0
 
-    def forward(self, chunks: list[Chunk]) -> None:
+    def forward(self, chunks: list[Chunk], head_rows: list[int] | None = None) -> None:
         self.clock.advance(self.cost.predict(chunks))
         self.passes += 1
 

@@ -25,7 +25,7 @@ import numpy as np
 from . import attention
 from .backend import gpu_path
 from .cpu_llama import CpuLlama, cpu_path_applies, silu_mul
-from ..core.runner import Chunk, Model, Runner, picks_by_chunk, rows_to_sample
+from ..core.runner import Chunk, Model, Runner
 from ..core.sampling import Sampler, sample_rows
 
 
@@ -123,20 +123,6 @@ class ModelRunner(Runner):
         if isinstance(logits, np.ndarray):
             return sample(logits[rows], samplers)
         return sample(logits[mx.array(rows)], samplers)
-
-    def run(self, chunks: list[Chunk]) -> list[int | list[int] | None]:
-        """One pass; the LM head runs only on the chunks that sample (a prefill chunk in the
-        middle of its prompt needs no logits), at each one's last ``chunk.head`` positions."""
-        heads = [i for i, c in enumerate(chunks) if c.sampler is not None]
-        logits = self.forward(chunks, head_rows=heads)  # [sum of their heads, vocab]
-        sampling = [chunks[i] for i in heads]
-        firsts = np.cumsum([0] + [c.head for c in sampling])[:-1].tolist()
-        rows, samplers = rows_to_sample(sampling, firsts)
-        picks = picks_by_chunk(sampling, self.sample(logits, rows, samplers) if rows else [])
-        tokens: list[int | list[int] | None] = [None] * len(chunks)
-        for i, pick in zip(heads, picks):
-            tokens[i] = pick
-        return tokens
 
     def _tick(self, name: str) -> None:
         if self.profile is not None:

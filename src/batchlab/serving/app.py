@@ -101,6 +101,10 @@ async def metrics(request: Request):
         f"batchlab_tokens_per_second {tokens / 10:.3f}",
         f"batchlab_kv_blocks_free {stats['free_kv_blocks']}",
         f"batchlab_kv_blocks_total {stats['num_kv_blocks']}",
+        "# HELP batchlab_spec_draft_tokens_total Draft tokens verified (speculative decoding).",
+        f"batchlab_spec_draft_tokens_total {engine.spec_drafted}",
+        "# HELP batchlab_spec_accepted_tokens_total Draft tokens the model agreed with, kept as output.",
+        f"batchlab_spec_accepted_tokens_total {engine.spec_accepted}",
     ] + [
         f'batchlab_requests_finished_total{{reason="{r}"}} {n}' for r, n in sorted(stats["finished"].items())
     ]

@@ -33,10 +33,10 @@ class _TooManyPasses(BaseException):
 class _BoundedRunner(FakeRunner):
     """The fake runner, refusing to run more than ``MAX_PASSES`` passes."""
 
-    def forward(self, chunks):
+    def forward(self, chunks, head_rows=None):
         if len(self.passes) >= MAX_PASSES:
             raise _TooManyPasses(f"more than {MAX_PASSES} forward passes: the scheduler never stops")
-        return super().forward(chunks)
+        return super().forward(chunks, head_rows)
 
 
 def fake_workload(name: str, rows: list[tuple[int, int]], seed: int = 0) -> Workload:
@@ -475,11 +475,11 @@ class _FaultyRunner(_BoundedRunner):
         super().__init__(*args, **kwargs)
         self.fail_pass = fail_pass
 
-    def forward(self, chunks):
+    def forward(self, chunks, head_rows=None):
         if len(self.passes) + 1 == self.fail_pass:
             self.passes.append(chunks)
             raise RuntimeError("an injected fault in this forward pass (the checker's)")
-        return super().forward(chunks)
+        return super().forward(chunks, head_rows)
 
 
 def finishing_cases(max_batch_size: int, seed: int = 0, hint: str = "") -> list[Case]:

@@ -137,7 +137,7 @@ class ModelRunner(Runner):
         for a plain chunk, 1 + k for a verify row). ``run`` asks only for the rows that sample."""
         self._t = time.perf_counter()
         head = list(range(len(chunks))) if head_rows is None else head_rows
-        # Decode rows first, then prefill chunks: each group's attention is done together.
+        # Decode rows first, then prefill chunks: one attention call for the decode rows, one per chunk.
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].tokens) > 1)
         where = np.argsort(order)  # caller's chunk i sits at where[i] in the packed order
         chunks = [chunks[i] for i in order]

@@ -37,14 +37,14 @@ def small_limit(monkeypatch):
     monkeypatch.setattr(guard, "STOP_GRACE_S", 0.5)
 
 
-def verdict_of(checker: str, piece, deadline_s: float = 60):
-    """``check.<checker>(piece)`` in a thread of its own, awaited up to ``deadline_s``: the verdict,
+def verdict_of(checker: str, *pieces, deadline_s: float = 60):
+    """``check.<checker>(*pieces)`` in a thread of its own, awaited up to ``deadline_s``: the verdict,
     or a failure saying the checker itself hung."""
     got = {}
 
     def run():
         with contextlib.redirect_stdout(io.StringIO()):
-            got["verdict"] = getattr(checks, checker)(piece)
+            got["verdict"] = getattr(checks, checker)(*pieces)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -53,13 +53,13 @@ def verdict_of(checker: str, piece, deadline_s: float = 60):
     return got["verdict"]
 
 
-def assert_passes(checker: str, piece) -> None:
+def assert_passes(checker: str, *pieces) -> None:
     """A right piece, checked next in the same process, passes (under a roomy limit: a loaded
     machine may take a while over a right case)."""
     small = guard.CASE_LIMIT_S
     guard.CASE_LIMIT_S = 60.0
     try:
-        verdict = verdict_of(checker, piece, deadline_s=600)
+        verdict = verdict_of(checker, *pieces, deadline_s=600)
     finally:
         guard.CASE_LIMIT_S = small
     assert verdict, verdict.message
@@ -117,6 +117,34 @@ def test_an_endless_loop_in_a_policy_is_stopped_and_named(small_limit):
     assert not verdict
     assert "did not finish within 0.5 s: still running LoopsInNextQueued.next_queued" in verdict.message
     assert_passes("aging_policy", learner_pieces.MyAgingPolicy)
+
+
+def propose_forever(tokens, k, min_n=1, max_n=4):
+    n = min_n
+    while tokens[-n:] != tokens[:n]:  # the search that never moves on
+        pass
+    return tokens[n : n + k]
+
+
+class LoopsInAccept(learner_pieces.MySpeculativeScheduler):
+    def accept(self, req, drafts, picks):
+        kept = []
+        while len(kept) < len(drafts) and drafts[len(kept)] == picks[len(kept)]:
+            kept.append(drafts[len(kept)])
+        while len(kept) == len(drafts):  # the bonus that never comes
+            pass
+        return kept + [picks[len(kept)]]
+
+
+def test_an_endless_loop_in_a_function_piece_is_stopped_and_named(small_limit):
+    """Lesson 11's propose is a function of the piece's file, not a method: it is stopped and named
+    the same way, and so is a loop in the scheduler's accept."""
+    verdict = verdict_of("speculative_scheduler", propose_forever, learner_pieces.MySpeculativeScheduler)
+    assert not verdict and "did not finish within 0.5 s: still running propose_forever" in verdict.message
+    assert f"(checker_guard_cases.py, line {line_of('# the search that never moves on')})" in verdict.message
+    verdict = verdict_of("speculative_scheduler", learner_pieces.propose, LoopsInAccept)
+    assert not verdict and "still running LoopsInAccept.accept" in verdict.message, verdict.message
+    assert_passes("speculative_scheduler", learner_pieces.propose, learner_pieces.MySpeculativeScheduler)
 
 
 def test_a_case_that_finishes_in_time_is_judged_as_before():

@@ -188,6 +188,70 @@ class MyMemoryScheduler(OnDemandKV, MyStallFreeScheduler):
         self.queue.appendleft(req)
 
 
+def propose(tokens, k, min_n=1, max_n=4):
+    """Lesson 11: the longest pattern first (n from max_n down to min_n), the last n tokens' most
+    recent earlier occurrence, and the up to k tokens that followed it there."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        pattern = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):  # the most recent first; never the pattern itself
+            if tokens[start : start + n] == pattern:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+class MySpeculativeScheduler(MyMemoryScheduler):
+    """Lesson 11: the lesson-8 engine, speculating: after its growth, a decode row may carry
+    drafts, paid from what is left of the token budget, in free KV blocks only; ``accept`` keeps
+    the drafts the picks confirm, then the model's own token."""
+
+    kind = "my-speculative"
+
+    def __init__(
+        self,
+        blocks,
+        clock,
+        max_batch_size=8,
+        token_budget=64,
+        num_speculative_tokens=3,
+        prompt_lookup_min=1,
+        prompt_lookup_max=4,
+        policy=None,
+    ):
+        super().__init__(blocks, clock, max_batch_size, token_budget, policy=policy)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.prompt_lookup_min, self.prompt_lookup_max = prompt_lookup_min, prompt_lookup_max
+
+    def grow(self, batch):
+        batch = super().grow(batch)
+        budget = self.token_budget - batch.num_tokens
+        drafts = {}
+        for req in sorted(batch.decode, key=self.policy.importance):
+            tokens_left = req.max_new_tokens - len(req.output_ids)
+            k = min(self.num_speculative_tokens, budget, tokens_left - 1)
+            if k <= 0:
+                continue
+            guess = propose(
+                req.prompt_ids + req.output_ids, k, self.prompt_lookup_min, self.prompt_lookup_max
+            )
+            end = req.num_computed + 1  # its decode token's slot is taken already
+            room = (len(self.blocks.tables[req.id]) + self.blocks.num_free) * self.blocks.block_size - end
+            guess = guess[: max(room, 0)]
+            if guess:
+                self.blocks.ensure(req.id, end + len(guess))
+                drafts[req.id] = guess
+                budget -= len(guess)
+        batch.drafts = drafts
+        return batch
+
+    def accept(self, req, drafts, picks):
+        kept = []
+        for draft, pick in zip(drafts, picks):
+            if draft != pick:
+                break
+            kept.append(draft)
+        return kept + [picks[len(kept)]]
+
+
 class MyVictimPolicy(Policy):
     """Lesson 8: the least important, the newest among equals, the last admitted on a tie."""
 

@@ -59,10 +59,19 @@ def test_schedule_interleaves_the_engines_within_each_repetition():
     inter = [(r, e) for r, w, b, e in order if w == "interference"]
     assert inter == [(rep, e) for rep in range(3) for e in ours]
     chat = [(r, b, e) for r, w, b, e in order if w == "chat"]  # no sequential baseline there
-    assert chat == [(rep, 16, e) for rep in range(3) for e in ours]
+    # the chat workload is one of speculation's: the speculating engine runs after ours
+    assert chat == [(rep, 16, e) for rep in range(3) for e in ours[:-1] + [bench.SPEC, "mlx-lm"]]
     # a learner's engine runs beside ours, before mlx-lm, in every repetition
     extra = bench.schedule(experiments, 2, ["mine"])
     assert [e for r, w, b, e in extra if w == "interference"] == 2 * (ours[:-1] + ["mine", "mlx-lm"])
+    # speculation-only experiments: the stall-free engine on and off, interleaved, nothing else
+    spec = bench.schedule([("echo", None, [16]), ("chat_b1", None, [1])], 3, ["mine"])
+    assert spec == [
+        (rep, w, b, e)
+        for w, b in (("echo", 16), ("chat_b1", 1))
+        for rep in range(3)
+        for e in ("stallfree", bench.SPEC)
+    ]
 
 
 def test_stallfree_gets_the_budget_its_target_implies():
@@ -321,6 +330,77 @@ def check_no_waste_figures(figures, saved):
             assert figures[f"{name}_fraction_of_no_waste_{e}"] == pytest.approx(med[e] / no_waste)
 
 
+def fake_speculation_plan():
+    """The fake workloads (the first few requests of each) and speculation's experiments beside
+    them: an echo-shaped workload
+    (each prompt a passage said twice, so prompt lookup finds drafts) at B=16, and its and
+    chat's first two requests at B=1."""
+    rng = random.Random(1)
+    passages = [[rng.randrange(1, 64) for _ in range(12)] for _ in range(6)]
+    echo = Workload("echo", "fake", [WorkloadRequest(f"e-{i}", p + p, 12) for i, p in enumerate(passages)])
+    experiments = [(n, wl if n == "interference" else wl.head(6), bs) for n, wl, bs in fake_workloads()]
+    chat = experiments[0][1]
+    return experiments + bench.speculation_plan(chat, echo, 16, b1_requests=2)
+
+
+def test_speculation_on_and_off_on_the_fake_model(monkeypatch):
+    """The speculating stall-free engine runs beside the plain one on the echo and chat
+    workloads, at B=1 and the standard B, and nowhere else; its figures are each repetition's
+    ratios and counts, medians over the repetitions; greedy outputs are the same either way."""
+    monkeypatch.setattr(bench, "plan", lambda lm, quick: fake_speculation_plan())
+    traces = {}
+
+    def recording(lm, wl, b, engine_name, *args):
+        trace = stand_in()(lm, wl, b, engine_name, *args)
+        traces.setdefault((wl.name, b, engine_name), []).append(trace)
+        return trace
+
+    result = run_bench(
+        Model(), progress=False, repetitions=3, runner=FakeRunner, run=recording, measure=fake_machine
+    )
+    spec_runs = {(r["workload"], r["batch_size"]) for r in result["runs"] if r["engine"] == bench.SPEC}
+    assert spec_runs == {("chat", 16), ("echo", 16), ("echo_b1", 1), ("chat_b1", 1)}
+    only = {(r["workload"], r["engine"]) for r in result["runs"] if r["workload"] in ("echo", "echo_b1")}
+    assert only == {(w, e) for w in ("echo", "echo_b1") for e in ("stallfree", bench.SPEC)}
+    assert {r["requests"] for n, r in result["workloads"].items() if n.endswith("_b1")} == {2}
+    figures = result["figures"]
+    for name, b, prefix in (("echo", 16, "echo_b16"), ("echo_b1", 1, "echo_b1"), ("chat_b1", 1, "chat_b1")):
+        runs = {
+            (r["engine"], r["repetition"]): r
+            for r in result["runs"]
+            if (r["workload"], r["batch_size"]) == (name, b)
+        }
+        ratios = sorted(
+            runs[(bench.SPEC, k)]["output_tokens_per_s"] / runs[("stallfree", k)]["output_tokens_per_s"]
+            for k in range(3)
+        )
+        assert figures[f"{prefix}_spec_speedup_tokps"] == pytest.approx(ratios[1])
+        assert result["figure_spreads"].get(f"{prefix}_spec_speedup_tokps", [ratios[0]] * 2)[
+            0
+        ] == pytest.approx(ratios[0])
+        spec = runs[(bench.SPEC, 0)]
+        assert spec["spec_drafted"] > 0 and runs[("stallfree", 0)]["spec_drafted"] == 0
+        assert figures[f"{prefix}_spec_acceptance_rate"] == spec["spec_accepted"] / spec["spec_drafted"]
+        assert figures[f"{prefix}_spec_passes_per_token"] == pytest.approx(spec["spec_passes_per_token"])
+        assert figures[f"{prefix}_spec_tokens_per_verify_row"] == pytest.approx(
+            spec["spec_tokens_per_verify_row"]
+        )
+        assert f"{prefix}_spec_over_mlxlm_tokps" not in figures  # mlx-lm runs on none of these
+    assert isinstance(figures["chat_b16_spec_over_mlxlm_tokps"], float)
+    # speculation changes how many passes run, never what greedy decoding answers
+    for (wl_name, b, engine), runs in traces.items():
+        if engine == bench.SPEC:
+            for on, off in zip(runs, traces[(wl_name, b, "stallfree")]):
+                assert {i: r.output_ids for i, r in on.requests.items()} == {
+                    i: r.output_ids for i, r in off.requests.items()
+                }
+    # the batching figures leave the speculation-only experiments alone
+    assert not any(
+        k.startswith(("echo_fraction", "echo_b1_", "chat_b1_fraction")) for k in figures if "spec" not in k
+    )
+    assert bench.SPEC_NOTE in format_table(result)
+
+
 def test_a_learners_engine_runs_beside_ours(monkeypatch):
     from batchlab.core.scheduler import ContinuousScheduler
 
@@ -388,9 +468,16 @@ def test_quick_bench_runs_every_engine_and_reports_the_figures(lm_two_layers, tm
     this checks the bench's plumbing, not the figures' values (``batchlab bench`` measures
     those on the whole model)."""
     out = tmp_path / "bench.json"
-    result = run_bench(lm_two_layers, quick=True, json_out=str(out), progress=False)
+    traces = {}
+
+    def recording(lm, wl, b, engine_name, *args):  # the bench's own runs, traces kept
+        traces[(wl.name, b, engine_name)] = trace = bench.run_engine(lm, wl, b, engine_name, *args)
+        return trace
+
+    result = run_bench(lm_two_layers, quick=True, json_out=str(out), progress=False, run=recording)
     print(format_table(result))
     saved = json.loads(out.read_text())
+    check_quick_speculation(saved, traces, format_table(result))
     assert saved["figures"] == result["figures"]
     runs = {(r["workload"], r["batch_size"], r["engine"]): r for r in saved["runs"]}
     for name, summary in saved["workloads"].items():
@@ -421,6 +508,41 @@ def test_quick_bench_runs_every_engine_and_reports_the_figures(lm_two_layers, tm
         assert isinstance(value, float) and math.isfinite(value) and value > 0, (key, value)
     assert (tmp_path / "bench_throughput.png").stat().st_size > 10_000
     assert (tmp_path / "bench_interference_latency.png").stat().st_size > 10_000
+
+
+def check_quick_speculation(saved, traces, table):
+    """Speculation on and off in the quick bench: the echo and chat workloads at B=1 and B=8,
+    drafts proposed on the echo workload, greedy outputs the same as without speculation,
+    and every speculation figure present."""
+    runs = {(r["workload"], r["batch_size"], r["engine"]): r for r in saved["runs"]}
+    pairs = [("echo", 8), ("echo_b1", 1), ("chat", 8), ("chat_b1", 1)]
+    for name, b in pairs:
+        on, off = runs[(name, b, bench.SPEC)], runs[(name, b, "stallfree")]
+        assert off["spec_drafted"] == 0 and on["output_tokens"] == off["output_tokens"], name
+        prefix = f"{name}_spec" if name.endswith("_b1") else f"{name}_b{b}_spec"
+        for key in ("speedup_tokps", "passes_per_token", "tokens_per_verify_row", "acceptance_rate"):
+            value = saved["figures"][f"{prefix}_{key}"]
+            assert isinstance(value, float) and math.isfinite(value), (prefix, key, value)
+        assert 0 < saved["figures"][f"{prefix}_passes_per_token"] <= 1
+    for name in ("echo", "echo_b1"):
+        b = 8 if name == "echo" else 1
+        assert runs[(name, b, bench.SPEC)]["spec_drafted"] > 0, name  # the answers are in the prompts
+    assert (
+        saved["workloads"]["echo"]["name"] == "echo"
+        and saved["workloads"]["echo_b1"]["requests"] == bench.B1_REQUESTS
+    )
+    assert isinstance(saved["figures"]["chat_b8_spec_over_mlxlm_tokps"], float)
+    assert bench.SPEC_NOTE in table
+    # speculation changes how many passes run, never what greedy decoding answers
+    pairs_seen = 0
+    for (wl_name, b, engine), on in traces.items():
+        if engine == bench.SPEC:
+            off = traces[(wl_name, b, "stallfree")]
+            assert {i: r.output_ids for i, r in on.requests.items()} == {
+                i: r.output_ids for i, r in off.requests.items()
+            }, (wl_name, b)
+            pairs_seen += 1
+    assert pairs_seen == len(pairs)
 
 
 def test_one_row_linears_times_every_weight_matrix(lm):

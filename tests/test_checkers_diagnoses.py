@@ -1026,6 +1026,61 @@ def test_aging_policy_names_the_wrong_exception():
     )
 
 
+# --------------------------------------------------------------------------------------
+# Lesson 11: propose and accept returning the wrong kind of thing; a proposer of another rule.
+
+
+def test_speculative_scheduler_names_a_proposal_that_is_not_a_list():
+    def propose_or_none(tokens, k, min_n=1, max_n=4):
+        return learner_pieces.propose(tokens, k, min_n, max_n) or None
+
+    assert_says(
+        quiet("speculative_scheduler", propose_or_none, learner_pieces.MySpeculativeScheduler),
+        "propose returns a list of token ids, not a NoneType",
+        case="2 of 24",
+    )
+
+
+class AcceptsATuple(learner_pieces.MySpeculativeScheduler):
+    def accept(self, req, drafts, picks):
+        return tuple(super().accept(req, drafts, picks))
+
+
+class SampledRunTooLong(learner_pieces.MySpeculativeScheduler):
+    """Right for greedy requests; for sampled ones the drafts and then every draw."""
+
+    def accept(self, req, drafts, picks):
+        return super().accept(req, drafts, picks) if req.sampler.params.greedy else [*drafts, *picks]
+
+
+@pytest.mark.parametrize(
+    "wrong, says",
+    [
+        (AcceptsATuple, "accept returns a list of token ids, not a tuple"),
+        (
+            SampledRunTooLong,
+            "your accept returned [0, 1, 0, 1, 1]: accept returns 1 to len(drafts) + 1 tokens",
+        ),
+    ],
+    ids=lambda v: getattr(v, "__name__", None),
+)
+def test_speculative_scheduler_names_what_accept_returned(wrong, says):
+    assert_says(quiet("speculative_scheduler", learner_pieces.propose, wrong), says)
+
+
+def test_speculative_scheduler_names_a_shorter_pattern_first_as_a_design():
+    def shortest_first(tokens, k, min_n=1, max_n=4):
+        for n in range(min_n, min(max_n, len(tokens) - 1) + 1):
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == tokens[-n:]:
+                    return tokens[start + n : start + n + k]
+        return []
+
+    verdict = quiet("speculative_scheduler", shortest_first, learner_pieces.MySpeculativeScheduler)
+    assert_differs(verdict, "yours proposed [5, 1], what followed the last 1 token(s)")
+    assert "the lesson's rule proposes [3, 9]" in verdict.message, verdict.message
+
+
 def test_the_fake_model_is_deterministic():
     """Two runs of the fake give the same tokens, with or without the cache (the tests above rely on it)."""
     ids = BYTE_LM.tokenizer.encode("Once upon a time")

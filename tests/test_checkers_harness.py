@@ -61,6 +61,22 @@ def test_a_scheduler_that_never_stops_is_stopped_with_words():
     assert run.problem and "the scheduler never stops" in run.problem
 
 
+def test_a_run_on_another_test_model_is_bounded_too():
+    """Lesson 11's runs use the echoing test models of ``core.fake``: they stop a scheduler that
+    never stops as the fake's own runner does."""
+    from batchlab.core.fake import EchoRunner
+
+    run = _pieces.run_piece(
+        NeverFinishes,
+        _pieces.fake_workload("w", [(5, 3)]),
+        runner=EchoRunner,
+        max_batch_size=2,
+        num_kv_blocks=400,
+    )
+    assert run.problem and "the scheduler never stops" in run.problem
+    assert _pieces.bounded(EchoRunner).choose is EchoRunner.choose
+
+
 def test_a_memory_case_whose_reference_does_not_preempt_is_refused():
     roomy = _pieces.fake_workload("w", [(5, 3), (6, 2)])
     judge = _pieces.piece_judge(

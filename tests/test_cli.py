@@ -224,3 +224,91 @@ def test_engine_flags_reach_make_engine():
     )
     with pytest.raises(ValueError, match="enable_prefix_cache does not apply to the static engine"):
         make_engine("static", FakeModel(), runner=FakeRunner, **engine_options(static))
+
+
+# -- serve --speculative-config: vLLM's form, checked before the model loads ----------------------
+SPEC_CONFIG = (
+    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
+)
+
+
+def test_speculative_config_maps_to_the_stallfree_options():
+    from batchlab import make_engine
+    from batchlab.cli import build_parser, speculative_options
+    from batchlab.core.fake import FakeModel, FakeRunner
+    from batchlab.core.scheduler import StallFreeScheduler
+
+    args = build_parser().parse_args(["serve", "--speculative-config", SPEC_CONFIG])
+    options = speculative_options(args.speculative_config, StallFreeScheduler)
+    assert options == {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    scheduler = make_engine("stallfree", FakeModel(), runner=FakeRunner, **options).scheduler
+    assert (scheduler.num_speculative_tokens, scheduler.prompt_lookup_min, scheduler.prompt_lookup_max) == (
+        3,
+        1,
+        4,
+    )
+    assert build_parser().parse_args(["serve"]).speculative_config is None
+    assert speculative_options(None, StallFreeScheduler) == {}
+    # vLLM's rule for the n-gram sizes: one missing takes the other's value; neither, both 5
+    for given, sizes in (
+        ({"prompt_lookup_max": 2}, (2, 2)),
+        ({"prompt_lookup_min": 3}, (3, 3)),
+        ({}, (5, 5)),
+    ):
+        text = json.dumps({"method": "ngram", "num_speculative_tokens": 2, **given})
+        got = speculative_options(text, StallFreeScheduler)
+        assert (got["prompt_lookup_min"], got["prompt_lookup_max"]) == sizes, given
+    # the same setting as a flag: fine when it agrees, an error when it does not
+    assert speculative_options(SPEC_CONFIG, StallFreeScheduler, {"num_speculative_tokens": 3}) == options
+
+
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        ('{"method": "eagle", "num_speculative_tokens": 3}', "method 'eagle' is not supported"),
+        ('{"num_speculative_tokens": 3}', '"method" is required'),
+        ('{"method": "ngram"}', '"num_speculative_tokens" is required'),
+        ('{"method": "ngram", "num_speculative_tokens": 3, "model": "x"}', "unknown key 'model'"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": "3"}',
+            "num_speculative_tokens must be a whole number",
+        ),
+        ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a whole number"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 5, "prompt_lookup_max": 2}',
+            "<=",
+        ),
+        ("ngram", "is not JSON"),
+        ("[3]", "must be a JSON object"),
+    ],
+)
+def test_a_bad_speculative_config_is_refused_with_its_reason(config, says):
+    from batchlab.cli import speculative_options
+    from batchlab.core.scheduler import StallFreeScheduler
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        speculative_options(config, StallFreeScheduler)
+
+
+def test_serve_refuses_a_bad_speculative_config_before_loading_the_model(monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before --speculative-config was checked")
+
+    monkeypatch.setattr(batchlab.model.load, "load_model", no_model)
+    cases = [
+        (
+            ["--engine", "continuous", "--speculative-config", SPEC_CONFIG],
+            "the continuous engine does not speculate",
+        ),
+        (["--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'], "method 'medusa'"),
+        (
+            ["--num-speculative-tokens", "2", "--speculative-config", SPEC_CONFIG],
+            "but --num-speculative-tokens says 2",
+        ),
+    ]
+    for flags, says in cases:
+        with pytest.raises(SystemExit) as e:
+            main(["serve", *flags])
+        assert str(e.value.code).startswith("batchlab serve: --speculative-config") and says in str(
+            e.value.code
+        )

@@ -154,3 +154,5 @@ def test_a_scheduler_that_only_calls_super_is_told_which_method_to_write():
         engine.scheduler.fits(None, 1)
     with pytest.raises(NotImplementedError, match=r"Lazy must write grow"):
         engine.scheduler.grow(None)
+    with pytest.raises(NotImplementedError, match=r"Lazy must write accept\(req, drafts, picks\)"):
+        engine.scheduler.accept(None, [1], [1, 2])  # speculation: which drafts count is the kind's rule

@@ -119,6 +119,34 @@ def test_a_missing_earlier_piece_is_the_reference_and_the_lesson_says_which(fold
     assert "the reference ContinuousScheduler stands in for it" in said
 
 
+SPECULATIVE = """def propose(tokens, k, min_n=1, max_n=4):
+    return []
+"""
+
+
+def test_a_function_of_a_piece_is_read_like_a_class(folder, capsys):
+    """Lesson 11's file holds a function (``propose``) beside its class: ``piece`` and ``earlier``
+    read it from the file, or name the reference function standing in for it."""
+    from batchlab.core.speculative import propose_ngram
+
+    missing = course.piece("speculative", "propose")
+    assert not missing and "lesson 11" in missing.missing_reason
+    assert course.earlier("speculative", "propose") is propose_ngram
+    said = capsys.readouterr().out.strip()
+    assert said == (
+        "Lesson 11's propose (my_engine/speculative.py) is not written yet: the reference propose_ngram "
+        "stands in for it."
+    )
+    course.write_piece("my_engine/speculative.py", SPECULATIVE)
+    mine = course.piece("speculative", "propose")
+    assert callable(mine) and mine.__name__ == "propose" and mine([1, 2, 1], 2) == []
+    assert course.earlier("speculative", "propose")([1, 2, 1], 2) == []
+    assert (
+        "defines no MySpeculativeScheduler"
+        in course.piece("speculative", "MySpeculativeScheduler").missing_reason
+    )
+
+
 def test_not_written_yet_names_the_lesson_and_the_file(folder):
     missing = course.piece("chunked", "MyChunkedScheduler")
     assert "my_engine/chunked.py" in missing.missing_reason

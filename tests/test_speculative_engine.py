@@ -2,18 +2,19 @@
 ``num_speculative_tokens``), against references that no engine code computes.
 
 On the fake model every greedy answer is known: ``fake.reference_output`` for the fake's own
-model, and for the test runners below a plain loop over their ``choose``. The fake's model is
-a hash, so it never echoes its prompt and drafts are rejected; ``EchoRunner``'s model repeats
-the token ``PERIOD`` places back most of the time, so drafts from an echo-heavy prompt are
-accepted until it does not. Both runners read every context through the block tables from a
-pool of KV positions, so a rewind that kept a rejected draft's position, or a block freed
-while in use, gives a wrong answer. One test runs the real model (slow).
+model, and for the test runners of ``core.fake`` (shared with lesson 11's checker)
+``fake.greedy_output``, a plain loop over their ``choose``. The fake's model is a hash, so it
+never echoes its prompt and drafts are rejected; ``EchoRunner``'s model repeats the token
+``PERIOD`` places back most of the time, so drafts from an echo-heavy prompt are accepted until
+it does not; ``ContrarianRunner``'s never says a token prompt lookup could propose. The runners
+read every context through the block tables from a pool of KV positions, so a rewind that kept
+a rejected draft's position, or a block freed while in use, gives a wrong answer. One test runs
+the real model (slow).
 """
 
 from __future__ import annotations
 
 import random
-import zlib
 from collections import Counter
 
 import numpy as np
@@ -21,60 +22,31 @@ import pytest
 from test_kv import check_blocks
 
 from batchlab import make_engine
-from batchlab.core.fake import FakeModel, FakeRunner, next_token, reference_output
+from batchlab.core.fake import (
+    PERIOD,
+    ContrarianRunner,
+    EchoRunner,
+    FakeModel,
+    FakeRunner,
+    PureEchoRunner,
+    greedy_output,
+    reference_output,
+    sequence_hash,
+)
 from batchlab.core.kv import BlockManager
 from batchlab.core.metrics import summarize
 from batchlab.core.scheduler import StallFreeScheduler
 from batchlab.core.speculative import accept_sampled, propose_ngram
 from batchlab.core.trace import Trace
+from batchlab.course.checks.lesson11 import chi_square_p001
 
 LM = FakeModel()
 EOS = frozenset({LM.eos_id})
-PERIOD = 5
-
-
-def _hash(seq) -> int:
-    return zlib.crc32(np.asarray(seq, dtype=np.int64).tobytes())
-
-
-class EchoRunner(FakeRunner):
-    """A model that echoes: the token ``PERIOD`` places back, except after one sequence in
-    four (by a hash of it), where it takes the fake model's own token."""
-
-    def choose(self, seq):
-        if len(seq) >= PERIOD and _hash(seq) % 4:
-            return seq[-PERIOD]
-        return next_token(seq, LM.vocab_size)
-
-
-class PureEchoRunner(FakeRunner):
-    """A model that always repeats the token ``PERIOD`` places back: on a prompt whose every
-    ``PERIOD`` consecutive tokens differ, prompt lookup always proposes what it will say."""
-
-    def choose(self, seq):
-        return seq[-PERIOD] if len(seq) >= PERIOD else next_token(seq, LM.vocab_size)
-
-
-class ContrarianRunner(FakeRunner):
-    """A model that never takes the first draft prompt lookup would propose (with the
-    engine's default lookup sizes): every draft is rejected."""
-
-    def choose(self, seq):
-        draft = propose_ngram(seq, 1, 1, 4)
-        return (draft[0] + 1) % LM.vocab_size if draft else next_token(seq, LM.vocab_size)
 
 
 def reference(runner_cls, prompt, max_new, eos=EOS):
     """One greedy request, one token at a time, on the runner's model (no engine)."""
-    choose = runner_cls.choose.__get__(runner_cls(LM, 1, 1))
-    seq, out = list(prompt), []
-    while len(out) < max_new:
-        token = choose(seq)
-        out.append(token)
-        seq.append(token)
-        if token in eos:
-            break
-    return out
+    return greedy_output(runner_cls, prompt, max_new, eos, LM)
 
 
 def echo_prompt(rng, reps=(3, 8)) -> list[int]:
@@ -426,7 +398,7 @@ class SoftEchoRunner(FakeRunner):
 
     @staticmethod
     def soft(seq):
-        logits = np.random.default_rng(_hash(seq)).normal(0, 1, LM.vocab_size)
+        logits = np.random.default_rng(sequence_hash(seq)).normal(0, 1, LM.vocab_size)
         if len(seq) >= PERIOD:
             logits[seq[-PERIOD]] += 4.0
         logits[LM.eos_id] += 2.5
@@ -502,24 +474,6 @@ def exact_joint(prompt, depth=NEW) -> dict[tuple, float]:
         for t, pt in zip(best, p / p.sum())
         for rest, q in exact_joint(prompt + [int(t)], depth - 1).items()
     }
-
-
-def chi_square_p001(counts: Counter, probs: dict) -> tuple[float, float]:
-    """Pearson's statistic over the cells expected at least 5 times (the rest pooled in one),
-    and its critical value at alpha = 0.001 (Wilson-Hilferty; a sequence the model never
-    makes counts as infinitely unlikely)."""
-    n = sum(counts.values())
-    if set(counts) - set(probs):
-        return float("inf"), 0.0
-    big = [cell for cell, p in probs.items() if p * n >= 5]
-    observed = [counts[c] for c in big] + [n - sum(counts[c] for c in big)]
-    expected = [probs[c] * n for c in big] + [n - sum(probs[c] * n for c in big)]
-    if expected[-1] < 5:  # nothing worth a cell left over
-        observed[-2] += observed.pop()
-        expected[-2] += expected.pop()
-    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
-    k = len(expected) - 1
-    return stat, k * (1 - 2 / (9 * k) + 3.090 * (2 / (9 * k)) ** 0.5) ** 3
 
 
 def test_sampled_rows_keep_the_models_distribution_through_the_engine():

@@ -955,3 +955,219 @@ def test_block_map_marks_shared_blocks_with_one_shade_and_their_holder_count():
     image = ax.images[0].get_array()
     assert all(np.allclose(image[b, k], SHARED_RGB) for k, b in shared)
     assert any(t.get_text().startswith("×") for t in ax.texts)
+
+
+# -- speculative decoding: verify rows ---------------------------------------------------------
+def speculative_trace() -> Trace:
+    """Two slots held from admission (stall-free). p and q prefill in step 0; in step 1 p
+    carries 3 drafts (2 accepted), q 2 drafts (none accepted); in step 2 p's 3 drafts are all
+    accepted and q runs a plain decode row; in step 3 p's 3 drafts are all rejected while q
+    holds its slot."""
+    steps = [
+        step(0, ["p", "q"], prefill=[("p", 0, 4), ("q", 0, 4)], slot_of={"p": 0, "q": 1}),
+        step(1, ["p", "q"], decoded=["p", "q"], slot_of={"p": 0, "q": 1}),
+        step(2, ["p", "q"], decoded=["p", "q"], slot_of={"p": 0, "q": 1}),
+        step(3, ["p", "q"], decoded=["p"], slot_of={"p": 0}),
+    ]
+    steps[1].drafts, steps[1].accepted = {"p": 3, "q": 2}, {"p": 2, "q": 0}
+    steps[2].drafts, steps[2].accepted = {"p": 3}, {"p": 3}
+    steps[3].drafts, steps[3].accepted = {"p": 3}, {"p": 0}
+    return Trace("stallfree", 2, steps)
+
+
+class _EchoRunner(FakeRunner):
+    """A model that mostly repeats the token 5 places back (so prompt-lookup drafts from a
+    repetitive prompt are often right) and takes the fake's own token after every third
+    position (so some are wrong)."""
+
+    def choose(self, seq):
+        from batchlab.core.fake import next_token
+
+        if len(seq) >= 5 and len(seq) % 3:
+            return seq[-5]
+        return next_token(seq, FakeModel().vocab_size)
+
+
+def speculative_run() -> Trace:
+    rng = np.random.default_rng(1)
+    engine = batchlab.make_engine(
+        "stallfree",
+        FakeModel(),
+        runner=_EchoRunner,
+        max_batch_size=4,
+        token_budget=24,
+        kv_block_size=4,
+        num_speculative_tokens=3,
+        clock=TickClock(),
+    )
+    for _ in range(6):
+        pattern = rng.choice(np.arange(1, 60), size=5, replace=False).tolist()
+        engine.submit(pattern * int(rng.integers(3, 7)), max_new_tokens=20, ignore_eos=True)
+    engine.run_until_idle()
+    return engine.trace
+
+
+def test_a_verify_rows_cell_says_how_many_drafts_it_carried_and_how_many_were_accepted():
+    grid = viz.slot_grid(speculative_trace())
+    assert grid[1] == [Cell(D, "p", drafts=3, accepted=2), Cell(D, "q", drafts=2, accepted=0)]
+    assert grid[2] == [Cell(D, "p", drafts=3, accepted=3), Cell(D, "q")]  # q: a plain decode row
+    assert grid[3] == [Cell(D, "p", drafts=3, accepted=0), Cell("held", "q")]
+    assert [c.mark for c in grid[1]] == ["+2/3", "+0/2"] and grid[2][1].mark == ""
+    assert [c.verify for row in grid for c in row] == [False, False, True, True, True, False, True, False]
+    # bottom up: the row's own token and the accepted drafts (kept), then the rejected ones
+    assert grid[1][0].bands == (True, True, True, False)
+    assert grid[1][1].bands == (True, False, False) and grid[2][1].bands == ()
+
+
+def test_verify_cells_agree_with_the_trace_and_its_speculation_totals():
+    from batchlab.core.metrics import speculation
+
+    trace = speculative_run()
+    totals = speculation(trace)
+    assert totals["spec_accepted"] > 0 and totals["spec_drafted"] > totals["spec_accepted"], "both kinds"
+    grid = viz.slot_grid(trace)
+    for k, (cells, record) in enumerate(zip(grid, trace.steps)):
+        verify = {c.request: (c.drafts, c.accepted) for c in cells if c.verify}
+        want = {rid: (n, record.accepted.get(rid, 0)) for rid, n in record.drafts.items() if n}
+        assert verify == want, k
+        assert all(c.kind == D for c in cells if c.verify)
+    cells = [c for row in grid for c in row]
+    assert sum(c.drafts for c in cells) == totals["spec_drafted"]
+    assert sum(c.accepted for c in cells) == totals["spec_accepted"]
+    assert sum(c.verify for c in cells) == totals["spec_verify_rows"]
+    assert sum(len(c.bands) for c in cells) == totals["spec_verify_rows"] + totals["spec_drafted"]
+    # a saved run draws the same cells
+    assert viz.slot_grid(Trace.from_json(trace.to_json())) == grid
+
+
+def test_the_widget_marks_a_verify_row_and_its_legend_explains_it():
+    trace = speculative_trace()
+    frame = viz.frame_html(trace, 3)
+    (cell,) = Elements(frame).having(data_step="1", data_lane="0")
+    assert cell["class"] == "bl-cell bl-decode bl-verify" and cell["data-kind"] == "decode"
+    assert (cell["data-drafts"], cell["data-accepted"]) == ("3", "2")
+    assert cell["style"].endswith(";--n:4;--k:75%") and "+2/3" in cell["title"]
+    (rejected,) = Elements(frame).having(data_step="3", data_lane="0")
+    assert rejected["style"].endswith(";--n:4;--k:25%") and "0 of 3 drafts accepted" in rejected["title"]
+    (plain,) = Elements(frame).having(data_step="2", data_lane="1")
+    assert plain["class"] == "bl-cell bl-decode" and "data-drafts" not in plain
+    assert ".bl-verify{" in frame and viz.grid.VERIFY_LEGEND in frame
+    assert "this step: decode p (+2/3), q (+0/2)" in viz.frame_html(trace, 1)
+    # the replay draws the same cells
+    view = viz.SlotView(trace)
+    assert view._grid.value.count('class="bl-cell bl-decode bl-verify') == 4
+    assert 'data-drafts="2" data-accepted="0"' in view._grid.value
+    assert "(+3/3)" in view._states.children[2].value
+
+
+def test_the_gif_draws_a_verify_row_as_bands_with_its_rejected_drafts_grey():
+    from PIL import ImageFont
+
+    from batchlab.viz.animation import LANE, ROW
+    from batchlab.viz.colors import PADDING_COLOR, rgb
+
+    trace = speculative_trace()
+    last = frames_of(viz.animation(trace).data)[-1]
+    font = ImageFont.load_default(size=11)
+    left = int(max(font.getlength(name) for name in viz.lane_names(trace))) + 10
+    colors = viz.request_colors(trace)
+
+    def column(k, lane):  # a column of a cell, top to bottom, as c(olour)/g(rey)/w(hite)
+        x, y = left + k * 14 + 12, 40 + lane * ROW  # right of any label
+        names = {rgb(colors[trace.steps[k].slots[lane]]): "c", rgb(PADDING_COLOR): "g", (255, 255, 255): "w"}
+        return "".join(names.get(tuple(int(v) for v in px), "?") for px in last[y : y + LANE, x])
+
+    assert column(2, 1) == "c" * LANE  # a plain decode row: all colour
+    for k, lane, rejected, bands in [(1, 0, 1, 4), (1, 1, 2, 3), (2, 0, 0, 4), (3, 0, 3, 4)]:
+        got = column(k, lane)
+        assert set(got) <= {"c", "g", "w"} and got.count("w") == bands - 1, (k, lane, got)
+        assert got.rstrip("w")[-1] == "c" and ("g" in got) == bool(rejected)
+        assert abs(got.rfind("g") + 1 - LANE * rejected / bands) <= 1, (k, lane, got)  # grey: the rejected
+        assert got.replace("w", "") == "".join(sorted(got.replace("w", ""), reverse=True))  # grey on top
+    no_drafts = frames_of(viz.animation(stallfree_trace()).data)[-1]
+    assert last.shape[0] == no_drafts.shape[0] + ROW  # a second legend line: the verify row's
+
+
+def test_the_still_grid_greys_a_verify_rows_rejected_drafts_and_explains_it():
+    from matplotlib.collections import LineCollection
+
+    from batchlab.viz.colors import PADDING_COLOR
+
+    ax = viz.plot_slot_grid(speculative_trace()).axes[0]
+    grey = [
+        p
+        for p in ax.patches
+        if p.get_facecolor()[:3] == tuple(int(PADDING_COLOR[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    ]
+    # p at step 1 (1 of 4 bands), q at step 1 (2 of 3), p at step 3 (3 of 4), each on its cell
+    assert sorted((p.get_x(), p.get_y(), round(p.get_height(), 6)) for p in grey) == [
+        (1, 0.08, 0.21),
+        (1, 1.08, 0.56),
+        (3, 0.08, 0.63),
+    ]
+    (lines,) = [c for c in ax.collections if isinstance(c, LineCollection)]
+    assert len(lines.get_segments()) == 3 + 2 + 3 + 3  # between the bands of each verify row
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels[-1].replace("\n", " ") == viz.grid.VERIFY_LEGEND
+    plain = viz.plot_slot_grid(stallfree_trace()).axes[0]
+    assert not plain.collections and len(plain.get_legend().get_texts()) == len(labels) - 1
+
+
+# The pictures of runs without drafts, as they were before verify rows were drawn (digests of
+# each renderer's output for the traces of this file and the recorded ones): a run without
+# drafts must look exactly as it did, so lessons' saved outputs stay as they are. The HTML is
+# plain text; the images' pixels depend on Pillow's and matplotlib's font rendering, so those
+# are compared only with the versions they were made with. A deliberate change of the pictures
+# updates these digests (print ``_renders(trace)``).
+_BEFORE_VERIFY_ROWS = {
+    "continuous": ("4a6fe9652af7dbf7", "cb521d3be4b2f9ce", "6fcdf51021964569", "48449e861fc76cfd"),
+    "static": ("d4afbc1b46b710a1", "d3ffc94f9dde0099", "b7ccab72863a58c8", "393bbeba9c495775"),
+    "stallfree": ("c33083608591e13e", "2851a30c8bea8816", "e91b58606640dd6d", "29513fb2dc2afeb7"),
+    "recorded static": ("37878e43384b3f0c", "a7ea223e2b170d9e", "2219dbf4f1fe8640", "5fe906aab3efde05"),
+    "recorded continuous": ("26846e61f92b1d66", "9befad9508cd2e8d", "2e3e89ba9165b0cb", "fb2f65e1e34fefff"),
+    "recorded stallfree": ("b54aebf45e46c916", "c850ee830561b503", "89d78e58d7643d34", "29f2b12deecbd12d"),
+}
+_IMAGES_MADE_WITH = {"pillow": "13.0.0", "matplotlib": "3.11.2"}
+
+
+def _renders(trace: Trace) -> tuple[str, str, str, str]:
+    """Digests of frame_html (every step, two windows), player_html (two windows), the
+    animation's pixels (every frame) and plot_slot_grid's pixels."""
+    import hashlib
+
+    from PIL import Image, ImageSequence
+
+    def digest(data) -> str:
+        return hashlib.sha256(data if isinstance(data, bytes) else data.encode()).hexdigest()[:16]
+
+    def pixels(png: bytes) -> bytes:
+        frames = ImageSequence.Iterator(Image.open(io.BytesIO(png)))
+        return b"".join(np.asarray(f.convert("RGB")).tobytes() for f in frames)
+
+    n = len(trace.steps)
+    players = [viz.player_html(trace, w, uid="bl-test") for w in (40, 7)]
+    return (
+        digest("".join(viz.frame_html(trace, k, w) for k in range(n) for w in (40, 7))),
+        digest("".join(part for grid, states in players for part in [grid, *states])),
+        digest(pixels(viz.animation(trace).data)),
+        digest(pixels(base64.b64decode(viz.plots.png_base64(viz.plot_slot_grid(trace))))),
+    )
+
+
+@pytest.mark.parametrize("name", list(_BEFORE_VERIFY_ROWS))
+def test_a_run_without_drafts_renders_exactly_as_before_verify_rows(name):
+    import matplotlib
+    import PIL
+
+    made = {
+        "continuous": continuous_trace,
+        "static": static_trace,
+        "stallfree": stallfree_trace,
+    }
+    trace = made[name]() if name in made else recorded(name.split()[1])
+    assert not viz.grid.has_drafts(trace)
+    frame, player, gif, grid = _renders(trace)
+    want = _BEFORE_VERIFY_ROWS[name]
+    assert (frame, player) == want[:2], "the HTML of a run without drafts changed"
+    if {"pillow": PIL.__version__, "matplotlib": matplotlib.__version__} == _IMAGES_MADE_WITH:
+        assert (gif, grid) == want[2:], "the pictures of a run without drafts changed"

@@ -33,6 +33,7 @@ QUICK = {
     "sharegpt": {"size": "quick"},
     "sharegpt_bursty": {"size": "quick", "arrivals": "bursty", "rate": 1.0, "cv": 3.0},
     "interference": {"size": "quick"},
+    "echo": {"size": "quick"},
 }
 
 
@@ -445,3 +446,24 @@ def test_the_driver_admits_a_request_due_at_a_rounded_virtual_time():
     wl = W.Workload("rounded", "one request due at 0.1 s", [W.WorkloadRequest("r", [1, 2, 3], 2, 0.1)])
     trace = D.run_workload(engine, wl, progress=False, max_idle_steps=5)
     assert trace.requests["r"].finish_reason == "length"
+
+
+# -- echo: the answer is in the prompt (speculative decoding by prompt lookup) ---------------------
+def test_echo_asks_for_a_passage_of_the_corpus_back_and_has_room_to_echo_it(tok):
+    a = W.make_workload("echo", tok, size="full")
+    assert fingerprint(a) == fingerprint(W.echo(tok, size="full"))
+    assert len(a) == 16 and all(48 <= n <= 64 for n in a.output_lens) and set(a.arrivals) == {0.0}
+    assert len(W.echo(tok)) == 8 and all(16 <= n <= 24 for n in W.echo(tok).output_lens)
+    paragraphs = W.corpus_paragraphs()
+    instructions = set()
+    for r in a:
+        assert r.prompt_ids == tok.encode_chat(r.messages) and 112 <= r.prompt_len <= 160
+        instruction, text = r.messages[0]["content"].split("\n\n", 1)
+        instructions.add(instruction)
+        first = text.split("\n\n")[0]
+        assert any(first in p for p in paragraphs), r.id  # real text, from the shipped corpus
+        assert len(tok.encode(text)) > r.max_new_tokens, r.id  # the whole answer can be an echo
+    assert instructions == set(W.ECHO_INSTRUCTIONS)
+    assert "prompt lookup" in W.echo.__doc__
+    with pytest.raises(ValueError, match="size"):
+        W.echo(tok, size="huge")

@@ -168,6 +168,71 @@ def policy_from(spec: str, settings: list[str] = ()):
         raise ValueError(f"--policy {spec} with {', '.join(settings)}: {e}") from e
 
 
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+SPECULATIVE_EXAMPLE = (
+    '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}'
+)
+
+
+def speculative_options(text: str | None, scheduler_cls, given: dict | None = None) -> dict:
+    """``--speculative-config JSON`` in vLLM's form, as the engine options it stands for:
+    ``{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+    "prompt_lookup_min": 1}`` is speculative decoding by prompt lookup with those three
+    options (the stall-free kind's). As in vLLM, ``num_speculative_tokens`` is required, a
+    missing ``prompt_lookup_min`` or ``prompt_lookup_max`` takes the other's value, and with
+    neither both are 5. Only the "ngram" method exists here (there is no draft model); another
+    method, a key this server does not know, a value that is not a whole number, a setting
+    that ``given`` (the flags) already sets otherwise, or a kind that does not speculate is a
+    ``ValueError`` that says so."""
+    if text is None:
+        return {}
+    flag = "--speculative-config"
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} is not JSON ({e}); write e.g. '{SPECULATIVE_EXAMPLE}'") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{flag} must be a JSON object, e.g. '{SPECULATIVE_EXAMPLE}'")
+    unknown = [key for key in config if key not in SPECULATIVE_KEYS]
+    if unknown:
+        raise ValueError(
+            f"{flag}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+            f"this server takes {', '.join(SPECULATIVE_KEYS)}"
+        )
+    if "method" not in config:
+        raise ValueError(f'{flag}: "method" is required; the one method here is "ngram" (prompt lookup)')
+    if config["method"] != "ngram":
+        raise ValueError(
+            f"{flag}: method {config['method']!r} is not supported; the one method here is "
+            f'"ngram" (prompt lookup: drafts from the request\'s own tokens, no draft model)'
+        )
+    if "num_speculative_tokens" not in config:
+        raise ValueError(f"{flag}: \"num_speculative_tokens\" is required, e.g. '{SPECULATIVE_EXAMPLE}'")
+    low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+    options = {
+        "num_speculative_tokens": config["num_speculative_tokens"],
+        "prompt_lookup_min": low if low is not None else high if high is not None else 5,
+        "prompt_lookup_max": high if high is not None else low if low is not None else 5,
+    }
+    for key, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{flag}: {key} must be a whole number >= 1, got {value!r}")
+    if options["prompt_lookup_min"] > options["prompt_lookup_max"]:
+        raise ValueError(
+            f"{flag}: prompt_lookup_min ({options['prompt_lookup_min']}) must be <= "
+            f"prompt_lookup_max ({options['prompt_lookup_max']})"
+        )
+    if not set(options) <= set(scheduler_cls.option_defaults()):
+        raise ValueError(
+            f"{flag}: the {getattr(scheduler_cls, 'kind', scheduler_cls.__name__)} engine does not "
+            f"speculate; speculative decoding runs on the stall-free kind (--engine stallfree)"
+        )
+    for key, value in options.items():
+        if (given or {}).get(key, value) != value:
+            raise ValueError(f"{flag} sets {key} to {value}, but --{key.replace('_', '-')} says {given[key]}")
+    return options
+
+
 def serve_pieces(args) -> dict:
     """``batchlab serve``'s learner pieces beyond the scheduler: ``--front`` (an
     ``EngineBase`` subclass: submit, poll and cancel), ``--server`` (a ``ServerBase``
@@ -256,6 +321,7 @@ def _cmd_serve(args) -> int:
 
     check_exposure(args.host, args.api_key, args.insecure)  # before the model takes its seconds to load
     options = engine_options(args) | serve_pieces(args)  # a bad class fails before the model loads, too
+    options |= speculative_options(args.speculative_config, args.scheduler_cls, options)
     serve(
         load_model(args.model),
         args.scheduler_cls,
@@ -508,6 +574,13 @@ def _serve_parser(sub, extra) -> None:
         "requests without a user count as one user)",
     )
     srv.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help="speculative decoding in vLLM's form, by prompt lookup (the stall-free kind): "
+        f"e.g. '{SPECULATIVE_EXAMPLE}'",
+    )
+    srv.add_argument(
         "--show-prompts",
         action="store_true",
         help="show the end of each prompt on /dashboard (default: no prompt text)",
@@ -526,7 +599,7 @@ def _loadgen_parser(sub) -> None:
         help="the model name to ask for (default: the first at /v1/models)",
     )
     load.add_argument(
-        "--workload", default="mixed", choices=["mixed", "high_variance", "sharegpt", "interference"]
+        "--workload", default="mixed", choices=["mixed", "high_variance", "sharegpt", "interference", "echo"]
     )
     load.add_argument("--size", default="quick", choices=["quick", "full"])
     load.add_argument(

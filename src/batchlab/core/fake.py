@@ -20,9 +20,14 @@ from .runner import Chunk, Runner
 from .sampling import sample_rows
 
 
+def sequence_hash(sequence: list[int]) -> int:
+    """A fixed hash of a token sequence (the fake model's, before it is cut to the vocabulary)."""
+    return zlib.crc32(np.asarray(sequence, dtype=np.int64).tobytes())
+
+
 def next_token(sequence: list[int], vocab_size: int) -> int:
     """The fake model's deterministic choice after ``sequence`` (prompt + outputs)."""
-    return zlib.crc32(np.asarray(sequence, dtype=np.int64).tobytes()) % vocab_size
+    return sequence_hash(sequence) % vocab_size
 
 
 def reference_output(
@@ -109,6 +114,62 @@ class FakeRunner(Runner):
 
     def sample(self, logits: np.ndarray, rows: list[int], samplers) -> list[int]:
         return sample_rows(logits[rows], samplers)
+
+
+# Models for speculative decoding: the fake model is a hash, so it never repeats its prompt and
+# prompt lookup's drafts are rejected. These repeat it (drafts accepted) or contradict it (every
+# draft rejected); ``greedy_output`` is the right answer on any of them, with no engine.
+
+PERIOD = 5  # the echo runners repeat the token this many places back
+
+
+class EchoRunner(FakeRunner):
+    """A model that echoes: the token ``PERIOD`` places back, except after one sequence in
+    four (by a hash of it), where it takes the fake model's own token."""
+
+    def choose(self, sequence):
+        if len(sequence) >= PERIOD and sequence_hash(sequence) % 4:
+            return sequence[-PERIOD]
+        return next_token(sequence, self.lm.vocab_size)
+
+
+class PureEchoRunner(FakeRunner):
+    """A model that always repeats the token ``PERIOD`` places back: on a prompt whose every
+    ``PERIOD`` consecutive tokens differ, prompt lookup always proposes what it will say."""
+
+    def choose(self, sequence):
+        return sequence[-PERIOD] if len(sequence) >= PERIOD else next_token(sequence, self.lm.vocab_size)
+
+
+class ContrarianRunner(FakeRunner):
+    """A model that never says a token prompt lookup could propose first: none of the tokens
+    that followed an earlier occurrence of the last token (any n-gram's occurrence ends with
+    one of those), so every draft of any proposer is rejected. Otherwise the fake model's token
+    (the next one up while that is such a follower)."""
+
+    def choose(self, sequence):
+        last = sequence[-1]
+        followers = {sequence[i] for i in range(1, len(sequence)) if sequence[i - 1] == last}
+        token = next_token(sequence, self.lm.vocab_size)
+        while token in followers:
+            token = (token + 1) % self.lm.vocab_size
+        return token
+
+
+def greedy_output(
+    runner: type[FakeRunner], prompt: list[int], max_new_tokens: int, eos_ids: frozenset[int], lm=None
+) -> list[int]:
+    """``reference_output`` on the model of a test runner (its ``choose``): one greedy request,
+    one token at a time, no engine."""
+    choose = runner(lm or FakeModel(), 1, 1).choose
+    seq, out = list(prompt), []
+    while len(out) < max_new_tokens:
+        token = choose(seq)
+        out.append(token)
+        seq.append(token)
+        if token in eos_ids:
+            break
+    return out
 
 
 class TickClock:

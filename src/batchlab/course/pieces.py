@@ -50,10 +50,12 @@ PIECES: dict[str, tuple[str, str, str]] = {
     "memory": ("8", "MyMemoryScheduler", "batchlab.core.scheduler:StallFreeScheduler"),
     "policy": ("9", "MyAdmission", "batchlab.core.engine:Admission"),
     "aging": ("10", "MyAgingPolicy", "batchlab.core.policies:AgingPolicy"),
+    "speculative": ("11", "MySpeculativeScheduler", "batchlab.core.scheduler:StallFreeScheduler"),
 }
-# a second class of a piece's file, and the library's class standing in for it
+# a second class (or a function) of a piece's file, and the library's one standing in for it
 OTHERS: dict[tuple[str, str], str] = {
     ("memory", "MyVictimPolicy"): "batchlab.core.policies:PriorityPolicy",
+    ("speculative", "propose"): "batchlab.core.speculative:propose_ngram",
 }
 _STUB = re.compile(r"^\s*# YOUR CODE HERE\s*\n\s*raise NotImplementedError\(", re.M)
 

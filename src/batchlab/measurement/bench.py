@@ -7,6 +7,11 @@ around every run and the share of the CPUs other processes took during it, and t
 machine's limits (sgemm and memory copy rates) with how close
 prefill and decode come to them. ``--quick`` is a smoke run: small workloads, once.
 
+Speculative decoding by prompt lookup runs on and off, side by side: the stall-free engine
+and the same engine drafting ``SPEC_TOKENS`` tokens a decode row (``stallfree-spec``), on the
+echo workload (the answer is in the prompt) and the chat workload, at B=1 and at the standard
+batch size.
+
 Prints a table, writes a JSON with every run's metrics plus the headline ``figures``,
 and saves plots (of the first repetition) next to the JSON.
 """
@@ -44,6 +49,15 @@ SEQUENTIAL, STATIC = SequentialScheduler.kind, StaticScheduler.kind
 CONTINUOUS, STALLFREE = ContinuousScheduler.kind, StallFreeScheduler.kind
 MLXLM = "mlx-lm"  # the peer, mlx-lm's BatchGenerator: not a kind of ours
 
+# Speculative decoding by prompt lookup, on and off: the stall-free engine beside itself with
+# SPEC_TOKENS draft tokens a decode row (prompt lookup's n-grams at their defaults, 1 to 4).
+SPEC = f"{STALLFREE}-spec"
+SPEC_TOKENS = 3
+ECHO = "echo"  # the workload whose answers are in their prompts
+SPEC_WORKLOADS = (ECHO, "chat")  # speculation on and off, at B=1 and the standard B
+B1_REQUESTS = 4  # a B=1 run takes the first few requests: all of them, one at a time, take minutes
+SPEC_NOTE = "mlx-lm has no prompt lookup: its rows never speculate"
+
 
 def engines(batch_size: int) -> dict[str, dict]:
     """Our engine configurations at one batch size (name -> make_engine arguments), from
@@ -54,6 +68,34 @@ def engines(batch_size: int) -> dict[str, dict]:
         for kind, cls in KINDS.items()
         for name, options in cls.bench_variants.items()
     }
+
+
+def spec_engines(batch_size: int) -> dict[str, dict]:
+    """The speculating engine at one batch size (name -> make_engine arguments): the bench
+    declares it here, beside the registry's variants; it runs only where ``engines_for`` says."""
+    return {SPEC: dict(kind=STALLFREE, max_batch_size=batch_size, num_speculative_tokens=SPEC_TOKENS)}
+
+
+def b1(name: str) -> str:
+    """The experiment of ``name``'s first ``B1_REQUESTS`` requests at B=1 (speculation only)."""
+    return f"{name}_b1"
+
+
+def spec_only(name: str) -> bool:
+    """Whether experiment ``name`` runs only the stall-free engine with speculation and without:
+    the echo workload, and every workload's B=1 experiment."""
+    return name == ECHO or name in {b1(w) for w in SPEC_WORKLOADS}
+
+
+def engines_for(name: str, batch_size: int, extra: list[str] = ()) -> list[str]:
+    """The engines that run experiment ``name`` at ``batch_size``, in the order they run: ours
+    (the speculating one after them where the workload is one of ``SPEC_WORKLOADS``), then
+    ``extra`` (a learner's) and mlx-lm; a speculation-only experiment runs the stall-free
+    engine on and off, nothing else."""
+    if spec_only(name):
+        return [STALLFREE, SPEC]
+    ours = [*engines(batch_size), *([SPEC] if name in SPEC_WORKLOADS else [])]
+    return [*ours, *extra, MLXLM]
 
 
 def engine_args(config: dict, tbt_slo: float | None = None) -> dict:
@@ -75,11 +117,14 @@ def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, li
     """(name, workload, batch sizes) of every experiment: the chat-shaped workload (answers
     longer than questions: decode-bound), the prefill-heavy one (short answers) and the
     interference one (long prompts arriving while short ones decode). The standard workloads
-    have >= 32 requests, so static batching at B=16 runs several batches, not one."""
+    have >= 32 requests, so static batching at B=16 runs several batches, not one. Then the
+    speculation experiments (``speculation_plan``)."""
     tok = lm.tokenizer
     if quick:
+        chat = workloads.chat(tok, num_requests=4, mean_output=8, max_output=16)
+        echo = workloads.echo(tok, num_requests=4, output_range=(8, 12), prompt_range=(80, 112))
         return [  # a smoke run: every engine and figure once, on workloads a few seconds long
-            ("chat", workloads.chat(tok, num_requests=4, mean_output=8, max_output=16), [8]),
+            ("chat", chat, [8]),
             (
                 PREFILL_HEAVY,
                 workloads.high_variance(tok, num_requests=6, mean_output=6, max_output=12),
@@ -90,15 +135,30 @@ def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, li
                 workloads.interference(tok, batch_size=8, num_long=1, long_range=(512, 544), long_output=8),
                 [8],
             ),
+            *speculation_plan(chat, echo, 8),
         ]
     # Sized for <= 25 minutes on a quiet 2-core CPU with three repetitions: 32 chat requests
     # (answers averaging 70 tokens) are two static batches at B=16, 48 short-answer requests
     # three; ShareGPT's arrivals span over a minute a run, so it is left to `batchlab run`
-    # and the serving benchmark.
+    # and the serving benchmark. The speculation experiments (the speculating engine on chat,
+    # the echo workload, both at B=1) come on top of that budget.
+    chat = workloads.chat(tok, num_requests=32)
     return [
-        ("chat", workloads.chat(tok, num_requests=32), [16]),
+        ("chat", chat, [16]),
         (PREFILL_HEAVY, workloads.high_variance(tok, num_requests=48, mean_output=16, max_output=64), [16]),
         ("interference", workloads.interference(tok, batch_size=8, num_long=2, long_range=(512, 1024)), [8]),
+        *speculation_plan(chat, workloads.echo(tok, size="full"), 16),
+    ]
+
+
+def speculation_plan(chat, echo, batch_size: int, b1_requests: int = B1_REQUESTS) -> list:
+    """The speculation experiments beside ``plan``'s: the echo workload at ``batch_size`` (the
+    chat workload's own runs there get the speculating engine too), and both workloads' first
+    ``b1_requests`` requests at B=1. Each runs the stall-free engine on and off only."""
+    return [
+        (ECHO, echo, [batch_size]),
+        (b1(ECHO), echo.head(b1_requests), [1]),
+        (b1("chat"), chat.head(b1_requests), [1]),
     ]
 
 
@@ -106,13 +166,14 @@ def schedule(experiments, repetitions: int, extra: list[str] = ()) -> list[tuple
     """Every run as (repetition, workload, batch size, engine), engines interleaved: each
     repetition runs every engine once (A B C A B C ...), so a slow minute of a shared machine
     spreads over all engines instead of landing on one. ``extra``: more engines' names (a
-    learner's), run after ours. The sequential baseline runs in the first repetition only:
+    learner's), run after ours (``engines_for``: who runs where). The sequential baseline runs
+    in the first repetition only:
     no figure is a ratio to it, it is a table row (the no-batching reference), and it is the
     slowest run of the prefill-heavy workload."""
     order = []
     for name, _, batch_sizes in experiments:
         baseline = [(1, SEQUENTIAL)] if name == PREFILL_HEAVY else []  # it has no batch size
-        runs = baseline + [(b, e) for b in batch_sizes for e in [*engines(b), *extra, MLXLM]]
+        runs = baseline + [(b, e) for b in batch_sizes for e in engines_for(name, b, extra)]
         order += [
             (rep, name, b, e)
             for rep, (b, e) in driver.interleaved_order(runs, repetitions)
@@ -216,7 +277,7 @@ def run_engine(
     elif extra_engines and engine_name in extra_engines:
         config = {"max_batch_size": batch_size, **extra_engines[engine_name]}
     else:
-        config = engines(batch_size)[engine_name]
+        config = {**engines(batch_size), **spec_engines(batch_size)}[engine_name]
     args = engine_args(config, tbt_slo)
     return driver.run_workload(
         make_engine(args.pop("kind"), lm, runner=runner, **args), wl, progress=progress
@@ -336,7 +397,7 @@ def run_bench(
     started = time.time()
     repetitions = repetitions or (1 if quick else 3)
     extra_engines = dict(extra_engines or {})
-    clash = set(extra_engines) & {SEQUENTIAL, MLXLM, *engines(1)}
+    clash = set(extra_engines) & {SEQUENTIAL, MLXLM, *engines(1), *spec_engines(1)}
     if clash:
         raise ValueError(f"extra engine names must differ from ours: {', '.join(sorted(clash))}")
     experiments = plan(lm, quick)
@@ -373,7 +434,7 @@ def run_bench(
 
 def stallfree_budgets(traces: dict[tuple[str, int, str], Trace]) -> dict[str, int]:
     """The token budget of each stall-free run by batch size, as the scheduler chose it
-    (from its TBT target)."""
+    (from its TBT target); the speculating engine's is the same (its drafts are paid from it)."""
     return {
         str(b): trace.token_budget
         for (_, b, engine_name), trace in sorted(traces.items())
@@ -409,13 +470,15 @@ def _ratio(a, b):
 def headline_figures(traces, experiments, machine: dict, extra: list[str] = ()) -> dict:
     """The ratios the README quotes, from one repetition's runs and the micro-benchmarks
     (``measure_machine``) of this same invocation: batching figures for every workload but
-    the interference one, the interference workload's latency figures, the machine's limits,
-    and each decode step against its roofline."""
+    the interference one and the speculation-only ones, the interference workload's latency
+    figures, speculation on and off, the machine's limits, and each decode step against its
+    roofline."""
     figures = {}
     for name, wl, batch_sizes in experiments:
-        if not name.startswith("interference"):
+        if not name.startswith("interference") and not spec_only(name):
             figures.update(batching_figures(traces, name, wl, max(batch_sizes), machine, extra))
     figures.update(interference_figures(traces, experiments))
+    figures.update(speculation_figures(traces, experiments))
     figures.update(machine_figures(machine))
     figures["scheduler_overhead_share"] = metrics.scheduler_share(
         traces[(PREFILL_HEAVY, max(next(bs for n, _, bs in experiments if n == PREFILL_HEAVY)), STALLFREE)]
@@ -486,6 +549,33 @@ def interference_figures(traces, experiments) -> dict:
     }
 
 
+def speculation_figures(traces, experiments) -> dict:
+    """Speculation on against off, for every experiment and batch size where both ran, named
+    ``<workload>_b<B>_spec_...``: the share of drafts accepted, the tokens a verify row yields
+    (1 + its accepted drafts), decode rows per output token, and the speed-up (output tokens/s
+    with speculation over without, this repetition; the bench reports the median over
+    repetitions); where mlx-lm ran too (chat at the standard B), speculation's tokens/s over
+    mlx-lm's, which never speculates."""
+    figures = {}
+    for name, _, batch_sizes in experiments:
+        for b in batch_sizes:
+            on, off = traces.get((name, b, SPEC)), traces.get((name, b, STALLFREE))
+            if on is None or off is None:
+                continue
+            prefix = f"{name if name.endswith(f'_b{b}') else f'{name}_b{b}'}_spec"
+            spec = metrics.speculation(on)
+            figures[f"{prefix}_acceptance_rate"] = spec["spec_acceptance_rate"]
+            figures[f"{prefix}_tokens_per_verify_row"] = spec["spec_tokens_per_verify_row"]
+            figures[f"{prefix}_passes_per_token"] = spec["spec_passes_per_token"]
+            on_tokps = metrics.output_tokens_per_s(on)
+            figures[f"{prefix}_speedup_tokps"] = _ratio(on_tokps, metrics.output_tokens_per_s(off))
+            if (name, b, MLXLM) in traces:
+                figures[f"{prefix}_over_mlxlm_tokps"] = _ratio(
+                    on_tokps, metrics.output_tokens_per_s(traces[(name, b, MLXLM)])
+                )
+    return figures
+
+
 def machine_figures(machine: dict) -> dict:
     """The machine's limits and how far our passes are from them."""
     fused, limits = machine["fused_step"], machine["limits"]
@@ -535,7 +625,10 @@ def format_table(result: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join([table_header(result), *lines, "", *figure_lines(result)]) + "\n(times in seconds)"
+    note = [SPEC_NOTE] if any("_spec_" in k for k in result["figures"]) else []
+    return (
+        "\n".join([table_header(result), *lines, "", *figure_lines(result), *note]) + "\n(times in seconds)"
+    )
 
 
 TABLE_COLUMNS = [  # (heading, summary key, format)

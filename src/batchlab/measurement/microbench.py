@@ -104,10 +104,46 @@ def chunk_context_ratio(lm: LoadedModel, chunk: int = 64, context: int = 960, re
     }
 
 
-def _interleaved_medians(
+def verify_row_cost(
+    lm: LoadedModel,
+    batch_sizes: tuple[int, ...] = (1, 8),
+    drafts: int = 3,
+    context: int = 256,
+    repeats: int = 5,
+) -> dict[int, dict]:
+    """What ``drafts`` draft tokens add to a decode pass (lesson 11): at each batch size B,
+    B plain decode rows (one token each, as a decode step) against B verify rows of
+    1 + ``drafts`` tokens (the model's logits at every one of them), every row at ``context``
+    tokens of cache, timed interleaved. Per B: the medians, each variant's lowest and highest
+    time, and ``verify_over_decode``, the pass's cost for 1 + drafts tokens a row against 1."""
+    most = max(batch_sizes)
+    blocks, runner = pass_runner(lm, BlockManager.blocks_needed(context + 1 + drafts, 16) * most)
+    rows = [
+        designed_chunk(blocks, f"r{d}", [(d * 7919 + j) % 20000 + 100 for j in range(1 + drafts)], context)
+        for d in range(most)
+    ]
+    verify = [replace(row, num_drafts=drafts) for row in rows]
+    decode = [replace(row, tokens=row.tokens[:1]) for row in rows]
+    out = {}
+    for b in batch_sizes:
+        times = _interleaved_times(runner, {"decode": decode[:b], "verify": verify[:b]}, repeats)
+        med = {name: statistics.median(t) for name, t in times.items()}
+        out[b] = {
+            "batch": b,
+            "drafts": drafts,
+            "context": context,
+            "repeats": len(times["decode"]),
+            **{f"{name}_s": v for name, v in med.items()},
+            **{f"{name}_range_s": (min(t), max(t)) for name, t in times.items()},
+            "verify_over_decode": med["verify"] / med["decode"],
+        }
+    return out
+
+
+def _interleaved_times(
     runner: ModelRunner, variants: dict[str, list[Chunk]], repeats: int
-) -> dict[str, float]:
-    """Median seconds of ``runner.forward`` on each variant, timed A, B, C, A, B, C, ...
+) -> dict[str, list[float]]:
+    """Seconds of ``runner.forward`` on each variant, every time, timed A, B, C, A, B, C, ...
     after one untimed warm-up each."""
     times = {name: [] for name in variants}
     for chunks in variants.values():
@@ -116,7 +152,14 @@ def _interleaved_medians(
         start = time.perf_counter()
         runner.forward(variants[name])
         times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def _interleaved_medians(
+    runner: ModelRunner, variants: dict[str, list[Chunk]], repeats: int
+) -> dict[str, float]:
+    """Median seconds of ``runner.forward`` on each variant (``_interleaved_times``)."""
+    return {name: statistics.median(t) for name, t in _interleaved_times(runner, variants, repeats).items()}
 
 
 def decode_scaling(

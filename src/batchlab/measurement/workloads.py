@@ -29,6 +29,9 @@ The kinds of workload:
 ``interference``
     a batch of short-prompt requests decoding, and long prompts (>= 512 tokens) arriving
     one after another while they decode: the prefill stall of lesson 3.
+``echo``
+    prompts that ask for a passage back word for word: the answer is already in the prompt,
+    which is what speculative decoding by prompt lookup finds (``batchlab bench``).
 
 Arrivals (the ``arrivals=`` option): ``"all"`` at time 0; ``"poisson"`` at rate λ
 (exponential gaps); ``"bursty"``: gamma-distributed gaps with the same mean rate but a
@@ -58,6 +61,12 @@ INSTRUCTIONS = (
     "List the main points of the following text.",
     "Write three questions that a student could answer from the following text.",
     "Rewrite the following text in simpler words.",
+)
+
+#: What each ``echo`` prompt asks for: the passage back, unchanged.
+ECHO_INSTRUCTIONS = (
+    "Repeat this passage exactly:",
+    "Copy this text, fixing nothing:",
 )
 
 ARRIVALS = ("all", "poisson", "bursty")
@@ -694,3 +703,54 @@ def chat(
 
 
 WORKLOADS["chat"] = chat
+
+
+def echo(
+    tokenizer,
+    size: str = "quick",
+    seed: int = 0,
+    num_requests: int | None = None,
+    output_range: tuple[int, int] | None = None,
+    prompt_range: tuple[int, int] = (112, 160),
+) -> Workload:
+    """Echo-heavy traffic: each prompt asks for a passage of the shipped text back unchanged
+    ("Repeat this passage exactly:", "Copy this text, fixing nothing:", then the passage), so
+    a faithful answer is already in its prompt. That is what speculative decoding by prompt
+    lookup is for (``num_speculative_tokens``): it finds the answer's next tokens in the prompt
+    and the model only has to check them. Prompts uniform over ``prompt_range`` tokens (the
+    passage runs longer than any answer); outputs uniform over ``output_range`` (inclusive),
+    all at time 0. ``size``: "quick" 8 requests of 16-24 new tokens, "full" 16 of 48-64.
+    Where a model strays from the passage, prompt lookup finds less: the bench's acceptance
+    rate says how often it did not."""
+    sizes = {"quick": (8, (16, 24)), "full": (16, (48, 64))}
+    if size not in sizes:
+        raise ValueError(f"size must be one of {', '.join(sizes)}, not {size!r}")
+    n = num_requests if num_requests is not None else sizes[size][0]
+    output_range = output_range or sizes[size][1]
+    rng = np.random.default_rng(seed)
+    p = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
+    o = rng.integers(output_range[0], output_range[1] + 1, n)
+    maker = _maker(getattr(tokenizer, "tokenizer", tokenizer))
+    width = max(3, len(str(n - 1)))
+    reqs = []
+    for i, (pi, oi) in enumerate(zip(p, o)):
+        instruction = ECHO_INSTRUCTIONS[int(rng.integers(len(ECHO_INSTRUCTIONS)))]
+        ids, messages = maker.make(int(pi), rng, instruction)
+        reqs.append(WorkloadRequest(f"echo-{i:0{width}d}", ids, int(oi), 0.0, messages))
+    return Workload(
+        "echo",
+        f"{n} requests at once asking for a passage back unchanged; prompts "
+        f"{prompt_range[0]}-{prompt_range[1]} tokens, outputs {output_range[0]}-{output_range[1]} tokens",
+        reqs,
+        seed,
+        dict(
+            size=size,
+            num_requests=n,
+            output_range=output_range,
+            prompt_range=prompt_range,
+            arrivals="all",
+        ),
+    )
+
+
+WORKLOADS["echo"] = echo

@@ -5,7 +5,8 @@ made by hand -- and nothing else, so any run can be replayed and every picture c
 checked in a test without the model or a browser. By what it draws:
 
 - ``grid``: the slot grid as data (``step_cells``, ``slot_grid``, ``occupancy_so_far``,
-  ``busiest_window``), the model every picture shares; ``colors``: one colour per request;
+  ``busiest_window``), the model every picture shares (a verify row's cell carries its
+  drafts and how many were accepted: ``Cell.mark``, ``Cell.bands``); ``colors``: one colour per request;
 - ``widget``: ``SlotView``, an ipywidgets animation of the grid, replayed or live;
 - ``animation``: the same grid as an animated PNG that plays without a kernel;
 - ``plots``: matplotlib figures (grid, timelines, time between tokens, latency CDFs,
@@ -39,6 +40,7 @@ from .grid import (
     Occupancy,
     busiest_window,
     gap_band,
+    has_drafts,
     lane_names,
     occupancy_so_far,
     prefill_lane_count,
@@ -92,6 +94,7 @@ __all__ = [
     "frame_html",
     "player_html",
     "gap_band",
+    "has_drafts",
     "lane_names",
     "occupancy_so_far",
     "palette_color",

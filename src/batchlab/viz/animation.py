@@ -19,7 +19,10 @@ from .grid import (
     PADDING,
     PREFILL,
     PREFILL_DECODE,
+    VERIFY_LEGEND,
+    VERIFY_SAMPLE,
     Cell,
+    has_drafts,
     lane_names,
     occupancy_so_far,
     request_colors,
@@ -34,7 +37,9 @@ IDLE_COLOR, PLAYHEAD = "#eeeeee", "#111111"  # steps not reached yet stay white
 
 def _draw_cell(draw: ImageDraw.ImageDraw, box: tuple[int, int, int, int], cell: Cell, color: str) -> None:
     x0, y0, x1, y1 = box
-    if cell.kind == DECODE:
+    if cell.kind == DECODE and cell.verify:
+        _draw_bands(draw, box, cell.bands, color)
+    elif cell.kind == DECODE:
         draw.rectangle(box, fill=color)
     elif cell.kind == PREFILL:
         draw.rectangle(box, fill=lighten(color))
@@ -53,6 +58,20 @@ def _draw_cell(draw: ImageDraw.ImageDraw, box: tuple[int, int, int, int], cell: 
         draw.rectangle(box, fill=IDLE_COLOR)
 
 
+def _draw_bands(draw: ImageDraw.ImageDraw, box: tuple[int, int, int, int], bands, color: str) -> None:
+    """A verify row: a band a token position it ran, bottom up, in the request's colour
+    where the position became a token, grey for a rejected draft; a white line between two
+    bands where they are at least 2 pixels high."""
+    x0, y0, x1, y1 = box
+    height = y1 - y0 + 1
+    edges = [y1 + 1 - round(i * height / len(bands)) for i in range(len(bands) + 1)]
+    for kept, below, top in zip(bands, edges, edges[1:]):
+        if below - 1 >= top:
+            draw.rectangle((x0, top, x1, below - 1), fill=color if kept else PADDING_COLOR)
+        if top > y0 and height >= 2 * len(bands):
+            draw.line((x0, top, x1, top), fill="white")
+
+
 def animation(
     source,
     max_frames: int = 200,
@@ -64,8 +83,9 @@ def animation(
     ``.data`` holds the file's bytes). A run longer than ``max_frames`` steps advances
     several steps a frame; a run longer than 720 steps is too long to read at one pixel a
     step: animate a window of it (``busiest_window``). The colours, lanes and cells are
-    those of ``plot_slot_grid`` and ``SlotView``; each request's run is labelled with its
-    id (or its number) once it is wide enough."""
+    those of ``plot_slot_grid`` and ``SlotView`` (a verify row in bands, its rejected
+    drafts grey); each request's run is labelled with its id (or its number) once it is
+    wide enough."""
     trace = trace_of(source)
     steps = list(trace.steps)
     if not steps:
@@ -105,7 +125,8 @@ def _frames(trace: Trace, shown: np.ndarray, colors: dict[str, str]) -> Iterator
     font = ImageFont.load_default(size=11)
     cell_w = min(14, GRID_WIDTH // len(steps))
     left, top = int(max(font.getlength(name) for name in lanes)) + 10, 40
-    width, height = left + cell_w * len(steps) + 12, top + ROW * len(lanes) + 26
+    verify = has_drafts(trace)  # a second legend line explains verify rows
+    width, height = left + cell_w * len(steps) + 12, top + ROW * len(lanes) + 26 + ROW * verify
     canvas = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(canvas)
     draw.fontmode = "1"  # no anti-aliasing: the frames keep few colours, exactly
@@ -119,7 +140,7 @@ def _frames(trace: Trace, shown: np.ndarray, colors: dict[str, str]) -> Iterator
     )
     for li, name in enumerate(lanes):
         draw.text((4, top + li * ROW), name, fill="#555", font=font)
-    _draw_legend(draw, font, 4, top + ROW * len(lanes) + 6)
+    _draw_legend(draw, font, 4, top + ROW * len(lanes) + 6, verify)
 
     run_start = [0] * len(lanes)  # the step where each lane's current run began
     labelled = [False] * len(lanes)
@@ -139,12 +160,14 @@ def _frames(trace: Trace, shown: np.ndarray, colors: dict[str, str]) -> Iterator
                 _draw_cell(draw, (x0, y0, x0 + cell_w - 1, y0 + LANE - 1), cell, color)
                 if not labelled[li] and cell.request and cell.kind not in (PADDING, IDLE):
                     label = fitting_label(cell.request, (c + 1 - run_start[li]) * cell_w - 2, font.getlength)
+                    # on a verify row's grey and colour bands, dark text as on prefill
+                    banded = any(grid[j][li].verify for j in range(run_start[li], c + 1))
                     if label:
                         draw.text(
                             (left + run_start[li] * cell_w + 2, y0),
                             label,
                             font=font,
-                            fill=text_color(color) if cell.kind == DECODE else "#111",
+                            fill=text_color(color) if cell.kind == DECODE and not banded else "#111",
                         )
                         labelled[li] = True
         drawn = k + 1
@@ -176,7 +199,7 @@ def _palette_image(last: Image.Image) -> Image.Image:
     return palette
 
 
-def _draw_legend(draw: ImageDraw.ImageDraw, font, x: int, y: int) -> None:
+def _draw_legend(draw: ImageDraw.ImageDraw, font, x: int, y: int, verify: bool = False) -> None:
     sample = "#4e79a7"
     for kind, name in [
         (DECODE, "decode"),
@@ -193,3 +216,7 @@ def _draw_legend(draw: ImageDraw.ImageDraw, font, x: int, y: int) -> None:
         x += 16
         draw.text((x, y), name, fill="#333", font=font)
         x += int(font.getlength(name)) + 12
+    if verify:
+        x, y = 4, y + ROW
+        _draw_cell(draw, (x, y, x + 11, y + LANE - 1), VERIFY_SAMPLE, sample)
+        draw.text((x + 16, y), VERIFY_LEGEND, fill="#333", font=font)

@@ -32,6 +32,38 @@ class Cell:
     kind: str  # one of CELL_KINDS
     request: str | None = None
     prefill_tokens: int = 0  # prompt tokens the request ran in this step
+    # speculative decoding: a decode row that carried drafts (a verify row) says how many
+    # it carried and how many of them the model accepted (both 0 for a plain decode row)
+    drafts: int = 0
+    accepted: int = 0
+
+    @property
+    def verify(self) -> bool:
+        """A decode row that carried draft tokens."""
+        return self.drafts > 0
+
+    @property
+    def mark(self) -> str:
+        """What a verify row says in words: "+2/3" (2 of its 3 drafts accepted); "" otherwise."""
+        return f"+{self.accepted}/{self.drafts}" if self.drafts else ""
+
+    @property
+    def bands(self) -> tuple[bool, ...]:
+        """A verify row as the pictures draw it, one band a token position it ran, bottom up:
+        its own token, then its drafts; True where the position became an output token (its
+        own and the accepted drafts, in the request's colour), False for a rejected draft
+        (grey). Empty for any other cell."""
+        if not self.drafts:
+            return ()
+        return (True,) * (1 + self.accepted) + (False,) * (self.drafts - self.accepted)
+
+
+# the legend's example of a verify row, for every picture that explains them
+VERIFY_SAMPLE = Cell(DECODE, "r", drafts=3, accepted=2)
+VERIFY_LEGEND = (
+    f"verify row {VERIFY_SAMPLE.mark}: its token and 2 of its 3 drafts accepted, "
+    "a band each, bottom up; grey: rejected drafts"
+)
 
 
 @dataclass(frozen=True)
@@ -105,7 +137,8 @@ def _step_cells(steps: list[StepRecord], size: int, k: int, prefill_lanes: int) 
     for rid in step.decoded:
         n = prefill_tokens.get(rid, 0) if slot_prefill else 0
         if rid in lane:
-            cells[lane[rid]] = Cell(PREFILL_DECODE if n else DECODE, rid, n)
+            drafts, accepted = step.drafts.get(rid, 0), step.accepted.get(rid, 0)
+            cells[lane[rid]] = Cell(PREFILL_DECODE if n else DECODE, rid, n, drafts, accepted)
     if slot_prefill:
         for rid, n in prefill_tokens.items():
             if rid in lane and rid not in step.decoded:
@@ -127,6 +160,11 @@ def slot_grid(trace: Trace, upto: int | None = None) -> list[list[Cell]]:
     last = len(steps) - 1 if upto is None else upto
     prefill_lanes = _prefill_lanes(trace, steps)
     return [_step_cells(steps, trace.max_batch_size, k, prefill_lanes) for k in range(last + 1)]
+
+
+def has_drafts(trace: Trace) -> bool:
+    """Did any step run a verify row? (Only then do the pictures explain verify rows.)"""
+    return any(s.drafts for s in list(trace.steps))
 
 
 def runs(cells: list[Cell]):

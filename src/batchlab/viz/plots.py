@@ -10,11 +10,14 @@ from __future__ import annotations
 import base64
 import inspect
 import io
+import textwrap
 from collections.abc import Callable, Mapping
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
+from matplotlib.legend_handler import HandlerBase
 from matplotlib.patches import Patch, Rectangle
 
 from ..core.trace import Trace
@@ -26,7 +29,10 @@ from .grid import (
     PADDING,
     PREFILL,
     PREFILL_DECODE,
+    VERIFY_LEGEND,
+    VERIFY_SAMPLE,
     gap_band,
+    has_drafts,
     lane_names,
     occupancy_so_far,
     request_colors,
@@ -67,11 +73,46 @@ def _label_width_pt(label: str, fontsize: float = LABEL_FONTSIZE) -> float:
     return 0.62 * fontsize * len(label) + 3
 
 
+def _verify_bands(ax, x: float, lane: int, bands: tuple[bool, ...]) -> list:
+    """A verify row's cell over its run's box (the lane's y grows downwards): the rejected
+    drafts' bands at its top in grey; returns the white lines between its bands."""
+    height = 0.84 / len(bands)
+    bottom = lane + 0.92
+    rejected = bands.count(False)
+    if rejected:
+        ax.add_patch(Rectangle((x, lane + 0.08), 1, rejected * height, facecolor=PADDING_COLOR, lw=0))
+    return [[(x, bottom - i * height), (x + 1, bottom - i * height)] for i in range(1, len(bands))]
+
+
+class _VerifyHandler(HandlerBase):
+    """The legend's verify row drawn as the grid draws one: ``VERIFY_SAMPLE``'s bands, bottom up."""
+
+    def create_artists(self, legend, orig_handle, xdescent, ydescent, width, height, fontsize, trans):
+        bands = VERIFY_SAMPLE.bands
+        # as tall as a cell: three times an entry's swatch (its label takes several lines)
+        h, bottom, left = 3 * height / len(bands), -ydescent - height, -xdescent + width / 4
+        artists = [
+            Rectangle(
+                (left, bottom + i * h),
+                width / 2,
+                h,
+                facecolor=orig_handle.get_facecolor() if kept else PADDING_COLOR,
+                lw=0,
+                transform=trans,
+            )
+            for i, kept in enumerate(bands)
+        ]
+        lines = [[(left, bottom + i * h), (left + width / 2, bottom + i * h)] for i in range(1, len(bands))]
+        return [*artists, LineCollection(lines, colors="white", lw=0.6, transform=trans)]
+
+
 def plot_slot_grid(trace: Trace, ax=None, upto: int | None = None, palette: Palette | None = None) -> Figure:
     """The slot grid (lanes × steps) as one picture: what the animation shows, at once.
     Each run of a request is labelled with its id where the run is wide enough (its short
     label where only that fits); the x axis counts the engine's own step numbers, so a
-    window of a long run (``busiest_window``) shows where it sits."""
+    window of a long run (``busiest_window``) shows where it sits. A verify row
+    (speculative decoding) is drawn in bands, one a token position, its rejected drafts'
+    grey (``Cell.bands``)."""
     grid = slot_grid(trace, upto)
     steps = list(trace.steps)
     lanes = lane_names(trace)
@@ -80,8 +121,10 @@ def plot_slot_grid(trace: Trace, ax=None, upto: int | None = None, palette: Pale
     first = steps[0].index if steps else 0
     # points per step, roughly: the axes take ~80% of the figure's width
     step_pt = fig.get_figwidth() * ax.get_position().width * 0.8 * 72 / max(len(grid), 1)
+    separators = []  # white lines between a verify row's bands, drawn at once at the end
     for li, lane_cells in enumerate(zip(*grid)):
-        for start, length, cell in runs(list(lane_cells)):
+        lane_cells = list(lane_cells)
+        for start, length, cell in runs(lane_cells):
             if cell.kind == IDLE:
                 continue
             color = colors.get(cell.request, "#000000")
@@ -117,6 +160,8 @@ def plot_slot_grid(trace: Trace, ax=None, upto: int | None = None, palette: Pale
                 if cell.kind == PADDING
                 else fitting_label(cell.request, length * step_pt, _label_width_pt)
             )
+            # a label on bands of colour and grey gets a white box, as on prefill
+            plain = cell.kind == DECODE and not any(c.verify for c in lane_cells[start : start + length])
             if label:
                 ax.text(
                     x + 0.15,
@@ -125,11 +170,14 @@ def plot_slot_grid(trace: Trace, ax=None, upto: int | None = None, palette: Pale
                     va="center",
                     fontsize=LABEL_FONTSIZE,
                     clip_on=True,
-                    color=text_color(color) if cell.kind == DECODE else "#111",
-                    bbox=None
-                    if cell.kind == DECODE
-                    else {"facecolor": "white", "alpha": 0.7, "pad": 0.5, "lw": 0},
+                    color=text_color(color) if plain else "#111",
+                    bbox=None if plain else {"facecolor": "white", "alpha": 0.7, "pad": 0.5, "lw": 0},
                 )
+        for c, cell in enumerate(lane_cells):
+            if cell.kind == DECODE and cell.verify:
+                separators += _verify_bands(ax, first + c, li, cell.bands)
+    if separators:
+        ax.add_collection(LineCollection(separators, colors="white", lw=0.6))
     ax.set_xlim(first, first + max(len(grid), 1))
     ax.set_ylim(len(lanes), 0)
     ax.set_yticks([i + 0.5 for i in range(len(lanes))], lanes)
@@ -141,6 +189,8 @@ def plot_slot_grid(trace: Trace, ax=None, upto: int | None = None, palette: Pale
     span = f"steps {steps[0].index}–{steps[len(grid) - 1].index}" if grid else "no steps"
     ax.set_title(f"{trace.kind}: {trace.max_batch_size} slots, {span}, occupancy {occupancy:.0%}")
     sample = "#4e79a7"
+    # only where the run has verify rows, so a figure of a run without them is unchanged
+    verify = [Patch(facecolor=sample, label=textwrap.fill(VERIFY_LEGEND, 34))] if has_drafts(trace) else []
     ax.legend(
         handles=[
             Patch(facecolor=sample, label="decode"),
@@ -150,7 +200,9 @@ def plot_slot_grid(trace: Trace, ax=None, upto: int | None = None, palette: Pale
             ),
             Patch(facecolor="white", edgecolor=sample, lw=1.5, label="holds slot, no work"),
             Patch(facecolor="white", edgecolor="#bbbbbb", label="idle"),
+            *verify,
         ],
+        **({"handler_map": {verify[0]: _VerifyHandler()}} if verify else {}),
         loc="upper left",
         bbox_to_anchor=(1.0, 1.0),
         fontsize=8,

@@ -24,11 +24,14 @@ from .grid import (
     PADDING,
     PREFILL,
     PREFILL_DECODE,
+    VERIFY_LEGEND,
+    VERIFY_SAMPLE,
     Cell,
     Occupancy,
     _lane_names,
     _prefill_lanes,
     _step_cells,
+    has_drafts,
     request_colors,
     state_at,
     time_origin,
@@ -63,16 +66,40 @@ _CSS = """
   vertical-align:middle;margin:0 3px 0 10px;border-radius:3px;box-sizing:border-box;--c:#4e79a7}
 .bl-root .bl-readout b{font-variant-numeric:tabular-nums}
 """.replace("HATCH", _HATCH)
+# only where the trace has verify rows, so a picture of a run without drafts is unchanged: a
+# verify row is one band a token position it ran (--n of them, white lines between), the
+# lower --k of the cell in the request's colour (its token and the accepted drafts), the
+# rest grey (rejected drafts)
+_VERIFY_CSS = """
+.bl-root .bl-verify{background:repeating-linear-gradient(to top,#0000 0 calc(100% / var(--n) - 1px),
+  #fff 0 calc(100% / var(--n))),linear-gradient(to top,var(--c) var(--k),#d0d0d0 0)}
+.bl-root .bl-verify span{color:#111;background:#fffd;border-radius:2px;padding:0 1px;line-height:12px}
+"""
+
+
+def _css(trace: Trace) -> str:
+    return _CSS + _VERIFY_CSS if has_drafts(trace) else _CSS
+
+
+def _verify_style(cell: Cell) -> str:
+    """A verify row's bands and the share of them in colour, as CSS variables."""
+    bands = cell.bands
+    return f";--n:{len(bands)};--k:{100 * sum(bands) / len(bands):.4g}%"
 
 
 def _cell_style(cell: Cell, color: str) -> str:
     """The request's colour as CSS variables; the kind's class draws with them."""
-    return f"--c:{color};--t:{text_color(color)}" if cell.request and cell.kind != PADDING else ""
+    if not cell.request or cell.kind == PADDING:
+        return ""
+    verify = _verify_style(cell) if cell.kind == DECODE and cell.verify else ""
+    return f"--c:{color};--t:{text_color(color)}{verify}"
 
 
 def _cell_title(cell: Cell, step: int, lane: str) -> str:
     what = {
-        DECODE: "decode row",
+        DECODE: f"verify row: {cell.accepted} of {cell.drafts} drafts accepted ({cell.mark})"
+        if cell.verify
+        else "decode row",
         PREFILL: f"prefill, {cell.prefill_tokens} prompt tokens",
         PREFILL_DECODE: f"prefill ({cell.prefill_tokens} prompt tokens) + decode row",
         PADDING: "padding: finished, still computed",
@@ -82,7 +109,7 @@ def _cell_title(cell: Cell, step: int, lane: str) -> str:
     return f"step {step} · {lane}" + (f" · {cell.request}" if cell.request else "") + f" · {what}"
 
 
-def _legend_html() -> str:
+def _legend_html(trace: Trace) -> str:
     swatches = [
         (DECODE, "decode"),
         (PREFILL, "prefill"),
@@ -91,9 +118,16 @@ def _legend_html() -> str:
         (IDLE, "idle"),
         ("playhead", "current step (the line)"),
     ]
+    verify = ""
+    if has_drafts(trace):
+        verify = (
+            f'<span class="bl-swatch bl-decode bl-verify" style="{_verify_style(VERIFY_SAMPLE)[1:]}"></span>'
+            f"{html.escape(VERIFY_LEGEND)}"
+        )
     return (
         '<div class="bl-legend">'
         + "".join(f'<span class="bl-swatch bl-{kind}"></span>{name}' for kind, name in swatches)
+        + verify
         + "</div>"
     )
 
@@ -116,7 +150,10 @@ def _readout_html(trace: Trace, k: int, steps: list[StepRecord]) -> str:
     tokens = sum(len(t) for s in steps[: k + 1] for t in s.emitted.values())
     work = []
     if step.decoded:
-        work.append("decode " + ", ".join(map(html.escape, step.decoded)))
+        rows = [_verify_cell(step, rid) for rid in step.decoded]
+        work.append(
+            "decode " + ", ".join(html.escape(c.request) + (f" ({c.mark})" if c.verify else "") for c in rows)
+        )
     work += [f"prefill {html.escape(rid)} tokens {start}–{start + n - 1}" for rid, start, n in step.prefill]
     if step.padding:
         work.append("padding " + ", ".join(map(html.escape, step.padding)))
@@ -137,6 +174,10 @@ def _readout_html(trace: Trace, k: int, steps: list[StepRecord]) -> str:
         f"<div>this step: {' · '.join(work) or 'nothing'}</div>"
         f"<div>requests: {states} · {tokens} tokens out so far</div></div>"
     )
+
+
+def _verify_cell(step: StepRecord, rid: str) -> Cell:
+    return Cell(DECODE, rid, drafts=step.drafts.get(rid, 0), accepted=step.accepted.get(rid, 0))
 
 
 def _grid_html(
@@ -185,6 +226,9 @@ def _grid_html(
                 label = f"<span{more}>{html.escape(short_label(cell.request))}</span>"
             marks = " bl-current-cell" if c == k else f" s{c}" if k is None else ""
             request = f' data-request="{html.escape(cell.request)}"' if cell.request else ""
+            if cell.kind == DECODE and cell.verify:
+                marks = " bl-verify" + marks
+                request += f' data-drafts="{cell.drafts}" data-accepted="{cell.accepted}"'
             parts.append(
                 f'<div class="bl-cell bl-{cell.kind}{marks}" data-lane="{li}" data-step="{c}" '
                 f'data-kind="{cell.kind}"{request} style="{_cell_style(cell, colors.get(cell.request, ""))}" '
@@ -218,10 +262,10 @@ def frame_html(trace: Trace, step: int, window: int = 40, colors: Mapping[str, s
     return "".join(
         [
             _root(trace, steps, f' data-step="{k}"'),
-            f"<style>{_CSS}</style>",
+            f"<style>{_css(trace)}</style>",
             _readout_html(trace, k, steps),
             _grid_html(trace, steps, columns, k, colors),
-            _legend_html(),
+            _legend_html(trace),
             "</div>",
         ]
     )
@@ -256,9 +300,9 @@ def player_html(
     grid = "".join(
         [
             _root(trace, steps, f' id="{uid}"'),
-            f"<style>{_CSS}{hidden}{root} .bl-every5{{color:#999}}</style>",
+            f"<style>{_css(trace)}{hidden}{root} .bl-every5{{color:#999}}</style>",
             _grid_html(trace, steps, list(range(len(steps))), None, colors, width),
-            _legend_html(),
+            _legend_html(trace),
             "</div>",
         ]
     )

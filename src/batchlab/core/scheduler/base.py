@@ -1,7 +1,8 @@
 """The scheduler base: what every kind shares and nothing a kind decides. A queue, B decode
 slots, the KV blocks (reserved whole: ``fits``, ``start``), and the flow of a pass: ``grow``
 and ``prepare`` before the runner, ``postprocess`` after it (asking the kind's
-``finish_reason``), ``remove`` / ``release`` when a request leaves, ``fail`` when a pass raises."""
+``finish_reason``, and its ``accept`` for a verify row), ``remove`` / ``release`` when a
+request leaves, ``fail`` when a pass raises."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from ..numbers import is_int
 from ..policies import Policy, PriorityPolicy
 from ..request import Request, State
 from ..runner import Chunk
-from ..speculative import accept_greedy, accept_sampled
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,10 @@ class Scheduler:
     """What every policy shares: a queue, B decode slots, the KV blocks, and the flow of
     a pass (``prepare`` before the runner, ``postprocess`` after it).
 
-    It decides nothing: planning (``batches``) and the finishing rules (``finish_reason``)
-    are each kind's own code, and a kind that does not write them is told so. Its KV memory
-    is the simplest there is: ``fits`` / ``start`` reserve a request's whole KV memory
+    It decides nothing: planning (``batches``), the finishing rules (``finish_reason``) and
+    which drafts a verify row keeps (``accept``, speculative decoding) are each kind's own
+    code, and a kind that does not write them is told so. Its KV memory is the simplest
+    there is: ``fits`` / ``start`` reserve a request's whole KV memory
     (prompt + every token it may generate) when it starts, so nothing ever runs out later.
     ``OnDemandKV`` replaces that with blocks taken as requests grow, and preemption when the
     pool runs dry (lesson 8). ``running`` lists every admitted request (it holds KV
@@ -232,7 +233,12 @@ class Scheduler:
         """Take the KV blocks ``batch`` writes and describe it to the runner: one chunk per
         request, in ``batch.requests`` order. (On-demand kinds took them while planning,
         with ``make_room``; for up-front kinds this is where reserved blocks are taken.)"""
-        # a decode row: its last token, then its drafts if it has any (a verify row)
+        # A decode row: its last token, then its drafts if it has any (a verify row). A row
+        # whose stop tokens are still banned (``min_new_tokens`` not reached) verifies none:
+        # the ban is the same at every position of a row, and a draft could cross the limit.
+        for r in batch.decode:
+            if r.sampler.banned:
+                batch.drafts.pop(r.id, None)
         chunks = [
             self._chunk(r, r.next_input(), sample=True, drafts=batch.drafts.get(r.id, []))
             for r in batch.decode
@@ -310,9 +316,12 @@ class Scheduler:
 
     def accept(self, req: Request, drafts: list[int], picks: list[int]) -> list[int]:
         """The tokens a verify row adds: the drafts its picks confirm, then the model's own
-        (``accept_greedy`` for a greedy request, ``accept_sampled`` for a sampled one)."""
-        rule = accept_greedy if req.sampler.params.greedy else accept_sampled
-        return rule(drafts, picks)
+        (the kind's own rule: the stall-free kind's speculates, lesson 11's the learner's)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must write accept(req, drafts, picks): keep the drafts while each "
+            f"equals the model's pick at its own position, then add the model's pick where the first "
+            f"one did not (or after the last draft, a bonus); return those tokens"
+        )
 
     def hand_out(self, req: Request, token: int, now: float) -> str | None:
         """``req`` gets ``token``; the kind's ``finish_reason`` says whether it ends there

@@ -10,7 +10,7 @@ from ..kv import BlockManager
 from ..numbers import is_int
 from ..policies import Policy
 from ..request import Request, State
-from ..speculative import propose_ngram
+from ..speculative import accept_greedy, accept_sampled, propose_ngram
 from .base import Option
 from .continuous import ContinuousScheduler
 
@@ -153,6 +153,12 @@ class StallFreeScheduler(ContinuousScheduler):
                 drafts[req.id] = proposal
                 budget -= len(proposal)
         return drafts
+
+    def accept(self, req: Request, drafts: list[int], picks: list[int]) -> list[int]:
+        """The tokens a verify row adds: the drafts its picks confirm, then the model's own
+        (``accept_greedy`` for a greedy request, ``accept_sampled`` for a sampled one)."""
+        rule = accept_greedy if req.sampler.params.greedy else accept_sampled
+        return rule(drafts, picks)
 
     def decodes(self) -> list[Request]:
         """Every decoding request, one token each (blocks to the most important first)."""

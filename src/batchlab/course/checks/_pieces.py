@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 from collections.abc import Iterable
@@ -13,7 +14,7 @@ from typing import Callable
 from ...measurement.driver import EngineStuck, run_workload
 from ...core.batch import Batch
 from ...core.engine import make_engine
-from ...core.fake import FakeModel, FakeRunner, TickClock, reference_output
+from ...core.fake import FakeModel, FakeRunner, TickClock, greedy_output, reference_output
 from ...core.request import Request, clamp_new_tokens
 from ...core.scheduler import Scheduler
 from ...core.trace import Trace
@@ -39,6 +40,15 @@ class _BoundedRunner(FakeRunner):
         return super().forward(chunks, head_rows)
 
 
+@functools.cache
+def bounded(runner: type[FakeRunner] | None) -> type[FakeRunner]:
+    """``runner`` (a ``FakeRunner`` of another model, e.g. ``fake.EchoRunner``; None: the fake's
+    own), refusing to run more than ``MAX_PASSES`` passes."""
+    if runner is None or issubclass(runner, _BoundedRunner):
+        return _BoundedRunner
+    return type(f"Bounded{runner.__name__}", (_BoundedRunner, runner), {})
+
+
 def fake_workload(name: str, rows: list[tuple[int, int]], seed: int = 0) -> Workload:
     """Requests ``r0, r1, ...`` arriving at once, (prompt length, new tokens) ``rows``, no token 0 (EOS)."""
     rng = random.Random(seed)
@@ -62,13 +72,17 @@ class Run:
     problem: str | None = None
     blocks_held: int = 0
     preemptions: int = 0
+    first_error: str | None = None  # the first failed forward pass's exception, in words
 
 
-def run_piece(cls, workload: Workload, *, max_seq_len=None, hints=None, priorities=None, **options) -> Run:
-    """``workload`` on a fake-model engine around ``cls``; ``hints`` for a "memory", "slot", "stuck" error."""
+def run_piece(
+    cls, workload: Workload, *, max_seq_len=None, hints=None, priorities=None, runner=None, **options
+) -> Run:
+    """``workload`` on a fake-model engine around ``cls``; ``hints`` for a "memory", "slot", "stuck" error;
+    ``runner``: a test model of ``core.fake`` in place of the fake's own (``FakeRunner``)."""
     hints = hints or {}
     try:
-        options.update(runner=_BoundedRunner, clock=TickClock(), max_seq_len=max_seq_len)
+        options.update(runner=bounded(runner), clock=TickClock(), max_seq_len=max_seq_len)
         engine = make_engine(cls, FakeModel(vocab_size=VOCAB, max_seq_len=4096), **options)
     except NotImplementedError:
         raise  # an unwritten __init__: "not written yet"
@@ -96,7 +110,9 @@ def run_piece(cls, workload: Workload, *, max_seq_len=None, hints=None, prioriti
         why = _then(hints.get("slot") if "every decode slot is taken" in str(e) else None)  # take_slot's
         trace, problem = engine.trace, f"your scheduler raised {type(e).__name__}: {e}{_where(e)}{why}"
     stats = engine.stats()
-    return Run(trace, problem, stats["num_kv_blocks"] - stats["free_kv_blocks"], stats["preemptions"])
+    e = engine.first_error
+    error = None if e is None else f"{type(e).__name__}: {e}"
+    return Run(trace, problem, stats["num_kv_blocks"] - stats["free_kv_blocks"], stats["preemptions"], error)
 
 
 def _then(hint: str | None) -> str:
@@ -379,10 +395,14 @@ class Ask:
             max_new_tokens=self.max_new_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids
         )
 
-    def expected(self, max_seq_len: int) -> tuple[list[int], str]:
+    def expected(self, max_seq_len: int, runner: type[FakeRunner] | None = None) -> tuple[list[int], str]:
+        """Its tokens and finish reason on the fake model, or on ``runner``'s."""
         stops = frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else {0})
         new = clamp_new_tokens(len(self.prompt), self.max_new_tokens, max_seq_len)
-        out = reference_output(self.prompt, new, VOCAB, stops)
+        if runner is None:
+            out = reference_output(self.prompt, new, VOCAB, stops)
+        else:
+            out = greedy_output(runner, self.prompt, new, stops, FakeModel(vocab_size=VOCAB))
         return out, "stop" if out[-1] in stops else "length"
 
 
@@ -402,11 +422,15 @@ def finishing_asks(seed: int = 0) -> list[Ask]:
     ]
 
 
-def finishing_problem(cls, asks: list[Ask], max_seq_len: int = 4096, fail_pass: int | None = None, **options):
+def finishing_problem(
+    cls, asks: list[Ask], max_seq_len=4096, fail_pass=None, model_runner=None, then=None, **options
+):
     """``asks`` submitted together to a fake-model engine around ``cls``; the first request whose
     tokens or finish reason differ, in words (None: all right). ``fail_pass``: that forward pass
-    raises, and the requests it carried must end with "error" while the rest run on."""
-    runner = _BoundedRunner if fail_pass is None else partial(_FaultyRunner, fail_pass)
+    raises, and the requests it carried must end with "error" while the rest run on. ``model_runner``:
+    a test runner of ``core.fake`` in place of the fake's own; ``then(engine)``: a last check of the
+    finished run (what is wrong, or None)."""
+    runner = bounded(model_runner) if fail_pass is None else partial(_FaultyRunner, fail_pass)
     try:
         model = FakeModel(vocab_size=VOCAB, max_seq_len=max_seq_len)
         engine = make_engine(cls, model, runner=runner, clock=TickClock(), max_seq_len=max_seq_len, **options)
@@ -434,7 +458,7 @@ def finishing_problem(cls, asks: list[Ask], max_seq_len: int = 4096, fail_pass: 
     failed = {rid for s in engine.trace.steps for rid, why in s.finished.items() if why == "error"}
     for rid, ask in zip(ids, asks):
         rec = engine.trace.requests[rid]
-        want, reason = ask.expected(max_seq_len)
+        want, reason = ask.expected(max_seq_len, model_runner)
         if rid in failed:
             continue  # its pass was the faulty one
         if rec.finish_reason is None:
@@ -454,7 +478,7 @@ def finishing_problem(cls, asks: list[Ask], max_seq_len: int = 4096, fail_pass: 
         return f"at the end {held} {HELD}"
     if busy or engine.scheduler.running or engine.scheduler.queue:
         return f"at the end requests were still in the scheduler: slots {[r.id for r in busy]}"
-    return None
+    return then(engine) if then is not None else None
 
 
 @contextlib.contextmanager

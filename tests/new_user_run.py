@@ -88,6 +88,7 @@ LESSONS = [
         "aging",
         ["MyMemoryScheduler", "MyAdmission", "MyAgingPolicy", "MyEngine"],
     ),
+    ("11", "11_speculative_decoding", "speculative", ["MySpeculativeScheduler"]),
 ]
 RERUN_LESSON = "02_continuous_batching"
 SCREENSHOTS = {"02_continuous_batching", "08_memory"}  # + the re-run's stub cell: 3 PNGs

@@ -350,6 +350,57 @@ def test_drafts_take_only_free_blocks_and_never_preempt():
     check_trace(engine)
 
 
+def test_an_empty_draft_list_or_a_banned_row_is_no_verify_row_and_keeps_no_extra_block():
+    """A planner may store ``[]`` for a row prompt lookup found nothing for, and a row whose stop
+    tokens are still banned carries no drafts whatever the planner gave it: neither is counted
+    as a verify row (the trace and the totals say 0 drafts), and blocks taken for dropped
+    drafts go back before the pass."""
+    engine = engine_for(FakeRunner, num_speculative_tokens=3, max_batch_size=2)
+    sched, real, real_prepare = engine.scheduler, engine.scheduler.drafts, engine.scheduler.prepare
+    given, spare = {"empty": 0, "banned": 0}, []
+
+    def drafts(decode, budget):
+        out = {r.id: real(decode, budget).get(r.id, []) for r in decode}  # every row, some empty
+        given["empty"] += sum(not d for d in out.values())
+        for r in decode:  # a banned row gets three drafts anyway, with their blocks
+            if r.sampler.banned:
+                out[r.id] = [1, 2, 3]
+                sched.blocks.ensure(r.id, r.num_computed + 4)
+        return out
+
+    def prepare(batch):
+        given["banned"] += sum(bool(r.sampler.banned) and r.id in batch.drafts for r in batch.decode)
+        chunks = real_prepare(batch)
+        for r in batch.decode:  # blocks held past this pass's last position, in whole blocks
+            end = r.num_computed + 1 + len(batch.drafts.get(r.id, []))
+            spare.append(len(sched.blocks.tables[r.id]) - sched.blocks.blocks_for(end))
+        return chunks
+
+    sched.drafts, sched.prepare = drafts, prepare
+    prompts = [[2, 3, 5, 7, 11, 13, 17], [19, 23, 29, 31, 37, 41, 43]]
+    ids = [
+        engine.submit(prompts[0], max_new_tokens=30),
+        engine.submit(prompts[1], max_new_tokens=30, min_new_tokens=20),
+    ]
+    while engine.step():
+        pass
+    engine.raise_if_failing()
+    for rid, prompt in zip(ids, prompts):
+        assert engine.poll(rid)[0] == reference(FakeRunner, prompt, 30)
+    assert given["empty"] and given["banned"], f"the run must offer both kinds of row: {given}"
+    steps = engine.trace.steps
+    assert all(n > 0 for s in steps for n in s.drafts.values()), (
+        "a row without drafts was recorded as a verify row"
+    )
+    assert engine.stats()["spec_drafted"] == sum(sum(s.drafts.values()) for s in steps)
+    made = 0
+    for s in steps:  # the second request's stop tokens are banned until it has 20 tokens
+        assert ids[1] not in s.drafts or made >= 20, f"step {s.index}: drafts verified at token {made}"
+        made += len(s.emitted.get(ids[1], []))
+    assert not any(spare), f"blocks taken for dropped drafts were kept: {spare}"
+    check_trace(engine)
+
+
 # -- options ---------------------------------------------------------------------------------
 
 

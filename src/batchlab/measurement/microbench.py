@@ -115,7 +115,8 @@ def verify_row_cost(
     B plain decode rows (one token each, as a decode step) against B verify rows of
     1 + ``drafts`` tokens (the model's logits at every one of them), every row at ``context``
     tokens of cache, timed interleaved. Per B: the medians, each variant's lowest and highest
-    time, and ``verify_over_decode``, the pass's cost for 1 + drafts tokens a row against 1."""
+    time, ``verify_over_decode``, the pass's cost for 1 + drafts tokens a row against 1, and
+    ``verify_over_decode_range``, the lowest and highest of the rounds' own ratios."""
     most = max(batch_sizes)
     blocks, runner = pass_runner(lm, BlockManager.blocks_needed(context + 1 + drafts, 16) * most)
     rows = [
@@ -128,6 +129,7 @@ def verify_row_cost(
     for b in batch_sizes:
         times = _interleaved_times(runner, {"decode": decode[:b], "verify": verify[:b]}, repeats)
         med = {name: statistics.median(t) for name, t in times.items()}
+        ratios = [v / d for v, d in zip(times["verify"], times["decode"])]
         out[b] = {
             "batch": b,
             "drafts": drafts,
@@ -136,6 +138,8 @@ def verify_row_cost(
             **{f"{name}_s": v for name, v in med.items()},
             **{f"{name}_range_s": (min(t), max(t)) for name, t in times.items()},
             "verify_over_decode": med["verify"] / med["decode"],
+            # each round's own ratio (its two passes ran back to back): their lowest and highest
+            "verify_over_decode_range": (min(ratios), max(ratios)),
         }
     return out
 

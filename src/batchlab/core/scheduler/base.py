@@ -233,12 +233,14 @@ class Scheduler:
         """Take the KV blocks ``batch`` writes and describe it to the runner: one chunk per
         request, in ``batch.requests`` order. (On-demand kinds took them while planning,
         with ``make_room``; for up-front kinds this is where reserved blocks are taken.)"""
-        # A decode row: its last token, then its drafts if it has any (a verify row). A row
-        # whose stop tokens are still banned (``min_new_tokens`` not reached) verifies none:
-        # the ban is the same at every position of a row, and a draft could cross the limit.
+        # A decode row: its last token, then its drafts if it has any (a verify row). An empty
+        # list of drafts is no verify row. A row whose stop tokens are still banned
+        # (``min_new_tokens`` not reached) verifies none: the ban is the same at every position
+        # of a row, and a draft could cross the limit; blocks taken for its drafts go back.
         for r in batch.decode:
-            if r.sampler.banned:
-                batch.drafts.pop(r.id, None)
+            if r.id in batch.drafts and (r.sampler.banned or not batch.drafts[r.id]):
+                del batch.drafts[r.id]
+                self.blocks.truncate(r.id, r.num_computed + 1)
         chunks = [
             self._chunk(r, r.next_input(), sample=True, drafts=batch.drafts.get(r.id, []))
             for r in batch.decode

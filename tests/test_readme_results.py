@@ -70,3 +70,22 @@ def test_the_ceiling_fractions_in_the_prose_match_the_json():
     assert len(quoted) == 10
     for stated, key in quoted:
         assert float(stated) == round(RESULT["figures"][key], 2), key
+
+
+SPECULATION = json.loads((ROOT / "docs/results/bench_speculation.json").read_text(encoding="utf-8"))
+SPEC_COLUMNS = ("speedup_tokps", "acceptance_rate", "tokens_per_verify_row", "passes_per_token")
+
+
+def test_the_speculation_figures_are_the_speculation_runs_own():
+    """Each row of the README's speculation table states its figures of
+    ``docs/results/bench_speculation.json`` as rounded (the speed-up with its range)."""
+    rows = re.findall(r"^\| \w+, \d+ \(`(\w+)_spec_\*`\) \| (.+) \|$", results_section(), flags=re.M)
+    assert len(rows) == 4, "four rows: echo and chat at B=1 and at the standard batch"
+    figures, spreads = SPECULATION["figures"], SPECULATION["figure_spreads"]
+    for prefix, cells in rows:
+        cells = [c.strip() for c in cells.split("|")]
+        speedup = f"{prefix}_spec_speedup_tokps"
+        low, high = spreads[speedup]
+        assert cells[0] == f"{figures[speedup]:.2f} ({low:.2f}-{high:.2f})", (prefix, cells[0])
+        for column, cell in zip(SPEC_COLUMNS[1:], cells[1:]):
+            assert cell == f"{figures[f'{prefix}_spec_{column}']:.2f}", (prefix, column, cell)

@@ -238,3 +238,30 @@ def test_the_trace_slo_bounds_the_max_tbt_under_that_name():
     assert s["slo_max_tbt_s"] == 1.2 and "slo_tbt_s" not in s
     with pytest.raises(TypeError):
         M.SLO(ttft_s=1.0, tbt_s=1.2)  # one name for one bound: the max gap, not loadgen's TPOT
+
+
+def test_speculation_over_several_runs_is_their_totals():
+    """``metrics.speculation(a, b)``: drafts, acceptances and verify rows summed over the runs,
+    the rates taken from the sums (not a mean of the runs' rates)."""
+    from batchlab import make_engine
+    from batchlab.core.fake import EchoRunner, FakeModel
+    from batchlab.measurement.driver import run_workload
+    from batchlab.measurement.workloads import Workload, WorkloadRequest
+
+    def run(prompt, new):
+        engine = make_engine(
+            "stallfree", FakeModel(), runner=EchoRunner, num_speculative_tokens=3, max_batch_size=2
+        )
+        return run_workload(engine, Workload("w", "w", [WorkloadRequest("r", prompt, new)]), progress=False)
+
+    a, b = run([5, 6, 7, 8, 9] * 3, 30), run([11, 12, 13] * 4, 12)
+    one, two, both = M.speculation(a), M.speculation(b), M.speculation(a, b)
+    for key in ("spec_drafted", "spec_accepted", "spec_verify_rows"):
+        assert both[key] == one[key] + two[key] > 0
+    assert both["spec_acceptance_rate"] == pytest.approx(both["spec_accepted"] / both["spec_drafted"])
+    assert one["spec_acceptance_rate"] != two["spec_acceptance_rate"], (
+        "the runs must differ for the test to mean anything"
+    )
+    assert both["spec_tokens_per_verify_row"] == pytest.approx(
+        1 + both["spec_accepted"] / both["spec_verify_rows"]
+    )

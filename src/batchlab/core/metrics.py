@@ -221,13 +221,15 @@ def decode_step_by_batch(trace: Trace) -> dict[int, float]:
 
 
 # -- speculative decoding ---------------------------------------------------------------------
-def speculation(trace: Trace) -> dict:
+def speculation(*traces: Trace) -> dict:
     """Drafts proposed and accepted over the run, the acceptance rate, the tokens a verify row
-    yields on average and the decode rows per token they yielded (None where undefined)."""
-    drafted = sum(sum(s.drafts.values()) for s in trace.steps)
-    accepted = sum(sum(s.accepted.values()) for s in trace.steps)
-    verify_rows = sum(len(s.drafts) for s in trace.steps)
-    rows = sum(len(s.decoded) for s in trace.steps)
+    yields on average and the decode rows per token they yielded (None where undefined). Given
+    several runs (the rounds of one engine), their totals."""
+    steps = [s for trace in traces for s in trace.steps]
+    drafted = sum(sum(s.drafts.values()) for s in steps)
+    accepted = sum(sum(s.accepted.values()) for s in steps)
+    verify_rows = sum(len(s.drafts) for s in steps)
+    rows = sum(len(s.decoded) for s in steps)
     return {
         "spec_drafted": drafted,
         "spec_accepted": accepted,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batchlab.core.sampling import Sampler, SamplingParams
+from batchlab.core.sampling import Sampler, SamplingParams, sample_rows
 
 DRAWS = 20_000
 LOGITS = np.array([2.0, 1.2, 3.1, -0.5, 0.7, 2.6, 0.1, 1.9, -2.0, 1.5], dtype=np.float32)
@@ -84,3 +84,50 @@ def test_the_reference_catches_an_off_by_one_cut(wrong, case):
     temperature, top_k, top_p = case
     sampler = wrong(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=11))
     assert disagreement(lambda: sampler.sample(LOGITS), LOGITS, *case) is not None
+
+
+# Structured output: a row's mask rules tokens out *before* temperature, top-k and top-p (as
+# vLLM applies its grammar bitmask to the logits first), so top-k keeps the k most likely
+# *allowed* tokens. The reference writes that down: the masked-out logits are -inf.
+MASK = np.array([True, False, False, True, True, False, True, True, False, True])
+
+
+def masked_draw(sampler):
+    sampler.allowed = MASK
+    return lambda: sample_rows(LOGITS[None], [sampler])[0]
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", CASES)
+def test_a_masked_row_draws_the_reference_distribution_over_its_allowed_tokens(temperature, top_k, top_p):
+    sampler = Sampler(SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=5))
+    masked = np.where(MASK, LOGITS, -np.inf)
+    assert disagreement(masked_draw(sampler), masked, temperature, top_k, top_p) is None
+
+
+def test_a_greedy_masked_row_takes_the_best_allowed_token():
+    sampler = Sampler(SamplingParams())
+    best_allowed = int(np.argmax(np.where(MASK, LOGITS, -np.inf)))
+    assert best_allowed != int(np.argmax(LOGITS))  # the case means something
+    assert masked_draw(sampler)() == best_allowed
+
+
+class MaskAfterTopK(Sampler):
+    """Cuts to the top k first and masks afterwards: the mistake the reference must catch."""
+
+    def restrict(self, logits):  # leaves the mask to ``sample``
+        return logits.astype(np.float32, copy=True)
+
+    def sample(self, logits):
+        keep = np.argsort(-logits)[: self.params.top_k]
+        cut = np.full_like(logits, -np.inf)
+        cut[keep] = logits[keep]
+        cut[~MASK] = -np.inf
+        if not np.isfinite(cut).any():
+            cut = np.where(MASK, logits, -np.inf)
+        return Sampler.sample(self, cut)
+
+
+def test_the_reference_catches_a_mask_applied_after_the_top_k_cut():
+    sampler = MaskAfterTopK(SamplingParams(temperature=1.0, top_k=4, seed=5))
+    masked = np.where(MASK, LOGITS, -np.inf)
+    assert disagreement(masked_draw(sampler), masked, 1.0, 4, 1.0) is not None

@@ -13,7 +13,10 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import jsonschema
 from openai import OpenAI
+from pydantic import BaseModel
+from pydantic import Field as PydanticField
 
 from batchlab import generate
 from batchlab.core.policies import QueueFull
@@ -379,7 +382,48 @@ HI = {"role": "user", "content": "hi"}
         ({"messages": [HI], "repetition_penalty": 1.2}, "repetition_penalty", ["not supported"]),
         ({"messages": [HI], "min_p": 0.1}, "min_p", ["not supported"]),
         ({"messages": [HI], "best_of": 3}, "best_of", ["not supported"]),
-        ({"messages": [HI], "response_format": {"type": "json_object"}}, "response_format", ["plain text"]),
+        (
+            {"messages": [HI], "response_format": {"type": "xml"}},
+            "response_format",
+            ["'xml' is not supported"],
+        ),
+        (
+            {"messages": [HI], "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format",
+            ["json_schema.schema must be"],
+        ),
+        (
+            {
+                "messages": [HI],
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}},
+            },
+            "response_format",
+            ["json cannot be compiled", "nonsense"],
+        ),
+        (
+            {"messages": [HI], "structured_outputs": {"regex": "(unclosed"}},
+            "structured_outputs",
+            ["regex cannot be compiled"],
+        ),
+        (
+            {"messages": [HI], "structured_outputs": {"regex": "a", "choice": ["a"]}},
+            "structured_outputs",
+            ["exactly one"],
+        ),
+        (
+            {"messages": [HI], "structured_outputs": {"grammar": "x"}},
+            "structured_outputs",
+            ["unknown: grammar"],
+        ),
+        (
+            {
+                "messages": [HI],
+                "structured_outputs": {"choice": ["a"]},
+                "response_format": {"type": "json_object"},
+            },
+            "structured_outputs",
+            ["not both"],
+        ),
         ({"messages": [HI], "logit_bias": {"2": -100}}, "logit_bias", ["not supported"]),
         ({"messages": [HI], "stream_options": {"include_usage": True}}, "stream_options", ["stream: true"]),
     ],
@@ -589,3 +633,62 @@ def test_a_speculating_server_streams_the_greedy_answer_and_counts_its_drafts(lm
     )
     assert 0 < kept <= drafted, counters
     assert any(len(t) > 1 for s in steps for t in s.emitted.values()), "some step handed out several tokens"
+
+
+class Person(BaseModel):
+    name: str = PydanticField(max_length=20)
+    age: int
+    hobbies: list[str] = PydanticField(max_length=3)
+
+
+def test_openai_parse_gets_a_pydantic_object_and_every_structured_form_matches(lm, server):
+    """The ``openai`` client's ``chat.completions.parse`` with a pydantic model: the server
+    enforces the schema it sends, so the answer parses (``jsonschema`` checks it too). Then
+    vLLM's ``structured_outputs`` (a regex, a choice) on both endpoints, streamed and not, and
+    ``json_object``: each answer matches its pattern by Python's ``re`` and ``json``."""
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused")
+    ask = [{"role": "user", "content": "Describe a person who likes sports, as JSON."}]
+    done = client.chat.completions.parse(
+        model="smollm2", messages=ask, response_format=Person, max_tokens=80, temperature=0
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(choice.message.parsed, Person)
+    jsonschema.validate(json.loads(choice.message.content), Person.model_json_schema())
+
+    phone = r"[0-9]{3}-[0-9]{4}"
+    forms = [
+        ({"structured_outputs": {"regex": phone}}, lambda t: re.fullmatch(phone, t)),
+        (
+            {"structured_outputs": {"choice": ["red", "green", "blue"]}},
+            lambda t: t in ("red", "green", "blue"),
+        ),
+        ({"response_format": {"type": "json_object"}}, lambda t: isinstance(json.loads(t), dict)),
+    ]
+    for extra, matches in forms:
+        for stream in (False, True):
+            chat = client.chat.completions.create(
+                model="smollm2",
+                messages=[{"role": "user", "content": "Answer."}],
+                max_tokens=60,
+                temperature=0,
+                stream=stream,
+                extra_body=extra,
+            )
+            text = (
+                "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
+                if stream
+                else chat.choices[0].message.content
+            )
+            assert matches(text), (extra, stream, text)
+    for stream in (False, True):
+        out = client.completions.create(
+            model="smollm2",
+            prompt="My phone number is",
+            max_tokens=20,
+            temperature=0,
+            stream=stream,
+            extra_body={"structured_outputs": {"regex": " " + phone}},
+        )
+        text = "".join(c.choices[0].text for c in out) if stream else out.choices[0].text
+        assert re.fullmatch(" " + phone, text), (stream, text)

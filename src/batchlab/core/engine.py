@@ -30,6 +30,7 @@ from .numbers import is_int
 from .policies import Admission, AdmissionBase
 from .request import Request, check_prompt_ids, clamp_new_tokens
 from .sampling import SamplingParams
+from .structured import StructuredOutputs, compile_constraint
 from .scheduler import KINDS, Scheduler, import_from_here, scheduler_class  # noqa: F401 (engine's names)
 from .trace import StepRecord, Trace
 
@@ -103,6 +104,7 @@ class EngineBase:
         priority: int = 0,
         min_new_tokens: int = 0,
         stop_token_ids: Sequence[int] = (),
+        structured_outputs: StructuredOutputs | dict | None = None,
     ) -> dict:
         """Check every argument of a request and return its fields for ``enqueue``; bad ones
         raise ValueError (nothing changes: this touches no shared state, so it needs no lock).
@@ -111,7 +113,11 @@ class EngineBase:
         engines serve the queue by it and preempt the least important first. Static and
         sequential engines serve first come, first served. ``stop_token_ids`` end the
         request too (also with ``ignore_eos``, as in vLLM), and no stop token is sampled
-        before it has ``min_new_tokens`` tokens (vLLM's ``min_tokens``)."""
+        before it has ``min_new_tokens`` tokens (vLLM's ``min_tokens``). ``structured_outputs``
+        (a ``StructuredOutputs`` or vLLM's dict of it) constrains the answer to a regex, a
+        choice or a JSON schema; one the grammar library cannot compile is a ValueError naming
+        it. A constrained request ends at EOS once its answer is complete, so it cannot
+        ``ignore_eos``."""
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
             raise ValueError("submit takes a list of token ids; encode text with the tokenizer first")
         prompt_ids = list(prompt_ids)
@@ -129,6 +135,19 @@ class EngineBase:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:3]!r}")
         self.scheduler.check_pool_holds(len(prompt_ids) + max_new)  # the pool's size never changes
         stop = (frozenset() if ignore_eos else self.lm.tokenizer.eos_token_ids) | frozenset(extra_stops)
+        constraint = None
+        if structured_outputs is not None:
+            if isinstance(structured_outputs, dict):
+                structured_outputs = StructuredOutputs.from_dict(structured_outputs)
+            if not isinstance(structured_outputs, StructuredOutputs):
+                raise ValueError(
+                    f"structured_outputs must be a StructuredOutputs or a dict, got {structured_outputs!r}"
+                )
+            if ignore_eos:
+                raise ValueError(
+                    "a constrained request ends at EOS once its answer is complete: it cannot ignore_eos"
+                )
+            constraint = compile_constraint(structured_outputs, self.lm.tokenizer)
         return dict(
             prompt_ids=prompt_ids,
             max_new_tokens=max_new,
@@ -136,6 +155,7 @@ class EngineBase:
             stop_ids=stop,
             priority=priority,
             min_new_tokens=min_new_tokens,
+            constraint=constraint,
         )
 
     def new_id(self) -> str:
@@ -310,6 +330,8 @@ class EngineBase:
         failure) under it, and the engine records what happened."""
         start = self.clock()  # a simulator's clock advances inside the runner
         try:
+            self.constrain(batch, chunks)
+            record.mask_s += self.clock() - start
             tokens = self.runner.run(chunks)
         except Exception as e:  # the pass is lost: its requests end, everyone else goes on
             with self._lock:
@@ -333,6 +355,16 @@ class EngineBase:
             # speculation's running totals (the trace may keep only its last steps)
             self.spec_drafted += sum(map(len, batch.drafts.values()))
             self.spec_accepted += sum(batch.accepted.values())
+
+    def constrain(self, batch: Batch, chunks) -> None:
+        """Structured output, before the pass: each constrained request whose chunk samples
+        gets its mask for the next token (``Sampler.allowed``). llguidance fills one in about
+        10 microseconds on this course's CPUs, so it does not pay to overlap them with the
+        pass (``docs/results/grammar_libraries.md``)."""
+        constrained = {r.id: r for r in batch.requests if r.constraint is not None}
+        for c in chunks:
+            if c.sampler is not None and c.req_id in constrained:
+                c.sampler.allowed = constrained[c.req_id].constraint.allowed()
 
     def _pass_failed(self, e: Exception, num_chunks: int) -> None:
         """Count a failed pass; log the first failure with its traceback, later ones in a line,

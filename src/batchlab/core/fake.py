@@ -51,9 +51,18 @@ class FakeModel:
     vocab_size: int = 64
     eos_id: int = 0
     max_seq_len: int = 4096
+    # a real tokenizer (structured output needs token strings): its vocabulary and EOS ids
+    # replace the two above
+    text: object = None
+
+    def __post_init__(self):
+        if self.text is not None:
+            self.vocab_size, self.eos_id = self.text.vocab_size, min(self.text.eos_token_ids)
 
     @property
     def tokenizer(self):
+        if self.text is not None:
+            return self.text
         return SimpleNamespace(vocab_size=self.vocab_size, eos_token_ids=frozenset({self.eos_id}))
 
     @property
@@ -154,6 +163,25 @@ class ContrarianRunner(FakeRunner):
         while token in followers:
             token = (token + 1) % self.lm.vocab_size
         return token
+
+
+class AdversarialRunner(FakeRunner):
+    """For structured output: a model that wants to break every pattern. Its logits are random
+    (fixed by a hash of the sequence), so its favourite token is almost never one a constraint
+    allows, and every EOS id is its favourite of all (an answer ends as soon as its mask lets
+    it). Greedy, it says ``choose``: the argmax."""
+
+    def logits_row(self, sequence: list[int]) -> np.ndarray:
+        row = (
+            np.random.default_rng(sequence_hash(sequence))
+            .standard_normal(self.lm.vocab_size)
+            .astype(np.float32)
+        )
+        row[list(self.lm.tokenizer.eos_token_ids)] = 10.0
+        return row
+
+    def choose(self, sequence: list[int]) -> int:
+        return int(np.argmax(self.logits_row(sequence)))
 
 
 def greedy_output(

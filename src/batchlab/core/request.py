@@ -21,6 +21,7 @@ from enum import Enum
 
 from .numbers import is_int
 from .sampling import Sampler, SamplingParams
+from .structured import Constraint
 from .trace import RequestRecord
 
 
@@ -49,6 +50,7 @@ class Request:
     priority: int = 0  # lower is more important (as in vLLM)
     min_new_tokens: int = 0  # its stop tokens are not sampled before it has this many
     error: BaseException | None = None  # why it finished with reason "error"
+    constraint: Constraint | None = None  # structured output: what its answer must match
     prefill_len: int = field(init=False)  # tokens to prefill: the prompt (+ outputs after preemption)
     sampler: Sampler = field(init=False)
     record: RequestRecord = field(init=False)  # timestamps for metrics and timelines
@@ -110,6 +112,8 @@ class Request:
         ``finish_reason``)."""
         self.output_ids.append(token)
         self.pending.append(token)
+        if self.constraint is not None:
+            self.constraint.advance(token)
         self.record.token_times_s.append(now)
         if self.record.first_token_s is None:
             self.record.first_token_s = now

@@ -51,6 +51,28 @@ class Sampler:
         # ids this request may not take now: its stop tokens until it has ``min_tokens``
         # (set by the request as it grows)
         self.banned: frozenset[int] = frozenset()
+        # structured output: bool [vocab], the tokens its constraint allows next (set before
+        # each pass its row samples in); None: every token
+        self.allowed: np.ndarray | None = None
+
+    @property
+    def restricted(self) -> bool:
+        """Some tokens are ruled out of its next pick (banned, or outside its mask)."""
+        return bool(self.banned) or self.allowed is not None
+
+    def restrict(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of one row of ``logits`` with every ruled-out token at -inf. The mask comes
+        first: when banning the stop tokens would leave no token at all (the constraint's
+        answer is complete, so only EOS may follow), they stay allowed."""
+        row = logits.astype(np.float32, copy=True)
+        if self.allowed is not None:
+            row[~self.allowed] = -np.inf
+        if self.banned:
+            kept = row.copy()
+            row[list(self.banned)] = -np.inf
+            if not np.isfinite(row).any():
+                row = kept
+        return row
 
     def sample(self, logits: np.ndarray) -> int:
         """Pick a token from one row of float32 logits (not used for greedy rows)."""
@@ -70,13 +92,12 @@ class Sampler:
 
 def sample_rows(logits: np.ndarray, samplers: list[Sampler]) -> list[int]:
     """One token per row of ``logits`` [N, vocab]: argmax for greedy rows, the row's own
-    sampler for the others; a row's ``banned`` ids get no weight."""
+    sampler for the others; a row's ruled-out ids (``Sampler.restrict``) get no weight."""
     picks = np.argmax(logits, axis=-1).tolist()
     for i, s in enumerate(samplers):
         row = logits[i]
-        if s.banned:
-            row = row.copy()
-            row[list(s.banned)] = -np.inf
+        if s.restricted:
+            row = s.restrict(row)
             picks[i] = int(np.argmax(row))
         if not s.params.greedy:
             picks[i] = s.sample(row)

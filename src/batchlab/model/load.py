@@ -259,6 +259,12 @@ def load_model(
     return LoadedModel(model, Tokenizer.from_gguf_metadata(meta), info, args)
 
 
+def load_tokenizer(path: str | None = None) -> Tokenizer:
+    """The course model's tokenizer alone (from the GGUF's metadata; seconds, or less once
+    ``load_model`` has cached it)."""
+    return Tokenizer.from_gguf_metadata(_float32_weights(Path(path) if path else gguf_path())[0])
+
+
 def _load_mlx_lm(path: str) -> LoadedModel:
     import mlx_lm
     from mlx.utils import tree_flatten

@@ -68,7 +68,7 @@ class KVPool:
 def sample(logits, samplers: list[Sampler]) -> list[int]:
     """One token per row of ``logits`` [N, vocab] (MLX or numpy). All greedy: one argmax;
     otherwise the rows go to numpy and each request's own sampler."""
-    plain = all(s.params.greedy and not s.banned for s in samplers)
+    plain = all(s.params.greedy and not s.restricted for s in samplers)
     if isinstance(logits, np.ndarray):
         return np.argmax(logits, axis=-1).tolist() if plain else sample_rows(logits, samplers)
     if plain:

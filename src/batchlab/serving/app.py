@@ -21,6 +21,7 @@ from fastapi.responses import PlainTextResponse, StreamingResponse
 
 from .auth import AUTH, Unauthorized, unauthorized
 from .dashboard import add_dashboard
+from ..core.structured import CompileError
 from .protocol import (
     ChatRequest,
     CompletionRequest,
@@ -274,6 +275,8 @@ async def respond(http: Request, req: SamplingFields, prompt_ids: list[int], cha
         return error(400, str(refused), param=refused.param)
     try:
         rid = server.submit(prompt_ids, req)
+    except CompileError as e:  # the pattern or schema the grammar library cannot compile
+        return error(400, str(e), param="structured_outputs" if req.structured_outputs else "response_format")
     except ValueError as e:
         return error(400, str(e))
     except (QueueFull, TooManyRunning) as e:

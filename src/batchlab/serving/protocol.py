@@ -13,6 +13,8 @@ from typing import Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..core.structured import StructuredOutputs
+
 DEFAULT_MAX_TOKENS = 512  # an answer's length when the request gives no max_tokens
 
 
@@ -71,8 +73,12 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     best_of: int | None = None
-    response_format: dict | None = None
     logit_bias: dict | None = None
+    # structured output: OpenAI's response_format ({"type": "json_schema", "json_schema":
+    # {"schema": ...}} or {"type": "json_object"}), or vLLM's structured_outputs ({"regex": ...},
+    # {"choice": [...]}, {"json": schema}, {"json_object": true}); see ``structured``
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
 
     @field_validator("stop")
     @classmethod
@@ -126,8 +132,10 @@ def refusal(req: SamplingFields) -> Unsupported | None:
     for field, neutral in UNSUPPORTED_UNLESS.items():
         if getattr(req, field) not in neutral:
             return Unsupported(f"{field} is not supported by this server (only {neutral[0]!r})", field)
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        return Unsupported("response_format: this server writes plain text only", "response_format")
+    try:
+        structured(req)
+    except Unsupported as e:
+        return e
     if req.stream_options is not None and not req.stream:  # as vLLM: it would be silently unused
         return Unsupported("stream_options can only be given with stream: true", "stream_options")
     if req.logit_bias:  # {} and null ask for nothing
@@ -147,13 +155,46 @@ def refusal(req: SamplingFields) -> Unsupported | None:
     return None
 
 
+def structured(req: SamplingFields) -> StructuredOutputs | None:
+    """What the answer must match, from ``response_format`` or ``structured_outputs`` (not
+    both); None for plain text. A malformed one raises ``Unsupported`` naming its field. (Whether
+    the grammar library can compile it is the engine's question: ``structured.CompileError``.)"""
+    form = req.response_format
+    kind = None if form is None else form.get("type")
+    if kind not in (None, "text") and req.structured_outputs is not None:
+        return _refuse("give response_format or structured_outputs, not both", "structured_outputs")
+    if req.structured_outputs is not None:
+        try:
+            return StructuredOutputs.from_dict(req.structured_outputs)
+        except ValueError as e:
+            return _refuse(f"structured_outputs: {e}", "structured_outputs")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind != "json_schema":
+        return _refuse(
+            f"response_format type {kind!r} is not supported (text, json_object or json_schema)",
+            "response_format",
+        )
+    spec = form.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+        return _refuse("response_format.json_schema.schema must be a JSON schema object", "response_format")
+    return StructuredOutputs(json=spec["schema"])  # strict or not, the schema is enforced
+
+
+def _refuse(message: str, param: str):
+    raise Unsupported(message, param)
+
+
 def vllm_extensions(req: SamplingFields, max_new: int) -> dict:
-    """The engine's arguments for vLLM's ``ignore_eos``, ``min_tokens`` and ``stop_token_ids``,
-    only those the request sets (an engine of a learner's may not know them)."""
+    """The engine's arguments for vLLM's ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and
+    structured output, only those the request sets (an engine of a learner's may not know them)."""
     given = {
         "ignore_eos": req.ignore_eos,
         "min_new_tokens": min(req.min_tokens, max_new),
         "stop_token_ids": list(req.stop_token_ids or ()),
+        "structured_outputs": structured(req),
     }
     return {k: v for k, v in given.items() if v}
 

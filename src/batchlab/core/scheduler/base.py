@@ -236,9 +236,12 @@ class Scheduler:
         # A decode row: its last token, then its drafts if it has any (a verify row). An empty
         # list of drafts is no verify row. A row whose stop tokens are still banned
         # (``min_new_tokens`` not reached) verifies none: the ban is the same at every position
-        # of a row, and a draft could cross the limit; blocks taken for its drafts go back.
+        # of a row, and a draft could cross the limit. Nor does a constrained row (structured
+        # output): its mask after a draft depends on that draft. Blocks taken for dropped drafts go back.
         for r in batch.decode:
-            if r.id in batch.drafts and (r.sampler.banned or not batch.drafts[r.id]):
+            if r.id in batch.drafts and (
+                r.sampler.banned or r.constraint is not None or not batch.drafts[r.id]
+            ):
                 del batch.drafts[r.id]
                 self.blocks.truncate(r.id, r.num_computed + 1)
         chunks = [

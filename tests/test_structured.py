@@ -291,3 +291,20 @@ def test_real_model_answers_match_their_patterns_and_free_rows_are_untouched(lm)
         else:
             assert rec.finish_reason == "length" and len(rec.output_ids) == n
     assert [engine.trace.requests[i].finish_reason for i in ids[1:3]] == ["stop", "stop"]
+
+
+def test_the_grammar_library_benchmark_runs_and_times_llguidance(capsys):
+    """``benchmarks/grammar_libraries.py`` (the measurement behind the choice of llguidance)
+    runs here with llguidance alone; the others are optional installs it leaves out."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "grammar_libraries.py"
+    spec = importlib.util.spec_from_file_location("grammar_libraries", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.REPS = 1
+    rows = bench.main([])
+    mine = [r for r in rows if r[0] == "llguidance"]
+    assert [r[1] for r in mine] == list(bench.CASES) and all(t > 0 for r in mine for t in r[2:])
+    assert "| llguidance | json schema |" in capsys.readouterr().out

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import jsonschema
+import numpy as np
 import pytest
 
 from batchlab import make_engine
 from batchlab.core.fake import AdversarialRunner, FakeModel, FakeRunner, greedy_output
 from batchlab.core.scheduler import KINDS
-from batchlab.core.structured import StructuredOutputs, compile_constraint
+from batchlab.core.engine import Engine
+from batchlab.core.structured import Constraint, StructuredOutputs, compile_constraint
 
 PERSON = {
     "type": "object",
@@ -194,6 +197,50 @@ def test_masks_are_timed_in_the_trace(fake, text):
         fake, "stallfree", [(prompts(text, 1)[0], dict(max_new_tokens=20, structured_outputs=SPECS[2]))]
     )
     assert sum(s.mask_s for s in engine.trace.steps) > 0
+
+
+def test_masks_filled_during_the_pass_give_the_same_answers_from_a_second_thread(fake, text):
+    """``masks_during_pass``: the masks are filled beside the forward pass, in another thread,
+    and every row still samples with its own step's mask (the same answers as before the pass)."""
+    threads = []
+
+    class During(Engine):
+        masks_during_pass = True
+
+        def constrain(self, batch, chunks):
+            threads.append(threading.current_thread().name)
+            super().constrain(batch, chunks)
+
+    requests = [(p, dict(max_new_tokens=40, structured_outputs=s)) for p, s in zip(prompts(text, 5), SPECS)]
+    _, before = run(fake, "stallfree", requests, max_batch_size=4)
+    _, during = run(fake, "stallfree", requests, max_batch_size=4, engine_class=During)
+    assert during == before
+    assert threads and all(t.startswith("beside-the-pass") for t in threads), set(threads)
+
+
+def test_an_engine_may_compile_its_own_constraints(fake, text):
+    """``EngineBase.compile`` is where a request's constraint is made (lesson 12 makes its own):
+    an engine whose constraint allows only digits gets digits, until max_new_tokens."""
+    digits = np.array([t.isdigit() for t in (text.decode([i]) for i in range(text.vocab_size))])
+
+    class OnlyDigits(Constraint):
+        def allowed(self):
+            return digits
+
+        def advance(self, token):
+            assert digits[token]
+
+    class Mine(Engine):
+        def compile(self, spec):
+            return OnlyDigits()
+
+    ((tokens, reason),) = run(
+        fake,
+        "stallfree",
+        [(prompts(text, 1)[0], dict(max_new_tokens=8, structured_outputs=SPECS[1]))],
+        engine_class=Mine,
+    )[1]
+    assert reason == "length" and answer_text(text, tokens).isdigit()
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ from .numbers import is_int
 from .policies import Admission, AdmissionBase
 from .request import Request, check_prompt_ids, clamp_new_tokens
 from .sampling import SamplingParams
-from .structured import StructuredOutputs, compile_constraint
+from .structured import Constraint, StructuredOutputs, compile_constraint
 from .scheduler import KINDS, Scheduler, import_from_here, scheduler_class  # noqa: F401 (engine's names)
 from .trace import StepRecord, Trace
 
@@ -147,7 +147,7 @@ class EngineBase:
                 raise ValueError(
                     "a constrained request ends at EOS once its answer is complete: it cannot ignore_eos"
                 )
-            constraint = compile_constraint(structured_outputs, self.lm.tokenizer)
+            constraint = self.compile(structured_outputs)
         return dict(
             prompt_ids=prompt_ids,
             max_new_tokens=max_new,
@@ -329,10 +329,18 @@ class EngineBase:
         """One forward pass, outside the lock; the scheduler takes the new tokens (or the
         failure) under it, and the engine records what happened."""
         start = self.clock()  # a simulator's clock advances inside the runner
-        try:
+
+        def masks():
+            began = self.clock()
             self.constrain(batch, chunks)
-            record.mask_s += self.clock() - start
-            tokens = self.runner.run(chunks)
+            record.mask_s += self.clock() - began
+
+        try:
+            if self.masks_during_pass:
+                tokens = self.runner.run(chunks, meanwhile=masks)
+            else:
+                masks()
+                tokens = self.runner.run(chunks)
         except Exception as e:  # the pass is lost: its requests end, everyone else goes on
             with self._lock:
                 self._pass_failed(e, len(chunks))
@@ -356,11 +364,20 @@ class EngineBase:
             self.spec_drafted += sum(map(len, batch.drafts.values()))
             self.spec_accepted += sum(batch.accepted.values())
 
+    # Where structured output's masks are filled: before the pass (False), or in a second thread
+    # while the model computes (True, ``Runner.run``'s ``meanwhile``). llguidance fills one in
+    # about 10 microseconds on this course's CPUs, far less than a pass, so ours fills them
+    # before (docs/results/grammar_libraries.md); lesson 12 measures both with slower masks.
+    masks_during_pass = False
+
+    def compile(self, spec: StructuredOutputs) -> Constraint:
+        """A fresh constraint for one request's ``structured_outputs`` (``check_request`` calls
+        it): llguidance's, which raises ``CompileError`` for what it cannot compile."""
+        return compile_constraint(spec, self.lm.tokenizer)
+
     def constrain(self, batch: Batch, chunks) -> None:
-        """Structured output, before the pass: each constrained request whose chunk samples
-        gets its mask for the next token (``Sampler.allowed``). llguidance fills one in about
-        10 microseconds on this course's CPUs, so it does not pay to overlap them with the
-        pass (``docs/results/grammar_libraries.md``)."""
+        """Structured output: each constrained request whose chunk samples in this pass gets
+        its mask for the next token (``Sampler.allowed``)."""
         constrained = {r.id: r for r in batch.requests if r.constraint is not None}
         for c in chunks:
             if c.sampler is not None and c.req_id in constrained:

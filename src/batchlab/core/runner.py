@@ -12,6 +12,7 @@ runner provides: the real one (``model_runner.ModelRunner``, MLX), the fake mode
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -87,11 +88,22 @@ class Runner:
     def sample(self, logits, rows: list[int], samplers: list[Sampler]) -> list[int]:
         raise NotImplementedError
 
-    def run(self, chunks: list[Chunk]) -> list[int | list[int] | None]:
+    def run(self, chunks: list[Chunk], meanwhile=None) -> list[int | list[int] | None]:
         """One pass; the next token of every chunk that has a sampler (for a verify row, the
-        list of its ``1 + num_drafts`` picks), None for the others."""
+        list of its ``1 + num_drafts`` picks), None for the others. ``meanwhile`` (a function of
+        no arguments) runs in a second thread while the model computes, and is done before any
+        row samples: structured output's masks can be filled there (``EngineBase.constrain``)."""
         heads = [i for i, c in enumerate(chunks) if c.sampler is not None]
-        logits = self.forward(chunks, head_rows=heads)  # [sum of their heads, vocab]
+        if meanwhile is None:
+            logits = self.forward(chunks, head_rows=heads)  # [sum of their heads, vocab]
+        else:
+            if getattr(self, "_beside", None) is None:
+                self._beside = ThreadPoolExecutor(1, thread_name_prefix="beside-the-pass")
+            job = self._beside.submit(meanwhile)
+            try:
+                logits = self.forward(chunks, head_rows=heads)
+            finally:
+                job.result()  # its error, if it raised, is the pass's
         sampling = [chunks[i] for i in heads]
         firsts = np.cumsum([0] + [c.head for c in sampling])[:-1].tolist()  # each one's first logits row
         rows, samplers = rows_to_sample(sampling, firsts)

@@ -355,3 +355,19 @@ def test_the_grammar_library_benchmark_runs_and_times_llguidance(capsys):
     mine = [r for r in rows if r[0] == "llguidance"]
     assert [r[1] for r in mine] == list(bench.CASES) and all(t > 0 for r in mine for t in r[2:])
     assert "| llguidance | json schema |" in capsys.readouterr().out
+
+
+def test_an_engine_without_lesson_12s_methods_refuses_a_constraint_and_serves_the_rest(fake, text):
+    """A learner's engine from lesson 6 inherits ``EngineBase``'s ``compile`` and ``constrain``:
+    a constrained request is a ValueError saying so; a plain one is served."""
+    from batchlab.core.engine import EngineBase
+
+    class Lesson6(Engine):
+        compile, constrain = EngineBase.compile, EngineBase.constrain
+
+    engine = make_engine("stallfree", fake, runner=AdversarialRunner, engine_class=Lesson6)
+    with pytest.raises(ValueError, match="does not do structured output"):
+        engine.submit(prompts(text, 1)[0], structured_outputs=SPECS[0])
+    rid = engine.submit(prompts(text, 1)[0], max_new_tokens=3, ignore_eos=True)
+    engine.run_until_idle()
+    assert len(engine.trace.requests[rid].output_ids) == 3

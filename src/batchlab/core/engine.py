@@ -372,16 +372,16 @@ class EngineBase:
 
     def compile(self, spec: StructuredOutputs) -> Constraint:
         """A fresh constraint for one request's ``structured_outputs`` (``check_request`` calls
-        it): llguidance's, which raises ``CompileError`` for what it cannot compile."""
-        return compile_constraint(spec, self.lm.tokenizer)
+        it); ValueError for a pattern it cannot compile. The engine's to write (lesson 12)."""
+        raise ValueError(
+            f"{type(self).__name__} does not do structured output: it has no compile() (lesson 12 writes one)"
+        )
 
     def constrain(self, batch: Batch, chunks) -> None:
-        """Structured output: each constrained request whose chunk samples in this pass gets
-        its mask for the next token (``Sampler.allowed``)."""
-        constrained = {r.id: r for r in batch.requests if r.constraint is not None}
-        for c in chunks:
-            if c.sampler is not None and c.req_id in constrained:
-                c.sampler.allowed = constrained[c.req_id].constraint.allowed()
+        """Structured output: give each constrained request whose chunk samples in this pass its
+        mask for the next token (``Sampler.allowed``). The engine's to write (lesson 12)."""
+        if any(r.constraint is not None for r in batch.requests):
+            raise NotImplementedError(f"{type(self).__name__} must write constrain(batch, chunks)")
 
     def _pass_failed(self, e: Exception, num_chunks: int) -> None:
         """Count a failed pass; log the first failure with its traceback, later ones in a line,
@@ -514,6 +514,18 @@ class Engine(EngineBase):
             self._finish(req, "cancelled")
             self._cancelled.append(req)
             return True
+
+    def compile(self, spec: StructuredOutputs) -> Constraint:
+        """llguidance's constraint for the pattern or schema; ``CompileError`` names what it
+        cannot compile."""
+        return compile_constraint(spec, self.lm.tokenizer)
+
+    def constrain(self, batch: Batch, chunks) -> None:
+        """Each constrained request whose chunk samples in this pass gets its mask."""
+        constrained = {r.id: r for r in batch.requests if r.constraint is not None}
+        for c in chunks:
+            if c.sampler is not None and c.req_id in constrained:
+                c.sampler.allowed = constrained[c.req_id].constraint.allowed()
 
 
 class EngineClock:

@@ -35,6 +35,7 @@ def run_workload(
     priorities: dict[str, int] | None = None,
     max_idle_steps: int = 50,
     after_step: Callable[[object, Mapping[str, RequestRecord]], None] | None = None,
+    stop_at_eos: bool = False,
 ) -> Trace:
     """Run ``workload`` on ``engine`` and return the trace of this run alone. The one
     driver of every run: real engines, the simulator and the exercise checkers.
@@ -53,6 +54,11 @@ def run_workload(
     called after every step with the records of the requests submitted so far (id to
     record, refused ones included): the clients of a server, acting between steps
     (``engine.poll`` their tokens, ``engine.cancel`` a request).
+
+    Every request is submitted with ``ignore_eos=True`` (it generates exactly its
+    ``max_new_tokens``), except one with ``structured_outputs``: that is submitted with them
+    and EOS honoured, since a constrained answer ends at EOS once it is complete. With
+    ``stop_at_eos`` every request honours EOS (``max_new_tokens`` is then a cap).
     """
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)  # stable: ties keep order
     if len({r.id for r in reqs}) != len(reqs):
@@ -69,7 +75,7 @@ def run_workload(
             if timeout_s is not None and wall - t0 > timeout_s:
                 _cancel_unfinished(engine, records)
                 break
-            nxt = _submit_due(engine, reqs, nxt, t0, wall, records, temperature, priorities)
+            nxt = _submit_due(engine, reqs, nxt, t0, wall, records, temperature, priorities, stop_at_eos)
             stepped = engine.step()
             if after_step is not None:
                 after_step(engine, records)
@@ -92,10 +98,14 @@ def _progress_bar(reqs, name: str, progress: bool):
     return tqdm(total=total, unit="tok", desc=name, disable=not progress, leave=False)
 
 
-def _submit_due(engine, reqs, nxt: int, t0: float, wall: float, records, temperature, priorities) -> int:
+def _submit_due(
+    engine, reqs, nxt: int, t0: float, wall: float, records, temperature, priorities, stop_at_eos=False
+) -> int:
     """Submit every request from ``reqs[nxt]`` on that is due at ``wall`` (with ``arrival_s``
     = when it was due) and note its record; one refused at the door (``QueueFull``) gets a
-    record finished with reason ``"rejected"``. Returns the index of the next one not due."""
+    record finished with reason ``"rejected"``. Returns the index of the next one not due.
+    EOS is ignored unless ``stop_at_eos`` or the request carries ``structured_outputs`` (then
+    passed on: a constrained answer ends at EOS once complete)."""
     from ..core.policies import QueueFull
 
     # due times compared as the idle wait sets them (t0 + arrival), so a virtual
@@ -104,11 +114,13 @@ def _submit_due(engine, reqs, nxt: int, t0: float, wall: float, records, tempera
         r, due = reqs[nxt], t0 + reqs[nxt].arrival_s
         nxt += 1
         extra = {} if priorities is None else {"priority": priorities[r.id]}
+        if r.structured_outputs is not None:
+            extra["structured_outputs"] = r.structured_outputs
         try:
             engine.submit(
                 r.prompt_ids,
                 max_new_tokens=r.max_new_tokens,
-                ignore_eos=True,
+                ignore_eos=not stop_at_eos and r.structured_outputs is None,
                 temperature=temperature,
                 request_id=r.id,
                 arrival_s=due,

@@ -12,6 +12,11 @@ interface (submit, step, poll, cancel, and a trace the engine records), and
 ``BatchGenerator`` has none of it (``insert`` and ``next``, answers as they come). This
 loop follows the same arrivals by the same rule (a request is due at its ``arrival_s``)
 and records the same ``Trace``, so every metric reads both alike.
+
+Structured output: ``BatchGenerator`` cannot constrain an answer, and ``mlx_lm.server``
+ignores ``response_format`` (mlx-lm 0.32.2's server has no handling of it; mlx-lm issue
+#1007). A request with ``structured_outputs`` runs here on its prompt alone, unconstrained,
+and ends at EOS like an answer of ``mlx_lm.server``: what an application gets from mlx-lm.
 """
 
 from __future__ import annotations
@@ -24,9 +29,17 @@ from .workloads import Workload
 
 
 def run_mlxlm_workload(
-    lm: LoadedModel, workload: Workload, batch_size: int, prefill_step_size: int = 2048, progress: bool = True
+    lm: LoadedModel,
+    workload: Workload,
+    batch_size: int,
+    prefill_step_size: int = 2048,
+    progress: bool = True,
+    stop_at_eos: bool = False,
 ) -> Trace:
-    """Run ``workload`` (greedy, EOS ignored, arrivals honoured) on mlx-lm's BatchGenerator."""
+    """Run ``workload`` (greedy, arrivals honoured) on mlx-lm's BatchGenerator. EOS is ignored
+    (each request generates exactly its ``max_new_tokens``) except with ``stop_at_eos`` and
+    for a request with ``structured_outputs``: that one ends at EOS, unconstrained (mlx-lm
+    cannot constrain)."""
     from mlx_lm.generate import BatchGenerator
     from tqdm.auto import tqdm
 
@@ -49,10 +62,11 @@ def run_mlxlm_workload(
         disable=not progress,
         leave=False,
     )
+    stop_of = _stop_sequences(lm, reqs, stop_at_eos)
     nxt = 0
     try:
         while nxt < len(reqs) or left:
-            nxt = _insert_due(gen, reqs, nxt, clock(), trace, by_uid, left)
+            nxt = _insert_due(gen, reqs, nxt, clock(), trace, by_uid, left, stop_of)
             if not left:
                 time.sleep(max(0.0, reqs[nxt].arrival_s - clock()))
                 continue
@@ -63,16 +77,32 @@ def run_mlxlm_workload(
     return trace
 
 
-def _insert_due(gen, reqs, nxt: int, now: float, trace: Trace, by_uid: dict, left: dict) -> int:
+def _stop_sequences(lm, reqs, stop_at_eos: bool) -> dict | None:
+    """Each request's stop sequences for ``BatchGenerator.insert`` (by id): none (EOS ignored),
+    or EOS where ``stop_at_eos`` or the request carries ``structured_outputs``. None when no
+    request stops at EOS (then ``insert`` is called as before)."""
+    if not stop_at_eos and all(r.structured_outputs is None for r in reqs):
+        return None
+    from mlx_lm.generate import StopSequences  # per-request stop sequences (mlx-lm 0.32)
+
+    never, eos = StopSequences(), StopSequences([[t] for t in sorted(lm.tokenizer.eos_token_ids)])
+    return {r.id: eos if stop_at_eos or r.structured_outputs is not None else never for r in reqs}
+
+
+def _insert_due(
+    gen, reqs, nxt: int, now: float, trace: Trace, by_uid: dict, left: dict, stop_of: dict | None = None
+) -> int:
     """Insert into ``gen`` every request from ``reqs[nxt]`` on that has arrived by ``now``,
-    each with its record (queued at its arrival) and its tokens left; returns the index of
-    the next one not yet arrived."""
+    each with its record (queued at its arrival), its tokens left and its stop sequences
+    (``stop_of``, by request id; None: EOS ignored by all); returns the index of the next
+    one not yet arrived."""
     due = []
     while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
         due.append(reqs[nxt])
         nxt += 1
     if due:
-        uids = gen.insert([r.prompt_ids for r in due], max_tokens=[r.max_new_tokens for r in due])
+        stops = {} if stop_of is None else {"stop_sequences": [stop_of[r.id] for r in due]}
+        uids = gen.insert([r.prompt_ids for r in due], max_tokens=[r.max_new_tokens for r in due], **stops)
         for uid, r in zip(uids, due):
             rec = RequestRecord(
                 r.id,

@@ -11,7 +11,9 @@ so anybody can run the same requests again and get the same work.
   the instruction and the text together. The text is trimmed, token by token, until the
   prompt has exactly the target length. Output lengths are enforced with
   ``max_new_tokens`` and ``ignore_eos=True``, so a request generates exactly what the
-  workload says, whatever the model would like to say.
+  workload says, whatever the model would like to say. The one exception is a request with
+  ``structured_outputs``: a constrained answer ends at EOS once it is complete, so
+  ``max_new_tokens`` is its cap.
 - **Deterministic.** Each workload draws everything from ``numpy.random.default_rng(seed)``;
   the same seed gives identical prompt ids, lengths and arrival times on every machine.
 
@@ -32,6 +34,10 @@ The kinds of workload:
 ``echo``
     prompts that ask for a passage back word for word: the answer is already in the prompt,
     which is what speculative decoding by prompt lookup finds (``batchlab bench``).
+``structured``
+    prompts that ask for a JSON record about a passage, each request carrying the JSON schema
+    its answer must match (``structured_outputs``, structured output): answers end at EOS
+    once the record is complete, so their lengths are the model's, up to a cap.
 
 Arrivals (the ``arrivals=`` option): ``"all"`` at time 0; ``"poisson"`` at rate λ
 (exponential gaps); ``"bursty"``: gamma-distributed gaps with the same mean rate but a
@@ -69,6 +75,22 @@ ECHO_INSTRUCTIONS = (
     "Copy this text, fixing nothing:",
 )
 
+#: What each ``structured`` prompt asks for, and the JSON schema its answer must match.
+STRUCTURED_INSTRUCTION = (
+    "Describe this passage as JSON with a title, a topic, up to 5 keywords and its number of sentences:"
+)
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "topic": {"type": "string", "maxLength": 40},
+        "keywords": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 5},
+        "sentences": {"type": "integer", "minimum": 0, "maximum": 100},
+    },
+    "required": ["title", "topic", "keywords", "sentences"],
+    "additionalProperties": False,
+}
+
 ARRIVALS = ("all", "poisson", "bursty")
 SIZES = ("quick", "full")
 
@@ -78,13 +100,16 @@ SIZES = ("quick", "full")
 class WorkloadRequest:
     """One request of a workload: send ``prompt_ids`` at ``arrival_s`` (seconds after the
     run starts) and generate exactly ``max_new_tokens`` tokens (EOS is ignored).
-    ``messages`` is the same prompt as chat messages, for a server that takes text."""
+    ``messages`` is the same prompt as chat messages, for a server that takes text.
+    ``structured_outputs`` (vLLM's form, e.g. ``{"json": schema}``): the answer must match
+    it, and it ends at EOS once complete, so ``max_new_tokens`` is then a cap, not a length."""
 
     id: str
     prompt_ids: list[int]
     max_new_tokens: int
     arrival_s: float = 0.0
     messages: list[dict] = field(default_factory=list)
+    structured_outputs: dict | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -136,6 +161,14 @@ class Workload:
                 replace(r, max_new_tokens=min(r.max_new_tokens, max_new_tokens)) for r in self.requests
             ],
             params={**self.params, "capped": max_new_tokens},
+        )
+
+    def without_constraints(self) -> "Workload":
+        """The same requests with no ``structured_outputs``: the same prompts answered freely."""
+        return replace(
+            self,
+            requests=[replace(r, structured_outputs=None) for r in self.requests],
+            params={**self.params, "constrained": False},
         )
 
     def with_arrivals(
@@ -754,3 +787,56 @@ def echo(
 
 
 WORKLOADS["echo"] = echo
+
+
+def structured(
+    tokenizer,
+    size: str = "quick",
+    seed: int = 0,
+    num_requests: int | None = None,
+    max_new_tokens: int | None = None,
+    prompt_range: tuple[int, int] = (64, 112),
+) -> Workload:
+    """Structured output: each prompt asks for a JSON record about a passage of the shipped
+    text (``STRUCTURED_INSTRUCTION``, then the passage) and each request carries the schema
+    its answer must match, ``structured_outputs={"json": STRUCTURED_SCHEMA}`` (a title, a
+    topic, up to 5 keywords and a number of sentences; nothing else). An engine that
+    constrains ends each answer at EOS once the record is complete; ``max_new_tokens`` caps
+    it (a record cut there is not JSON). Prompts uniform over ``prompt_range`` tokens, all at
+    time 0. ``size``: "quick" 8 requests of at most 64 new tokens, "full" 16 of at most 96
+    (room for most records: SmolLM2-135M's run to about 40-80 tokens)."""
+    sizes = {"quick": (8, 64), "full": (16, 96)}
+    if size not in sizes:
+        raise ValueError(f"size must be one of {', '.join(sizes)}, not {size!r}")
+    n = num_requests if num_requests is not None else sizes[size][0]
+    cap = max_new_tokens if max_new_tokens is not None else sizes[size][1]
+    rng = np.random.default_rng(seed)
+    p = rng.integers(prompt_range[0], prompt_range[1] + 1, n)
+    maker = _maker(getattr(tokenizer, "tokenizer", tokenizer))
+    width = max(3, len(str(n - 1)))
+    reqs = []
+    for i, pi in enumerate(p):
+        ids, messages = maker.make(int(pi), rng, STRUCTURED_INSTRUCTION)
+        reqs.append(
+            WorkloadRequest(
+                f"json-{i:0{width}d}", ids, cap, 0.0, messages, structured_outputs={"json": STRUCTURED_SCHEMA}
+            )
+        )
+    return Workload(
+        "structured",
+        f"{n} requests at once asking for a JSON record about a passage, each with its JSON schema; "
+        f"prompts {prompt_range[0]}-{prompt_range[1]} tokens, answers ending at EOS, at most {cap} tokens",
+        reqs,
+        seed,
+        dict(
+            size=size,
+            num_requests=n,
+            max_new_tokens=cap,
+            prompt_range=prompt_range,
+            arrivals="all",
+            constrained=True,
+        ),
+    )
+
+
+WORKLOADS["structured"] = structured

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import math
+
+import numpy as np
 from dataclasses import dataclass
 
 from batchlab.core.batch import Batch
 from batchlab.core.engine import EngineBase
 from batchlab.core.policies import AdmissionBase, Policy, QueueFull
 from batchlab.core.request import State
+from batchlab.core.structured import Constraint, compile_constraint
+from batchlab.course.automaton import Automaton, token_texts
 from batchlab.core.scheduler import OnDemandKV, Scheduler
 from batchlab.serving.server import HEARTBEAT_S, ServerBase, StopMatcher, StreamEnded
 
@@ -378,3 +382,72 @@ class MyAgingPolicy(MyVictimPolicy):
 
     def next_queued(self, queue):
         return min(queue, key=self.importance)
+
+
+# -- lesson 12: structured output -------------------------------------------------------------
+
+
+def token_mask(automaton, state, texts):
+    """A numpy bool array, one entry per token text: True where reading the text's characters one by
+    one from `state` (automaton.step) never reaches None. An empty text is never allowed."""
+    mask = np.zeros(len(texts), dtype=bool)
+    for i, text in enumerate(texts):
+        s = state
+        for ch in text:
+            s = automaton.step(s, ch)
+            if s is None:
+                break
+        mask[i] = bool(text) and s is not None
+    return mask
+
+
+class MyConstraint(Constraint):
+    """One request's pattern while it generates: the automaton, the state its text has reached, and
+    `masks`, a dict state -> mask that every request with this pattern shares."""
+
+    def __init__(self, automaton, texts, eos_ids, masks):
+        self.automaton, self.texts, self.eos_ids, self.masks = automaton, texts, eos_ids, masks
+        self.state = automaton.start
+
+    def allowed(self):
+        # the mask of the current state, computed once per state (then taken from self.masks);
+        # EOS ids are allowed exactly where the text so far is a whole match
+        if self.state not in self.masks:
+            mask = token_mask(self.automaton, self.state, self.texts)
+            mask[list(self.eos_ids)] = self.automaton.accepting(self.state)
+            self.masks[self.state] = mask
+        return self.masks[self.state]
+
+    def advance(self, token):
+        # the state after the token's text (an EOS id ends the answer: nothing to read)
+        if token not in self.eos_ids:
+            for ch in self.texts[token]:
+                self.state = self.automaton.step(self.state, ch)
+
+
+class MyStructuredEngine(MyEngine):
+    """My lesson-6 engine, constraining answers: my own masks for a regex or a choice, the library's
+    grammar for a JSON schema."""
+
+    masks_during_pass = False  # where the masks are filled: section 5 measures both ways
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.masks = {}  # pattern -> {state: mask}, shared by all its requests
+
+    def compile(self, spec):
+        if spec.regex is None and spec.choice is None:  # a JSON schema: the library's grammar
+            return compile_constraint(spec, self.lm.tokenizer)
+        automaton = Automaton(spec.regex) if spec.regex is not None else Automaton.from_choices(spec.choice)
+        tok = self.lm.tokenizer
+        return MyConstraint(
+            automaton, token_texts(tok), tok.eos_token_ids, self.masks.setdefault(automaton.pattern, {})
+        )
+
+    def constrain(self, batch, chunks):
+        # every chunk that samples this pass (chunk.sampler is not None) and whose request has a
+        # constraint (req.constraint) gets that constraint's mask as chunk.sampler.allowed
+        constrained = {r.id: r.constraint for r in batch.requests if r.constraint is not None}
+        for chunk in chunks:
+            if chunk.sampler is not None and chunk.req_id in constrained:
+                chunk.sampler.allowed = constrained[chunk.req_id].allowed()

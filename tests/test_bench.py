@@ -13,6 +13,7 @@ import time
 import pytest
 from pathlib import Path
 
+from batchlab import make_engine
 from batchlab.measurement import bench
 from batchlab.measurement.bench import engines, format_table, run_bench
 from batchlab.core.costmodel import CostModel, token_budget_for_slo
@@ -401,6 +402,154 @@ def test_speculation_on_and_off_on_the_fake_model(monkeypatch):
     assert bench.SPEC_NOTE in format_table(result)
 
 
+@pytest.fixture(scope="module")
+def text():
+    """The course model's real tokenizer (structured output's masks are over token strings)."""
+    from batchlab.model.load import load_tokenizer
+
+    return load_tokenizer()
+
+
+def jsonschema_verdicts(trace, tok, schema):
+    """(valid, stopped, cut) of a run's answers by json and jsonschema alone, EOS ids dropped."""
+    import jsonschema
+
+    valid = stopped = cut = 0
+    for rec in trace.requests.values():
+        cut += rec.finish_reason == "length"
+        if rec.finish_reason == "stop":
+            stopped += 1
+            try:
+                value = json.loads(tok.decode([t for t in rec.output_ids if t not in tok.eos_token_ids]))
+            except ValueError:
+                continue
+            valid += jsonschema.Draft202012Validator(schema).is_valid(value)
+    return valid, stopped, cut
+
+
+def test_structured_output_on_the_adversarial_fake_model(monkeypatch, text):
+    """The structured experiment: the stall-free engine constraining every answer to the
+    workload's JSON schema, the same engine on the same prompts unconstrained, and mlx-lm
+    (here our continuous engine, unconstrained, EOS honoured: mlx-lm cannot constrain),
+    interleaved over the repetitions. On the adversarial fake model (random favourites, EOS
+    above all) every constrained answer is valid by jsonschema and the free ones are not; each
+    figure is the median of the repetitions' values, computed here from the traces."""
+    from batchlab.core.fake import AdversarialRunner
+    from batchlab.measurement import driver, workloads
+
+    structured = workloads.structured(text, num_requests=6, max_new_tokens=96)
+    experiments = [(n, wl if n == "interference" else wl.head(4), bs) for n, wl, bs in fake_workloads()]
+    experiments.append((bench.STRUCTURED, structured, [8]))
+    monkeypatch.setattr(bench, "plan", lambda lm, quick: experiments)
+    engines_ = (bench.STALLFREE, bench.UNCONSTRAINED, bench.MLXLM)
+    assert [(r, e) for r, w, _, e in bench.schedule(experiments, 3, ["mine"]) if w == bench.STRUCTURED] == [
+        (rep, e) for rep in range(3) for e in engines_
+    ]
+    traces, submitted = {}, []
+
+    def run(lm, wl, b, engine_name, progress, runner, *rest):
+        if wl.name == bench.STRUCTURED:
+            runner = AdversarialRunner
+        if wl.name == bench.STRUCTURED and engine_name == bench.MLXLM:
+            trace = driver.run_workload(
+                make_engine("continuous", lm, runner=runner, max_batch_size=b),
+                wl.without_constraints(),
+                progress=False,
+                stop_at_eos=True,
+            )
+        else:
+            trace = stand_in()(lm, wl, b, engine_name, progress, runner, *rest)
+        traces.setdefault(engine_name if wl.name == bench.STRUCTURED else "other", []).append(trace)
+        return trace
+
+    original = driver.run_workload
+
+    def watched(engine, wl, **options):  # what the bench's own runs submit
+        if wl.name == bench.STRUCTURED:
+            submitted.append((wl.requests[0].structured_outputs, options.get("stop_at_eos", False)))
+        return original(engine, wl, **options)
+
+    monkeypatch.setattr(driver, "run_workload", watched)
+    result = run_bench(
+        Model(text=text), progress=False, repetitions=3, runner=FakeRunner, run=run, measure=fake_machine
+    )
+    # ours: constrained (EOS honoured by the driver), then unconstrained with EOS honoured
+    assert submitted[:2] == [({"json": workloads.STRUCTURED_SCHEMA}, False), (None, True)]
+    figures, schema = result["figures"], workloads.STRUCTURED_SCHEMA
+    verdicts = {e: [jsonschema_verdicts(t, text, schema) for t in traces[e]] for e in engines_}
+    assert all(v == stopped == len(structured) for v, stopped, _ in verdicts[bench.STALLFREE])
+    assert figures["structured_validity"] == 1.0 and figures["structured_length_cut"] == 0
+    for engine, suffix in ((bench.UNCONSTRAINED, "_free"), (bench.MLXLM, "_mlxlm")):
+        shares = sorted(v / stopped for v, stopped, _ in verdicts[engine])
+        assert figures[f"structured_validity{suffix}"] == shares[1] < 1.0
+        assert figures[f"structured_length_cut{suffix}"] == verdicts[engine][0][2]
+
+    def median(values):
+        return sorted(values)[1]
+
+    runs = {(r["engine"], r["repetition"]): r for r in result["runs"] if r["workload"] == bench.STRUCTURED}
+    for key, figure in (
+        ("output_tokens_per_s", "structured_over_free_tokps"),
+        ("ttft_p50_s", "structured_over_free_ttft_p50"),
+    ):
+        ratios = [runs[(bench.STALLFREE, k)][key] / runs[(bench.UNCONSTRAINED, k)][key] for k in range(3)]
+        assert figures[figure] == pytest.approx(median(ratios)), figure
+    shares = [
+        sum(s.mask_s for s in t.steps) / sum(s.end_s - s.start_s for s in t.steps)
+        for t in traces[bench.STALLFREE]
+    ]
+    assert figures["structured_mask_share"] == pytest.approx(median(shares))
+    assert 0 < figures["structured_mask_share"] < 1
+    assert not any(k.startswith("structured_fraction") for k in figures)  # no batching figures there
+    table = format_table(result)
+    assert bench.STRUCTURED_NOTE in table and "structured_validity_mlxlm" in table
+
+
+def test_answer_validity_is_jsonschemas_verdict_and_a_broken_answer_fails(text):
+    """The bench's validity of a run: among the answers that ended "stop", the share that
+    ``json.loads`` parses and ``jsonschema`` validates (EOS dropped); "length" answers are
+    counted apart. Every broken answer below fails, as jsonschema says."""
+    import jsonschema
+
+    from batchlab.core.trace import RequestRecord, Trace
+    from batchlab.measurement import workloads
+
+    schema = workloads.STRUCTURED_SCHEMA
+    spec, eos = {"json": schema}, min(text.eos_token_ids)
+    good = '{"title": "Lambdas", "topic": "Python", "keywords": ["lambda", "expression"], "sentences": 3}'
+    broken = [
+        good[:-1],  # not closed: not JSON
+        good.replace('"sentences": 3', '"sentences": 101'),  # out of range
+        good.replace('"sentences": 3', '"sentences": "3"'),  # a string, not an integer
+        good.replace("}", ', "author": "me"}'),  # nothing else allowed
+        good.replace('"topic": "Python", ', ""),  # a required field missing
+        good.replace('["lambda", "expression"]', '["a", "b", "c", "d", "e", "f"]'),  # up to 5 keywords
+        good.replace('"Lambdas"', '"' + "t" * 61 + '"'),  # a title of at most 60 characters
+        "Here is the JSON: " + good,  # prose around it
+    ]
+
+    def trace(answers):
+        records = {}
+        for i, (answer, reason) in enumerate(answers):
+            ids = text.encode(answer) + ([eos] if reason == "stop" else [])
+            records[f"r{i}"] = RequestRecord(f"r{i}", 5, 96, 0.0, finish_reason=reason, output_ids=ids)
+        return Trace("stallfree", 8, requests=records)
+
+    assert bench.answer_validity(trace([(good, "stop")]), text, {"r0": spec}) == (1.0, 0)
+    for answer in broken:
+        with pytest.raises((ValueError, jsonschema.ValidationError)):  # jsonschema's own verdict
+            jsonschema.validate(json.loads(answer), schema)
+        assert bench.answer_validity(
+            trace([(good, "stop"), (answer, "stop")]), text, dict.fromkeys(["r0", "r1"], spec)
+        ) == (0.5, 0), answer
+    # an answer cut at max_new_tokens is counted apart, not judged; none that stopped: no share
+    cut = trace([(good, "stop"), (good[:20], "length")])
+    assert bench.answer_validity(cut, text, dict.fromkeys(["r0", "r1"], spec)) == (1.0, 1)
+    assert bench.answer_validity(trace([(good[:20], "length")]), text, {"r0": spec}) == (None, 1)
+    # a request without a spec is not judged
+    assert bench.answer_validity(trace([(good, "stop"), ("oops", "stop")]), text, {"r0": spec}) == (1.0, 0)
+
+
 def test_a_learners_engine_runs_beside_ours(monkeypatch):
     from batchlab.core.scheduler import ContinuousScheduler
 
@@ -478,13 +627,17 @@ def test_quick_bench_runs_every_engine_and_reports_the_figures(lm_two_layers, tm
     print(format_table(result))
     saved = json.loads(out.read_text())
     check_quick_speculation(saved, traces, format_table(result))
+    check_quick_structured(saved, traces, format_table(result), lm_two_layers.tokenizer)
     assert saved["figures"] == result["figures"]
     runs = {(r["workload"], r["batch_size"], r["engine"]): r for r in saved["runs"]}
     for name, summary in saved["workloads"].items():
         for (w, b, e), run in runs.items():
             if w == name:
                 assert run["completed"] == summary["requests"], (w, b, e)
-                assert run["output_tokens"] == summary["output_tokens"], (w, b, e)
+                if w == bench.STRUCTURED:  # answers end at EOS: max_new_tokens is a cap
+                    assert run["output_tokens"] <= summary["output_tokens"], (w, b, e)
+                else:
+                    assert run["output_tokens"] == summary["output_tokens"], (w, b, e)
     for b in (8, 16):
         for engine in list(engines(b)) + ["mlx-lm"]:
             assert ("high_variance", b, engine) in runs
@@ -543,6 +696,57 @@ def check_quick_speculation(saved, traces, table):
             }, (wl_name, b)
             pairs_seen += 1
     assert pairs_seen == len(pairs)
+
+
+def check_quick_structured(saved, traces, table, tok):
+    """Structured output in the quick bench: the three engines ran at B=8; the constrained
+    answers that ended at EOS are valid by jsonschema (none broke its schema), and every figure
+    is what the traces say."""
+    from batchlab.measurement import workloads
+
+    schema = workloads.STRUCTURED_SCHEMA
+    figures = saved["figures"]
+    for engine, suffix in ((bench.STALLFREE, ""), (bench.UNCONSTRAINED, "_free"), (bench.MLXLM, "_mlxlm")):
+        trace = traces[(bench.STRUCTURED, 8, engine)]
+        valid, stopped, cut = jsonschema_verdicts(trace, tok, schema)
+        assert figures[f"structured_validity{suffix}"] == (valid / stopped if stopped else None), engine
+        assert figures[f"structured_length_cut{suffix}"] == cut, engine
+        for rec in trace.requests.values():  # every engine ends these answers at EOS or the cap
+            eos = [i for i, t in enumerate(rec.output_ids) if t in tok.eos_token_ids]
+            assert eos == ([len(rec.output_ids) - 1] if rec.finish_reason == "stop" else []), (engine, rec.id)
+            assert rec.finish_reason == "stop" or len(rec.output_ids) == rec.max_new_tokens, (engine, rec.id)
+    assert figures["structured_validity"] in (1.0, None)
+    for key in ("structured_over_free_tokps", "structured_over_free_ttft_p50", "structured_mask_share"):
+        assert isinstance(figures[key], float) and figures[key] > 0, key
+    assert saved["workloads"][bench.STRUCTURED]["requests"] == 4
+    assert bench.STRUCTURED_NOTE in table
+
+
+def test_mlxlm_peer_ends_constrained_requests_at_eos_unconstrained(lm):
+    """mlx-lm cannot constrain: a request with ``structured_outputs`` runs on its prompt alone
+    and ends at EOS (what ``mlx_lm.server``, which ignores ``response_format``, answers); one
+    without runs past EOS to its length, unless ``stop_at_eos``. The prompt is the structured
+    workload's first, whose free answer ends at EOS within 32 tokens."""
+    from dataclasses import replace
+
+    from batchlab.measurement import workloads
+    from batchlab.measurement.peers import run_mlxlm_workload
+
+    (asked,) = workloads.structured(lm.tokenizer, size="full").head(1).requests
+    plain = replace(asked, id="plain", structured_outputs=None, max_new_tokens=32)
+    eos = lm.tokenizer.eos_token_ids
+    for stop_at_eos in (False, True):
+        trace = run_mlxlm_workload(
+            lm, Workload("peer", "", [asked, plain]), 2, progress=False, stop_at_eos=stop_at_eos
+        )
+        free, constrained = trace.requests["plain"], trace.requests[asked.id]
+        end = next(i for i, t in enumerate(free.output_ids) if t in eos) + 1
+        assert constrained.finish_reason == "stop" and len(constrained.output_ids) == end < 32
+        if stop_at_eos:
+            assert free.finish_reason == "stop" and free.output_ids == constrained.output_ids
+        else:
+            assert free.finish_reason == "length" and len(free.output_ids) == 32
+            assert free.output_ids[:end] == constrained.output_ids  # the same greedy answer, up to EOS
 
 
 def test_one_row_linears_times_every_weight_matrix(lm):

@@ -193,3 +193,54 @@ def test_an_idle_engine_skips_to_the_next_arrival_instead_of_sleeping(monkeypatc
         assert rec.finish_reason == "length" and len(rec.output_ids) == 3
     assert engine.clock() >= 2 * hour  # the engine's own time (0 when made) went past the last arrival
     assert engine.scheduler.clock is engine.clock
+
+
+def test_a_constrained_request_is_submitted_with_its_constraint_and_eos_honoured():
+    """A request with ``structured_outputs`` goes to ``submit`` with them and without
+    ``ignore_eos`` (its answer ends at EOS once complete); one without is submitted as always,
+    EOS ignored, unless the run asks ``stop_at_eos``. On the adversarial fake model (EOS its
+    favourite token, every other choice random) the constrained answers are JSON of their
+    schema, by jsonschema; the free request runs its full length, or stops at once at EOS."""
+    import json
+
+    import jsonschema
+
+    from batchlab.core.fake import AdversarialRunner
+    from batchlab.model.load import load_tokenizer
+
+    tok = load_tokenizer()
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}, "w": {"enum": ["a", "b"]}},
+        "required": ["n", "w"],
+        "additionalProperties": False,
+    }
+    spec = {"json": schema}
+    reqs = [
+        WorkloadRequest("json-0", tok.encode("Give me a record."), 40, structured_outputs=spec),
+        WorkloadRequest("free", tok.encode("Say anything."), 6),
+        WorkloadRequest("json-1", tok.encode("Another record, please."), 40, structured_outputs=spec),
+    ]
+    for stop_at_eos in (False, True):
+        engine = make_engine("stallfree", FakeModel(text=tok), runner=AdversarialRunner, max_batch_size=4)
+        calls, submit = {}, engine.submit
+
+        def recording(prompt_ids, request_id=None, **params):
+            calls[request_id] = params
+            return submit(prompt_ids, request_id=request_id, **params)
+
+        engine.submit = recording
+        trace = run_workload(engine, Workload("w", "", reqs), progress=False, stop_at_eos=stop_at_eos)
+        for rid in ("json-0", "json-1"):
+            assert calls[rid]["ignore_eos"] is False and calls[rid]["structured_outputs"] == spec
+            rec = trace.requests[rid]
+            assert rec.finish_reason == "stop" and rec.output_ids[-1] in tok.eos_token_ids
+            text = tok.decode([t for t in rec.output_ids if t not in tok.eos_token_ids])
+            jsonschema.validate(json.loads(text), schema)
+        assert "structured_outputs" not in calls["free"]
+        assert calls["free"]["ignore_eos"] is (not stop_at_eos)
+        free = trace.requests["free"]
+        if stop_at_eos:  # EOS is the model's favourite: the free answer is EOS alone
+            assert (free.finish_reason, len(free.output_ids)) == ("stop", 1)
+        else:
+            assert (free.finish_reason, len(free.output_ids)) == ("length", 6)

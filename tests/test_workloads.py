@@ -34,6 +34,7 @@ QUICK = {
     "sharegpt_bursty": {"size": "quick", "arrivals": "bursty", "rate": 1.0, "cv": 3.0},
     "interference": {"size": "quick"},
     "echo": {"size": "quick"},
+    "structured": {"size": "quick"},
 }
 
 
@@ -467,3 +468,48 @@ def test_echo_asks_for_a_passage_of_the_corpus_back_and_has_room_to_echo_it(tok)
     assert "prompt lookup" in W.echo.__doc__
     with pytest.raises(ValueError, match="size"):
         W.echo(tok, size="huge")
+
+
+# -- structured: each answer must be a JSON record of one schema (structured output) ------------
+def test_structured_asks_for_a_json_record_of_a_passage_and_carries_its_schema(tok):
+    import json
+
+    import jsonschema
+
+    from batchlab.core.structured import StructuredOutputs, compile_constraint
+
+    a = W.make_workload("structured", tok, size="full")
+    assert fingerprint(a) == fingerprint(W.structured(tok, size="full"))
+    assert len(a) == 16 and set(a.output_lens) == {96} and set(a.arrivals) == {0.0}
+    quick = W.structured(tok)
+    assert len(quick) == 8 and set(quick.output_lens) == {64}
+    assert W.structured(tok, num_requests=3, max_new_tokens=20).output_lens == [20] * 3
+    paragraphs = W.corpus_paragraphs()
+    for r in a:
+        assert r.structured_outputs == {"json": W.STRUCTURED_SCHEMA}, r.id
+        assert r.prompt_ids == tok.encode_chat(r.messages) and 64 <= r.prompt_len <= 112
+        instruction, text = r.messages[0]["content"].split("\n\n", 1)
+        assert instruction == W.STRUCTURED_INSTRUCTION
+        assert any(text.split("\n\n")[0] in p for p in paragraphs), r.id  # real text, shipped
+    # the schema is a JSON Schema that jsonschema reads, and says what the instruction asks
+    jsonschema.Draft202012Validator.check_schema(W.STRUCTURED_SCHEMA)
+    record = {"title": "Lambdas", "topic": "Python", "keywords": ["lambda", "expression"], "sentences": 3}
+    jsonschema.validate(record, W.STRUCTURED_SCHEMA)
+    for wrong in (
+        {**record, "author": "me"},  # nothing else
+        {k: v for k, v in record.items() if k != "topic"},  # every field
+        {**record, "keywords": ["k"] * 6},  # up to 5 keywords
+        {**record, "keywords": ["k" * 25]},  # each at most 24 characters
+        {**record, "title": "t" * 61},
+        {**record, "sentences": 101},
+        {**record, "sentences": "3"},
+    ):
+        assert not jsonschema.Draft202012Validator(W.STRUCTURED_SCHEMA).is_valid(wrong), wrong
+    # ...and the engine's grammar library compiles it for this tokenizer
+    compile_constraint(StructuredOutputs(**a.requests[0].structured_outputs), tok)
+    json.dumps(a.requests[0].structured_outputs)  # vLLM's form: plain JSON, as a server gets it
+    free = a.without_constraints()
+    assert all(r.structured_outputs is None for r in free) and fingerprint(free) == fingerprint(a)
+    assert all(r.structured_outputs is not None for r in a)  # the original is left alone
+    with pytest.raises(ValueError, match="size"):
+        W.structured(tok, size="huge")

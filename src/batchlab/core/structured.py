@@ -131,7 +131,9 @@ class GrammarConstraint(Constraint):
 
     def advance(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
-            raise RuntimeError(f"token {token} breaks the constraint: {self.matcher.get_error()}")
+            raise RuntimeError(
+                f"token {token} breaks the constraint: {self.matcher.get_error().splitlines()[0]}"
+            )
 
 
 # llguidance's view of a tokenizer (every token's bytes, arranged for fast masks) takes about

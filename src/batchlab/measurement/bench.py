@@ -12,6 +12,12 @@ and the same engine drafting ``SPEC_TOKENS`` tokens a decode row (``stallfree-sp
 echo workload (the answer is in the prompt) and the chat workload, at B=1 and at the standard
 batch size.
 
+Structured output runs on the structured workload (each prompt asks for a JSON record and
+carries its schema): the stall-free engine constraining every answer to the schema, the same
+engine on the same prompts unconstrained (``stallfree-unconstrained``, EOS honoured), and
+mlx-lm, which cannot constrain (EOS honoured). The figures say how many answers are valid JSON
+of the schema (by ``json`` and ``jsonschema``) and what the constraint costs.
+
 Prints a table, writes a JSON with every run's metrics plus the headline ``figures``,
 and saves plots (of the first repetition) next to the JSON.
 """
@@ -22,6 +28,7 @@ import json
 import math
 import os
 import platform
+import re
 import resource
 import time
 from pathlib import Path
@@ -58,6 +65,16 @@ SPEC_WORKLOADS = (ECHO, "chat")  # speculation on and off, at B=1 and the standa
 B1_REQUESTS = 4  # a B=1 run takes the first few requests: all of them, one at a time, take minutes
 SPEC_NOTE = "mlx-lm has no prompt lookup: its rows never speculate"
 
+# Structured output: the stall-free engine with every answer constrained to its JSON schema,
+# beside itself on the same prompts unconstrained, and mlx-lm (which cannot constrain); all
+# end at EOS.
+STRUCTURED = "structured"  # the experiment and its workload
+UNCONSTRAINED = f"{STALLFREE}-unconstrained"
+STRUCTURED_NOTE = (
+    "mlx-lm cannot constrain an answer (BatchGenerator has no masks; mlx_lm.server ignores "
+    "response_format): on the structured workload it answers the same prompts freely, ending at EOS"
+)
+
 
 def engines(batch_size: int) -> dict[str, dict]:
     """Our engine configurations at one batch size (name -> make_engine arguments), from
@@ -91,9 +108,12 @@ def engines_for(name: str, batch_size: int, extra: list[str] = ()) -> list[str]:
     """The engines that run experiment ``name`` at ``batch_size``, in the order they run: ours
     (the speculating one after them where the workload is one of ``SPEC_WORKLOADS``), then
     ``extra`` (a learner's) and mlx-lm; a speculation-only experiment runs the stall-free
-    engine on and off, nothing else."""
+    engine on and off, nothing else; the structured one the stall-free engine constrained and
+    unconstrained, then mlx-lm."""
     if spec_only(name):
         return [STALLFREE, SPEC]
+    if name == STRUCTURED:
+        return [STALLFREE, UNCONSTRAINED, MLXLM]
     ours = [*engines(batch_size), *([SPEC] if name in SPEC_WORKLOADS else [])]
     return [*ours, *extra, MLXLM]
 
@@ -118,11 +138,12 @@ def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, li
     longer than questions: decode-bound), the prefill-heavy one (short answers) and the
     interference one (long prompts arriving while short ones decode). The standard workloads
     have >= 32 requests, so static batching at B=16 runs several batches, not one. Then the
-    speculation experiments (``speculation_plan``)."""
+    speculation experiments (``speculation_plan``) and the structured-output one."""
     tok = lm.tokenizer
     if quick:
         chat = workloads.chat(tok, num_requests=4, mean_output=8, max_output=16)
         echo = workloads.echo(tok, num_requests=4, output_range=(8, 12), prompt_range=(80, 112))
+        structured = workloads.structured(tok, num_requests=4, max_new_tokens=48)
         return [  # a smoke run: every engine and figure once, on workloads a few seconds long
             ("chat", chat, [8]),
             (
@@ -136,18 +157,21 @@ def plan(lm: LoadedModel, quick: bool) -> list[tuple[str, workloads.Workload, li
                 [8],
             ),
             *speculation_plan(chat, echo, 8),
+            (STRUCTURED, structured, [8]),
         ]
     # Sized for <= 25 minutes on a quiet 2-core CPU with three repetitions: 32 chat requests
     # (answers averaging 70 tokens) are two static batches at B=16, 48 short-answer requests
     # three; ShareGPT's arrivals span over a minute a run, so it is left to `batchlab run`
     # and the serving benchmark. The speculation experiments (the speculating engine on chat,
-    # the echo workload, both at B=1) come on top of that budget.
+    # the echo workload, both at B=1) come on top of that budget, and so does the structured
+    # one (16 JSON records of at most 96 tokens, three engines: about a minute a repetition).
     chat = workloads.chat(tok, num_requests=32)
     return [
         ("chat", chat, [16]),
         (PREFILL_HEAVY, workloads.high_variance(tok, num_requests=48, mean_output=16, max_output=64), [16]),
         ("interference", workloads.interference(tok, batch_size=8, num_long=2, long_range=(512, 1024)), [8]),
         *speculation_plan(chat, workloads.echo(tok, size="full"), 16),
+        (STRUCTURED, workloads.structured(tok, size="full"), [16]),
     ]
 
 
@@ -269,9 +293,15 @@ def run_engine(
 ) -> Trace:
     """One run of one engine on one workload (a fresh engine: no state carries over).
     ``extra_engines``: name -> make_engine arguments (with ``kind``, a name or a Scheduler
-    subclass) of engines beside ours; ``max_batch_size`` defaults to the run's."""
+    subclass) of engines beside ours; ``max_batch_size`` defaults to the run's. Requests with
+    ``structured_outputs`` are constrained on our engines and end at EOS; ``UNCONSTRAINED`` is
+    the stall-free engine on the same prompts without the constraint, EOS honoured; mlx-lm
+    cannot constrain, and honours EOS on those requests."""
     if engine_name == MLXLM:
         return run_mlxlm_workload(lm, wl, batch_size, progress=progress)
+    options = {}
+    if engine_name == UNCONSTRAINED:
+        engine_name, wl, options = STALLFREE, wl.without_constraints(), dict(stop_at_eos=True)
     if engine_name == SEQUENTIAL:
         config = dict(kind=SEQUENTIAL)
     elif extra_engines and engine_name in extra_engines:
@@ -280,7 +310,7 @@ def run_engine(
         config = {**engines(batch_size), **spec_engines(batch_size)}[engine_name]
     args = engine_args(config, tbt_slo)
     return driver.run_workload(
-        make_engine(args.pop("kind"), lm, runner=runner, **args), wl, progress=progress
+        make_engine(args.pop("kind"), lm, runner=runner, **args), wl, progress=progress, **options
     )
 
 
@@ -397,7 +427,7 @@ def run_bench(
     started = time.time()
     repetitions = repetitions or (1 if quick else 3)
     extra_engines = dict(extra_engines or {})
-    clash = set(extra_engines) & {SEQUENTIAL, MLXLM, *engines(1), *spec_engines(1)}
+    clash = set(extra_engines) & {SEQUENTIAL, MLXLM, UNCONSTRAINED, *engines(1), *spec_engines(1)}
     if clash:
         raise ValueError(f"extra engine names must differ from ours: {', '.join(sorted(clash))}")
     experiments = plan(lm, quick)
@@ -405,7 +435,7 @@ def run_bench(
         lm, experiments, repetitions, run, progress, runner, tbt_slo, extra_engines
     )
     machine = measure(lm)
-    per_rep = [headline_figures(t, experiments, machine, list(extra_engines)) for t in traces]
+    per_rep = [headline_figures(t, experiments, machine, list(extra_engines), lm.tokenizer) for t in traces]
     figures, spreads = median_figures(per_rep)
     figures["stallfree_token_budget"] = stallfree_budgets(traces[0])
     result = {
@@ -467,18 +497,19 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def headline_figures(traces, experiments, machine: dict, extra: list[str] = ()) -> dict:
+def headline_figures(traces, experiments, machine: dict, extra: list[str] = (), tokenizer=None) -> dict:
     """The ratios the README quotes, from one repetition's runs and the micro-benchmarks
     (``measure_machine``) of this same invocation: batching figures for every workload but
-    the interference one and the speculation-only ones, the interference workload's latency
-    figures, speculation on and off, the machine's limits, and each decode step against its
-    roofline."""
+    the interference one, the speculation-only ones and the structured one, the interference
+    workload's latency figures, speculation on and off, structured output (its answers read
+    with ``tokenizer``), the machine's limits, and each decode step against its roofline."""
     figures = {}
     for name, wl, batch_sizes in experiments:
-        if not name.startswith("interference") and not spec_only(name):
+        if not name.startswith("interference") and not spec_only(name) and name != STRUCTURED:
             figures.update(batching_figures(traces, name, wl, max(batch_sizes), machine, extra))
     figures.update(interference_figures(traces, experiments))
     figures.update(speculation_figures(traces, experiments))
+    figures.update(structured_figures(traces, experiments, tokenizer))
     figures.update(machine_figures(machine))
     figures["scheduler_overhead_share"] = metrics.scheduler_share(
         traces[(PREFILL_HEAVY, max(next(bs for n, _, bs in experiments if n == PREFILL_HEAVY)), STALLFREE)]
@@ -576,6 +607,90 @@ def speculation_figures(traces, experiments) -> dict:
     return figures
 
 
+def structured_figures(traces, experiments, tokenizer) -> dict:
+    """Structured output on the structured workload at its batch size, from one repetition:
+    ``structured_validity``, the share of the constrained engine's answers that ended at EOS
+    ("stop") and are valid (``answer_validity``), and ``structured_length_cut``, how many
+    ended at ``max_new_tokens`` instead; the same for the stall-free engine on the same prompts
+    unconstrained (``_free``) and for mlx-lm, which cannot constrain (``_mlxlm``); the
+    constrained engine's output tokens/s and TTFT p50 over the unconstrained one's; and
+    ``structured_mask_share``, the constrained run's time filling masks over its steps' time."""
+    found = next(((wl, max(bs)) for name, wl, bs in experiments if name == STRUCTURED), None)
+    if found is None:
+        return {}
+    wl, b = found
+    specs = {r.id: r.structured_outputs for r in wl.requests}
+    figures = {}
+    for engine, suffix in ((STALLFREE, ""), (UNCONSTRAINED, "_free"), (MLXLM, "_mlxlm")):
+        trace = traces.get((STRUCTURED, b, engine))
+        if trace is not None:
+            validity, cut = answer_validity(trace, tokenizer, specs)
+            figures[f"structured_validity{suffix}"] = validity
+            figures[f"structured_length_cut{suffix}"] = cut
+    on, off = traces.get((STRUCTURED, b, STALLFREE)), traces.get((STRUCTURED, b, UNCONSTRAINED))
+    if on is not None and off is not None:
+        figures["structured_over_free_tokps"] = _ratio(
+            metrics.output_tokens_per_s(on), metrics.output_tokens_per_s(off)
+        )
+        figures["structured_over_free_ttft_p50"] = _ratio(
+            metrics.percentile(metrics.ttft_values(on), 50), metrics.percentile(metrics.ttft_values(off), 50)
+        )
+    if on is not None:
+        figures["structured_mask_share"] = _ratio(
+            sum(s.mask_s for s in on.steps), sum(s.end_s - s.start_s for s in on.steps)
+        )
+    return figures
+
+
+def answer_text(tokenizer, token_ids) -> str:
+    """An answer's text: its tokens decoded, EOS ids dropped."""
+    eos = tokenizer.eos_token_ids
+    return tokenizer.decode([t for t in token_ids if t not in eos])
+
+
+def answer_valid(text: str, spec: dict) -> bool:
+    """Whether ``text`` matches ``spec`` (vLLM's ``structured_outputs`` form), by references
+    outside the engine and its grammar library: ``json.loads`` then ``jsonschema.validate``
+    for ``json``, a JSON object for ``json_object``, ``re.fullmatch`` for ``regex``,
+    membership for ``choice``."""
+    import jsonschema
+
+    if "regex" in spec:
+        return re.fullmatch(spec["regex"], text) is not None
+    if "choice" in spec:
+        return text in spec["choice"]
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    if spec.get("json_object"):
+        return isinstance(value, dict)
+    schema = spec["json"]
+    try:
+        jsonschema.validate(value, json.loads(schema) if isinstance(schema, str) else schema)
+    except jsonschema.ValidationError:
+        return False
+    return True
+
+
+def answer_validity(trace: Trace, tokenizer, specs: dict[str, dict | None]) -> tuple[float | None, int]:
+    """(the share of the answers that ended "stop" whose text matches their request's spec
+    in ``specs``, by id (None: no answer ended "stop"); how many answers ended "length").
+    Requests without a spec are left out: the unconstrained runs are judged by the spec their
+    prompt came with."""
+    stopped = valid = cut = 0
+    for rid, rec in trace.requests.items():
+        spec = specs.get(rid)
+        if spec is None:
+            continue
+        if rec.finish_reason == "length":
+            cut += 1
+        elif rec.finish_reason == "stop":
+            stopped += 1
+            valid += answer_valid(answer_text(tokenizer, rec.output_ids), spec)
+    return (valid / stopped if stopped else None), cut
+
+
 def machine_figures(machine: dict) -> dict:
     """The machine's limits and how far our passes are from them."""
     fused, limits = machine["fused_step"], machine["limits"]
@@ -626,6 +741,7 @@ def format_table(result: dict) -> str:
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     note = [SPEC_NOTE] if any("_spec_" in k for k in result["figures"]) else []
+    note += [STRUCTURED_NOTE] if any(k.startswith("structured_") for k in result["figures"]) else []
     return (
         "\n".join([table_header(result), *lines, "", *figure_lines(result), *note]) + "\n(times in seconds)"
     )

@@ -471,26 +471,34 @@ def test_echo_asks_for_a_passage_of_the_corpus_back_and_has_room_to_echo_it(tok)
 
 
 # -- structured: each answer must be a JSON record of one schema (structured output) ------------
-def test_structured_asks_for_a_json_record_of_a_passage_and_carries_its_schema(tok):
+@pytest.fixture(scope="module")
+def text():
+    """The course model's tokenizer alone (no model: this tier runs without it)."""
+    from batchlab.model.load import load_tokenizer
+
+    return load_tokenizer()
+
+
+def test_structured_asks_for_a_json_record_of_a_passage_and_carries_its_schema(text):
     import json
 
     import jsonschema
 
     from batchlab.core.structured import StructuredOutputs, compile_constraint
 
-    a = W.make_workload("structured", tok, size="full")
-    assert fingerprint(a) == fingerprint(W.structured(tok, size="full"))
+    a = W.make_workload("structured", text, size="full")
+    assert fingerprint(a) == fingerprint(W.structured(text, size="full"))
     assert len(a) == 16 and set(a.output_lens) == {96} and set(a.arrivals) == {0.0}
-    quick = W.structured(tok)
+    quick = W.structured(text)
     assert len(quick) == 8 and set(quick.output_lens) == {64}
-    assert W.structured(tok, num_requests=3, max_new_tokens=20).output_lens == [20] * 3
+    assert W.structured(text, num_requests=3, max_new_tokens=20).output_lens == [20] * 3
     paragraphs = W.corpus_paragraphs()
     for r in a:
         assert r.structured_outputs == {"json": W.STRUCTURED_SCHEMA}, r.id
-        assert r.prompt_ids == tok.encode_chat(r.messages) and 64 <= r.prompt_len <= 112
-        instruction, text = r.messages[0]["content"].split("\n\n", 1)
+        assert r.prompt_ids == text.encode_chat(r.messages) and 64 <= r.prompt_len <= 112
+        instruction, passage = r.messages[0]["content"].split("\n\n", 1)
         assert instruction == W.STRUCTURED_INSTRUCTION
-        assert any(text.split("\n\n")[0] in p for p in paragraphs), r.id  # real text, shipped
+        assert any(passage.split("\n\n")[0] in p for p in paragraphs), r.id  # real text, shipped
     # the schema is a JSON Schema that jsonschema reads, and says what the instruction asks
     jsonschema.Draft202012Validator.check_schema(W.STRUCTURED_SCHEMA)
     record = {"title": "Lambdas", "topic": "Python", "keywords": ["lambda", "expression"], "sentences": 3}
@@ -506,10 +514,10 @@ def test_structured_asks_for_a_json_record_of_a_passage_and_carries_its_schema(t
     ):
         assert not jsonschema.Draft202012Validator(W.STRUCTURED_SCHEMA).is_valid(wrong), wrong
     # ...and the engine's grammar library compiles it for this tokenizer
-    compile_constraint(StructuredOutputs(**a.requests[0].structured_outputs), tok)
+    compile_constraint(StructuredOutputs(**a.requests[0].structured_outputs), text)
     json.dumps(a.requests[0].structured_outputs)  # vLLM's form: plain JSON, as a server gets it
     free = a.without_constraints()
     assert all(r.structured_outputs is None for r in free) and fingerprint(free) == fingerprint(a)
     assert all(r.structured_outputs is not None for r in a)  # the original is left alone
     with pytest.raises(ValueError, match="size"):
-        W.structured(tok, size="huge")
+        W.structured(text, size="huge")

@@ -328,19 +328,22 @@ class EngineBase:
     def _run(self, batch: Batch, chunks, record: StepRecord) -> None:
         """One forward pass, outside the lock; the scheduler takes the new tokens (or the
         failure) under it, and the engine records what happened."""
-        start = self.clock()  # a simulator's clock advances inside the runner
 
-        def masks():
+        def masks():  # structured output: constrained rows' masks, before or during the pass
             began = self.clock()
             self.constrain(batch, chunks)
             record.mask_s += self.clock() - began
 
+        start = None  # when the pass began (a simulator's clock advances inside the runner)
         try:
-            if self.masks_during_pass:
-                tokens = self.runner.run(chunks, meanwhile=masks)
-            else:
+            if not self.masks_during_pass:
                 masks()
-                tokens = self.runner.run(chunks)
+            start = self.clock()
+            tokens = (
+                self.runner.run(chunks, meanwhile=masks)
+                if self.masks_during_pass
+                else self.runner.run(chunks)
+            )
         except Exception as e:  # the pass is lost: its requests end, everyone else goes on
             with self._lock:
                 self._pass_failed(e, len(chunks))
@@ -349,7 +352,7 @@ class EngineBase:
                     record.finished[req.id] = "error"
             return
         finally:
-            record.forward_s += self.clock() - start
+            record.forward_s += self.clock() - start if start is not None else 0.0
             record.passes += 1
         with self._lock:
             self.passes_ok += 1

@@ -239,3 +239,39 @@ def test_the_automaton_and_token_texts_agree_with_re():
     texts = token_texts(tok)
     assert len(texts) == tok.vocab_size and all(texts[i] == "" for i in tok.eos_token_ids)
     assert texts[tok.encode(" the")[0]] == " the"
+
+
+# -- exercise 2: mask_share ----------------------------------------------------------------------
+
+
+def share(trace):
+    total = sum(s.end_s - s.start_s for s in trace.steps)
+    return sum(s.mask_s for s in trace.steps) / total if total else 0.0
+
+
+def share_over_span(trace):
+    if not trace.steps:
+        return 0.0
+    return sum(s.mask_s for s in trace.steps) / (trace.steps[-1].end_s - trace.steps[0].start_s)
+
+
+def share_of_the_rest(trace):
+    total = sum(s.end_s - s.start_s for s in trace.steps)
+    masks = sum(s.mask_s for s in trace.steps)
+    return masks / (total - masks) if total else 0.0
+
+
+def mean_of_shares(trace):
+    return float(np.mean([s.mask_s / (s.end_s - s.start_s) for s in trace.steps])) if trace.steps else 0.0
+
+
+def test_mask_share_passes_and_its_mistakes_are_named():
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert checks.mask_share(share)
+        for wrong, says in [
+            (share_over_span, "not the span from the first to the last"),
+            (share_of_the_rest, "not by the rest of it"),
+            (mean_of_shares, "not the mean of each step's share"),
+        ]:
+            verdict = checks.mask_share(wrong)
+            assert not verdict and says in verdict.message, verdict.message

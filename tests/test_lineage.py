@@ -25,6 +25,7 @@ LINEAGE = {
     "memory": "MyStallFreeScheduler",
     "aging": "MyVictimPolicy",
     "speculative": "MyMemoryScheduler",
+    "structured": "MyEngine",
 }
 
 
@@ -108,6 +109,7 @@ BASES = {
     "batchlab.core.policies.AdmissionBase",
     "batchlab.core.scheduler.on_demand.OnDemandKV",  # a mechanism: its admission rule is the kind's
     "batchlab.serving.server.ServerBase",
+    "batchlab.core.structured.Constraint",
     "builtins.object",
 }
 PIECES = {
@@ -121,6 +123,7 @@ PIECES = {
     "policy",
     "aging",
     "speculative",
+    "structured",
 }
 
 

@@ -16,7 +16,9 @@ class StepRecord:
     start_s: float
     end_s: float = 0.0
     forward_s: float = 0.0  # time inside the model's forward passes
-    mask_s: float = 0.0  # structured output: time filling constrained rows' masks, before the passes
+    mask_s: float = (
+        0.0  # structured output: time filling constrained rows' masks (before or during the passes)
+    )
     passes: int = 0  # forward passes this step ran (stall-free: always 1)
     slots: list[str | None] = field(default_factory=list)  # slot -> request id (after the step)
     slot_of: dict[str, int] = field(default_factory=dict)  # slot of each request that ran here

@@ -51,6 +51,7 @@ PIECES: dict[str, tuple[str, str, str]] = {
     "policy": ("9", "MyAdmission", "batchlab.core.engine:Admission"),
     "aging": ("10", "MyAgingPolicy", "batchlab.core.policies:AgingPolicy"),
     "speculative": ("11", "MySpeculativeScheduler", "batchlab.core.scheduler:StallFreeScheduler"),
+    "structured": ("12", "MyStructuredEngine", "batchlab.core.engine:Engine"),
 }
 # a second class (or a function) of a piece's file, and the library's one standing in for it
 OTHERS: dict[tuple[str, str], str] = {

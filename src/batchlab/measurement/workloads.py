@@ -804,7 +804,7 @@ def structured(
     constrains ends each answer at EOS once the record is complete; ``max_new_tokens`` caps
     it (a record cut there is not JSON). Prompts uniform over ``prompt_range`` tokens, all at
     time 0. ``size``: "quick" 8 requests of at most 64 new tokens, "full" 16 of at most 96
-    (room for most records: SmolLM2-135M's run to about 40-80 tokens)."""
+    (room for most records: SmolLM2-135M's took 36-81 tokens on seed 0's prompts)."""
     sizes = {"quick": (8, 64), "full": (16, 96)}
     if size not in sizes:
         raise ValueError(f"size must be one of {', '.join(sizes)}, not {size!r}")

@@ -14,4 +14,4 @@ from .lesson08 import cached_prefix, kv_slots, memory_scheduler  # noqa: F401
 from .lesson09 import admission_policy, mean_in_system, to_shed  # noqa: F401
 from .lesson10 import aging_policy, overtaken_after  # noqa: F401
 from .lesson11 import expected_tokens, speculative_scheduler  # noqa: F401
-from .lesson12 import structured_engine  # noqa: F401
+from .lesson12 import mask_share, structured_engine  # noqa: F401

@@ -24,7 +24,7 @@ from ._core import Case, Verdict, run_cases, show
 from ._lineage import ancestry_problem
 from ._pieces import piece_case
 
-__all__ = ["structured_engine"]
+__all__ = ["structured_engine", "mask_share"]
 
 PHONE = r"[0-9]{3}-[0-9]{4}"
 CHOICES = ["yes", "no", "maybe"]
@@ -330,3 +330,60 @@ def structured_engine(token_mask, constraint_cls, engine_cls) -> Verdict:
     ]
     pieces = (lambda: (token_mask, constraint_cls, engine_cls)) if missing is None else missing
     return run_cases("structured_engine", pieces, cases)
+
+
+def _trace(steps: list[tuple[float, float, float]]):
+    """A trace of steps ``(start_s, end_s, mask_s)``."""
+    from ...core.trace import StepRecord, Trace
+
+    trace = Trace("check", 1)
+    trace.steps = [StepRecord(i, a, b, mask_s=m) for i, (a, b, m) in enumerate(steps)]
+    return trace
+
+
+def mask_share(fn) -> Verdict:
+    """Check ``fn(trace)``: the steps' mask time over the steps' time (0.0 for no steps)."""
+    from ._core import mistakes, number_compare, table
+
+    rows = [
+        ("one step of 2 s, 0.5 s of it masks", [(0.0, 2.0, 0.5)]),
+        ("three steps, masks only in the first", [(0.0, 1.0, 0.4), (1.0, 1.5, 0.0), (1.5, 2.5, 0.0)]),
+        ("steps with gaps between them (an idle engine)", [(0.0, 1.0, 0.2), (5.0, 6.0, 0.2)]),
+        ("no steps", []),
+    ]
+
+    def right(steps):
+        total = sum(b - a for a, b, _ in steps)
+        return sum(m for *_, m in steps) / total if total else 0.0
+
+    def judge(steps):
+        if not steps:
+            return lambda got, want: (
+                None if got == 0.0 else f"a run with no steps has share 0.0, not {show(got)}"
+            )
+        total, masks = sum(b - a for a, b, _ in steps), sum(m for *_, m in steps)
+        return number_compare(
+            mistakes(
+                (
+                    masks / (steps[-1][1] - steps[0][0]),
+                    "divide by the steps' own time, not the span from the first to the last (an idle gap is no step)",
+                ),
+                (
+                    masks / (total - masks) if total > masks else None,
+                    "masks are part of a step's time: divide by the steps' time, not by the rest of it",
+                ),
+                (
+                    float(np.mean([m / (b - a) for a, b, m in steps])),
+                    "a share of the run: total mask time over total step time, not the mean of each step's share",
+                ),
+            )
+        )
+
+    return table(
+        "mask_share",
+        fn,
+        [(label, _trace(s)) for label, s in rows],
+        lambda t: right([(x.start_s, x.end_s, x.mask_s) for x in t.steps]),
+        lambda t: judge([(x.start_s, x.end_s, x.mask_s) for x in t.steps]),
+        "the sum of mask_s over the steps, divided by the sum of end_s - start_s",
+    )

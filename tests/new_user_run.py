@@ -89,6 +89,7 @@ LESSONS = [
         ["MyMemoryScheduler", "MyAdmission", "MyAgingPolicy", "MyEngine"],
     ),
     ("11", "11_speculative_decoding", "speculative", ["MySpeculativeScheduler"]),
+    ("12", "12_structured_output", "structured", ["MyMemoryScheduler", "MyStructuredEngine"]),
 ]
 RERUN_LESSON = "02_continuous_batching"
 SCREENSHOTS = {"02_continuous_batching", "08_memory"}  # + the re-run's stub cell: 3 PNGs

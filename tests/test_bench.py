@@ -785,3 +785,24 @@ def test_designed_passes_are_built_once_for_the_fit_and_the_microbenchmarks():
     row = microbench.designed_chunk(blocks, "r0", [7], 10, kv_tokens=100)
     assert len(row.block_table) == 7 and not set(row.block_table) & {b for c in chunks for b in c.block_table}
     assert costfit.designed_pass is microbench.designed_pass
+
+
+def test_only_runs_the_named_experiments_and_an_unknown_name_is_refused(monkeypatch):
+    """``run_bench(only=[...])`` (``batchlab bench --only``): the named experiment alone, every
+    engine of its own, and its figures (each experiment's, in turn); a name the plan does not
+    have is a ValueError that lists the plan's."""
+    monkeypatch.setattr(bench, "plan", lambda lm, quick: fake_workloads())
+    for kept, *_ in fake_workloads():
+        calls = []
+        result = run_bench(
+            Model(),
+            progress=False,
+            repetitions=1,
+            runner=FakeRunner,
+            run=stand_in(calls),
+            measure=fake_machine,
+            only=[kept],
+        )
+        assert calls and {w for w, _, _ in calls} == {kept} and set(result["workloads"]) == {kept}
+    with pytest.raises(ValueError, match="no experiment named nope; the bench runs"):
+        run_bench(Model(), progress=False, run=stand_in([]), measure=fake_machine, only=["nope"])

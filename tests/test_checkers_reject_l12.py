@@ -78,6 +78,26 @@ class NoCache(MyConstraint):
         return super().allowed()
 
 
+def no_early_stop(automaton, state, texts):
+    """Right masks, reading every character of a text even after None (slower, not wrong)."""
+    mask = np.zeros(len(texts), dtype=bool)
+    for i, text in enumerate(texts):
+        s = state
+        for ch in text:
+            s = automaton.step(s, ch)
+        mask[i] = bool(text) and s is not None
+    return mask
+
+
+class NoEarlyStop(MyConstraint):
+    def allowed(self):
+        if self.state not in self.masks:
+            mask = no_early_stop(self.automaton, self.state, self.texts)
+            mask[list(self.eos_ids)] = self.automaton.accepting(self.state)
+            self.masks[self.state] = mask
+        return self.masks[self.state]
+
+
 class EosAlways(MyConstraint):
     def allowed(self):
         mask = super().allowed().copy()
@@ -147,6 +167,16 @@ class EveryRow(MyStructuredEngine):
                 c.sampler.allowed = masks[0]
 
 
+class PerRequestStore(MyStructuredEngine):
+    """Gives each request a mask store of its own, shared with no other request of its pattern."""
+
+    def compile(self, spec):
+        c = super().compile(spec)
+        if isinstance(c, MyConstraint):
+            c.masks = {}
+        return c
+
+
 class SuperOnly(MyEngine):
     pass
 
@@ -166,6 +196,7 @@ class NoCompileError(MyStructuredEngine):
         (DecodeRowsOnly, "a prefill's last chunk too", "a mixed batch"),
         (EveryRow, "an unconstrained row in the same passes changed", "a mixed batch"),
         (SuperOnly, "has no compile() of its own", "an engine of your own"),
+        (PerRequestStore, "keep the masks per pattern, shared by all its requests", "your constraint"),
         (NoCompileError, "'(unclosed', was accepted", "a regex that cannot be parsed"),
     ],
 )
@@ -179,13 +210,6 @@ def test_a_wrong_engine_is_refused(wrong, says, label):
 def by_reading(automaton, state, texts):
     """Through ``Automaton.read``, one call per text."""
     return np.array([bool(t) and automaton.read(t, state) is not None for t in texts])
-
-
-class PerRequestCache(MyConstraint):
-    """Keeps its own masks, shared with nobody."""
-
-    def __init__(self, automaton, texts, eos_ids, masks):
-        super().__init__(automaton, texts, eos_ids, {})
 
 
 class OverlappingEngine(MyStructuredEngine):
@@ -210,11 +234,11 @@ class ByOwnTable(MyStructuredEngine):
     "pieces",
     [
         dict(mask=by_reading),
-        dict(constraint=PerRequestCache, engine=engine_with(PerRequestCache)),
         dict(engine=OverlappingEngine),
+        dict(mask=no_early_stop, constraint=NoEarlyStop, engine=engine_with(NoEarlyStop)),
         dict(engine=ByOwnTable),
     ],
-    ids=["mask-by-read", "per-request-cache", "masks-during-the-pass", "masks-built-at-compile"],
+    ids=["mask-by-read", "masks-during-the-pass", "no-early-stop", "masks-built-at-compile"],
 )
 def test_other_right_designs_pass(pieces):
     verdict = verdict_of(**pieces)

@@ -404,6 +404,7 @@ def _cmd_bench(args) -> int:
         **({"extra_engines": extra} if extra else {}),
         **({"tbt_slo": args.tbt_slo} if args.tbt_slo is not None else {}),
         **({"repetitions": args.repetitions} if args.repetitions is not None else {}),
+        **({"only": args.only} if args.only else {}),
     )
     print(format_table(result))
     if args.json:
@@ -669,6 +670,14 @@ def _bench_parser(sub) -> None:
         help="interleaved repetitions of every engine (default 3; 1 with --quick)",
     )
     bench.add_argument("--quick", action="store_true", help="a smoke run: small workloads, each engine once")
+    bench.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="EXPERIMENT",
+        help="run only this experiment (chat, high_variance, interference, echo, echo_b1, chat_b1, "
+        "structured); repeat for several",
+    )
     bench.add_argument("--json", metavar="OUT", help="write results here, plots beside it")
 
 

@@ -419,13 +419,16 @@ def run_bench(
     measure=measure_machine,
     tbt_slo: float | None = None,
     extra_engines: dict[str, dict] | None = None,
+    only: list[str] | None = None,
 ) -> dict:
     """Every engine on every workload, interleaved, ``repetitions`` times (1 with ``quick``,
     else 3); ``run`` and ``measure`` are the run of one engine and the micro-benchmarks
     (tests pass stand-ins). ``tbt_slo`` (seconds) goes to every engine that takes a TBT
     target (the stall-free one picks its budget from it; None: its default target);
     ``extra_engines`` (name -> make_engine arguments, ``kind`` a name or a Scheduler
-    subclass) run beside ours in every repetition, e.g. a learner's engine."""
+    subclass) run beside ours in every repetition, e.g. a learner's engine. ``only`` keeps the
+    experiments of those names (``plan``'s: chat, high_variance, interference, echo, echo_b1,
+    chat_b1, structured), a shorter road to one figure; an unknown name is a ValueError."""
     started = time.time()
     repetitions = repetitions or (1 if quick else 3)
     extra_engines = dict(extra_engines or {})
@@ -433,6 +436,12 @@ def run_bench(
     if clash:
         raise ValueError(f"extra engine names must differ from ours: {', '.join(sorted(clash))}")
     experiments = plan(lm, quick)
+    if only:
+        names = [name for name, _, _ in experiments]
+        unknown = sorted(set(only) - set(names))
+        if unknown:
+            raise ValueError(f"no experiment named {', '.join(unknown)}; the bench runs {', '.join(names)}")
+        experiments = [e for e in experiments if e[0] in only]
     if any(name == STRUCTURED for name, _, _ in experiments):
         # llguidance's view of the tokenizer is built once a process (about 0.2 s) and kept: a
         # server pays it at its first constrained request, not in every request's TTFT
@@ -517,9 +526,11 @@ def headline_figures(traces, experiments, machine: dict, extra: list[str] = (), 
     figures.update(speculation_figures(traces, experiments))
     figures.update(structured_figures(traces, experiments, tokenizer))
     figures.update(machine_figures(machine))
-    figures["scheduler_overhead_share"] = metrics.scheduler_share(
-        traces[(PREFILL_HEAVY, max(next(bs for n, _, bs in experiments if n == PREFILL_HEAVY)), STALLFREE)]
-    )
+    heavy = next((bs for n, _, bs in experiments if n == PREFILL_HEAVY), None)
+    if heavy is not None:  # not run (``only``)
+        figures["scheduler_overhead_share"] = metrics.scheduler_share(
+            traces[(PREFILL_HEAVY, max(heavy), STALLFREE)]
+        )
     figures.update(roofline_figures(machine))
     figures["batch_sizes"] = {name: max(bs) for name, _, bs in experiments}
     return figures
@@ -567,7 +578,10 @@ def batching_figures(traces, name: str, wl: workloads.Workload, b: int, machine:
 def interference_figures(traces, experiments) -> dict:
     """The interference workload: p99 time between tokens of the naive (continuous),
     stall-free and mlx-lm engines in decode steps, and what stall-free costs in throughput."""
-    name, _, (b, *_) = next(x for x in experiments if x[0].startswith("interference"))
+    found = next((x for x in experiments if x[0].startswith("interference")), None)
+    if found is None:  # not run (``only``)
+        return {}
+    name, _, (b, *_) = found
     # decode step: median decode-only step of the naive engine with every short request decoding
     step = metrics.decode_step_s(traces[(name, b, CONTINUOUS)], b - 1)
 

@@ -127,26 +127,36 @@ def _constraint(cls, spec: dict):
     return _engine(cls).compile(StructuredOutputs(**spec))
 
 
-def _counting_steps():
-    """A counter of ``Automaton.step`` calls while it is on (``with``)."""
+@functools.cache
+def _marker() -> str:
+    """A character that is the first character of exactly one token text and appears in no other
+    place of any text: every mask computation reads it exactly once (as that text's first
+    character), however it walks the rest, so counting ``step`` calls on it counts masks."""
+    texts = token_texts(_tokenizer())
+    seen: dict[str, int] = {}
+    for t in texts:
+        for ch in t:
+            seen[ch] = seen.get(ch, 0) + 1
+    return next(t[0] for t in reversed(texts) if t and seen[t[0]] == 1 and not t[0].isascii())
 
-    class Counting:
-        calls = 0
 
-        def __enter__(self):
-            original = self.original = Automaton.step
+class _Sweeps:
+    """Counts the masks computed while on (``with``): ``Automaton.step`` calls on ``_marker()``."""
 
-            def step(automaton, state, ch):
-                Counting.calls += 1
-                return original(automaton, state, ch)
+    def __enter__(self):
+        self.count, marker = 0, _marker()
+        original = self.original = Automaton.step
 
-            Automaton.step = step
-            return self
+        def step(automaton, state, ch):
+            if ch == marker:
+                self.count += 1
+            return original(automaton, state, ch)
 
-        def __exit__(self, *exc):
-            Automaton.step = self.original
+        Automaton.step = step
+        return self
 
-    return Counting()
+    def __exit__(self, *exc):
+        Automaton.step = self.original
 
 
 def _constraint_problem(cls) -> str | None:
@@ -181,18 +191,24 @@ def _constraint_problem(cls) -> str | None:
             f"{eos} and nothing else; it allows {int(end.sum())} token(s)"
             + ("" if end[eos].all() else ", EOS not among them")
         )
-    loop = _constraint(cls, dict(regex="[0-9]+"))
+    engine = _engine(cls)
+    loop = engine.compile(StructuredOutputs(regex="[0-9]+"))
     loop.allowed()
-    with _counting_steps() as counter:
+    with _Sweeps() as sweeps:
         for token in tok.encode("1234567"):
             loop.advance(token)
             loop.allowed()
-    one_mask = sum(1 for t in texts if t)  # a mask reads at least one character of every text
-    if counter.calls > 2.5 * one_mask:  # the digits reach at most two states (one after the first digit)
+    if sweeps.count > 2:  # the digits reach at most two states (one after the first digit)
         return (
-            f"seven digits of [0-9]+ take the automaton to at most two states, yet your constraint read "
-            f"{counter.calls} characters for their masks (one mask reads at least {one_mask}): compute each "
-            "state's mask once and keep it (a dict state -> mask)"
+            f"seven digits of [0-9]+ take the automaton to at most two states, yet your constraint computed "
+            f"{sweeps.count} masks for them: compute each state's mask once and keep it (a dict state -> mask)"
+        )
+    with _Sweeps() as sweeps:
+        engine.compile(StructuredOutputs(regex="[0-9]+")).allowed()
+    if sweeps.count:
+        return (
+            "a second request with the same pattern computed its start state's mask again: keep the masks "
+            "per pattern, shared by all its requests (compile gives each constraint the same dict)"
         )
     return None
 

@@ -89,3 +89,24 @@ def test_the_speculation_figures_are_the_speculation_runs_own():
         assert cells[0] == f"{figures[speedup]:.2f} ({low:.2f}-{high:.2f})", (prefix, cells[0])
         for column, cell in zip(SPEC_COLUMNS[1:], cells[1:]):
             assert cell == f"{figures[f'{prefix}_spec_{column}']:.2f}", (prefix, column, cell)
+
+
+STRUCTURED = json.loads((ROOT / "docs/results/bench_structured.json").read_text(encoding="utf-8"))
+
+
+def test_the_structured_figures_are_the_structured_runs_own():
+    """The README's structured-output paragraph states ``docs/results/bench_structured.json``'s
+    figures as rounded: validity and cut answers per engine, and the ratios with their ranges."""
+    text = README.split("<!-- STRUCTURED-BENCH-FIGURES -->", 1)[1].split("\n\n", 5)
+    section = " ".join("\n\n".join(text[:5]).split())  # lines joined
+    figures, spreads = STRUCTURED["figures"], STRUCTURED["figure_spreads"]
+    for suffix in ("", "_free", "_mlxlm"):
+        assert f"{figures['structured_validity' + suffix]:.2f} (`structured_validity{suffix}`)" in section
+        assert f"{figures['structured_length_cut' + suffix]} (`structured_length_cut{suffix}`)" in section
+    for key, fmt in (
+        ("structured_over_free_tokps", ".2f"),
+        ("structured_over_free_ttft_p50", ".2f"),
+        ("structured_mask_share", ".3f"),
+    ):
+        low, high = spreads[key]
+        assert f"{figures[key]:{fmt}} ({low:{fmt}}-{high:{fmt}}) (`{key}`)" in section, key

@@ -369,8 +369,8 @@ class EngineBase:
 
     # Where structured output's masks are filled: before the pass (False), or in a second thread
     # while the model computes (True, ``Runner.run``'s ``meanwhile``). llguidance fills one in
-    # about 10 microseconds on this course's CPUs, far less than a pass, so ours fills them
-    # before (docs/results/grammar_libraries.md); lesson 12 measures both with slower masks.
+    # 0.01-0.11 ms on this course's CPUs (docs/results/grammar_libraries.md), far less than a
+    # pass, so ours fills them before; lesson 12 measures both with the learner's slower masks.
     masks_during_pass = False
 
     def compile(self, spec: StructuredOutputs) -> Constraint:

@@ -759,6 +759,20 @@ def test_one_row_linears_times_every_weight_matrix(lm):
     assert out["mlx_over_numpy"] == pytest.approx(out["mlx_s"] / out["numpy_s"])
 
 
+def test_the_fused_step_bench_gives_each_pass_its_range_over_the_repeats(lm_two_layers):
+    """Lesson 5b judges every comparison by each pass's own range over its repeats: the
+    median lies in it, and the ratios are of the medians."""
+    from batchlab.measurement import microbench
+
+    out = microbench.fused_step_ratio(lm_two_layers, decodes=2, chunk=8, context=16, repeats=3)
+    for name in ("chunk_alone", "decode_alone", "fused"):
+        lo, hi = out[f"{name}_range_s"]
+        assert 0 < lo <= out[f"{name}_s"] <= hi, name
+    assert out["fused_over_separate"] == pytest.approx(
+        out["fused_s"] / (out["chunk_alone_s"] + out["decode_alone_s"])
+    )
+
+
 def test_a_pools_token_bytes_agree_with_the_formula_for_either_backing():
     """What the bench counts as a decode row's KV reads: one token's keys and values, every
     layer, whether the pool is numpy (the CPU path) or MLX (Metal)."""

@@ -57,6 +57,8 @@ def fused_step_ratio(
     """Time one hybrid pass (``decodes`` decode rows + a ``chunk``-token prefill chunk)
     against the chunk alone and the decode rows alone.
 
+    Each pass's median seconds (``fused_s``, ...) and its range over the repeats
+    (``fused_range_s``: min, max), the noise a comparison of two passes must allow.
     ``fused_over_chunk_alone`` near 1 means the decode rows rode along almost for free
     on the chunk's matrix multiplies (Sarathi-Serve's point); ``fused_over_separate``
     below 1 is what one fused pass saves over two separate passes.
@@ -71,13 +73,15 @@ def fused_step_ratio(
     for row in rows + [prefill]:  # fill each row's cache with `context` tokens
         runner.forward([replace(row, tokens=filler[:context], start=0)])
     variants = {"chunk_alone": [prefill], "decode_alone": rows, "fused": rows + [prefill]}
-    med = _interleaved_medians(runner, variants, repeats)
+    times = _interleaved_times(runner, variants, repeats)
+    med = {name: statistics.median(t) for name, t in times.items()}
     return {
         "decodes": decodes,
         "chunk": chunk,
         "context": context,
-        "repeats": repeats,
+        "repeats": len(times["fused"]),  # as run (BATCHLAB_REPETITIONS may cap them)
         **{f"{name}_s": v for name, v in med.items()},
+        **{f"{name}_range_s": (min(t), max(t)) for name, t in times.items()},  # each pass's own spread
         "fused_over_chunk_alone": med["fused"] / med["chunk_alone"],
         "fused_over_separate": med["fused"] / (med["chunk_alone"] + med["decode_alone"]),
     }

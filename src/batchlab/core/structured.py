@@ -174,3 +174,30 @@ def compile_constraint(spec: StructuredOutputs, tokenizer) -> GrammarConstraint:
             f"the {spec.kind} cannot be compiled: {matcher.get_error().strip().splitlines()[0]}"
         )
     return GrammarConstraint(matcher, tokenizer.vocab_size)
+
+
+def violation(spec: dict, text: str) -> str | None:
+    """Why ``text`` does not match ``spec`` (vLLM's ``structured_outputs`` form), or None if it
+    does, judged by references outside the grammar library: ``re.fullmatch`` for ``regex``,
+    membership for ``choice``, ``json.loads`` for ``json_object``, and ``jsonschema`` for
+    ``json``. The bench and lesson 12's checker judge answers with it."""
+    import re
+
+    if "regex" in spec:
+        return None if re.fullmatch(spec["regex"], text) else f"{text!r} does not match {spec['regex']!r}"
+    if "choice" in spec:
+        return None if text in spec["choice"] else f"{text!r} is none of {spec['choice']}"
+    try:
+        value = _json.loads(text)
+    except ValueError as e:
+        return f"{text!r} is not JSON ({e})"
+    if spec.get("json_object"):
+        return None if isinstance(value, dict) else f"{text!r} is JSON but not an object"
+    import jsonschema
+
+    schema = spec["json"]
+    try:
+        jsonschema.validate(value, _json.loads(schema) if isinstance(schema, str) else schema)
+    except jsonschema.ValidationError as e:
+        return f"{text!r} is JSON that does not fit the schema ({str(e).splitlines()[0]})"
+    return None

@@ -28,7 +28,6 @@ import json
 import math
 import os
 import platform
-import re
 import resource
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ from ..core.scheduler import (
     StallFreeScheduler,
     StaticScheduler,
 )
-from ..core.structured import ll_tokenizer
+from ..core.structured import ll_tokenizer, violation
 from ..model.load import LoadedModel
 from .peers import run_mlxlm_workload
 from ..core.trace import Trace
@@ -671,28 +670,9 @@ def answer_text(tokenizer, token_ids) -> str:
 
 
 def answer_valid(text: str, spec: dict) -> bool:
-    """Whether ``text`` matches ``spec`` (vLLM's ``structured_outputs`` form), by references
-    outside the engine and its grammar library: ``json.loads`` then ``jsonschema.validate``
-    for ``json``, a JSON object for ``json_object``, ``re.fullmatch`` for ``regex``,
-    membership for ``choice``."""
-    import jsonschema
-
-    if "regex" in spec:
-        return re.fullmatch(spec["regex"], text) is not None
-    if "choice" in spec:
-        return text in spec["choice"]
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return False
-    if spec.get("json_object"):
-        return isinstance(value, dict)
-    schema = spec["json"]
-    try:
-        jsonschema.validate(value, json.loads(schema) if isinstance(schema, str) else schema)
-    except jsonschema.ValidationError:
-        return False
-    return True
+    """Whether ``text`` matches ``spec`` (``structured.violation``: references outside the
+    engine's grammar library)."""
+    return violation(spec, text) is None
 
 
 def answer_validity(trace: Trace, tokenizer, specs: dict[str, dict | None]) -> tuple[float | None, int]:

@@ -9,16 +9,13 @@ favourite of all), whose every answer must still match by Python's ``re``, ``jso
 from __future__ import annotations
 
 import functools
-import json
-import re
 
-import jsonschema
 import numpy as np
 import regex
 
 from ...core.engine import Engine, EngineBase, make_engine
 from ...core.fake import AdversarialRunner, FakeModel, greedy_output
-from ...core.structured import GrammarConstraint, StructuredOutputs
+from ...core.structured import GrammarConstraint, StructuredOutputs, violation
 from ..automaton import Automaton, token_texts
 from ._core import Case, Verdict, run_cases, show
 from ._lineage import ancestry_problem
@@ -230,18 +227,6 @@ def _answer(tokens: list[int]) -> str:
     return tok.decode([t for t in tokens if t not in tok.eos_token_ids])
 
 
-def _violation(spec: dict, text: str) -> str | None:
-    if "regex" in spec:
-        return None if re.fullmatch(spec["regex"], text) else f"{text!r} does not match {spec['regex']!r}"
-    if "choice" in spec:
-        return None if text in spec["choice"] else f"{text!r} is none of {spec['choice']}"
-    try:
-        jsonschema.validate(json.loads(text), spec["json"])
-    except (ValueError, jsonschema.ValidationError) as e:
-        return f"{text!r} is not JSON that fits the schema ({str(e).splitlines()[0]})"
-    return None
-
-
 def _run(cls, requests, **options):
     engine = _engine(cls, max_batch_size=8, **options)
     ids = [engine.submit(p, **params) for p, params in requests]
@@ -279,7 +264,7 @@ def _mixed_problem(cls, during: bool) -> str | None:
                 f"({_answer(tokens)!r}); the model prefers EOS, so it ends as soon as the answer is whole: "
                 "is EOS allowed where the text is a whole match?"
             )
-        wrong = _violation(spec, _answer(tokens))
+        wrong = violation(spec, _answer(tokens))
         if wrong:
             return f"{wrong}: every token of a constrained row must come from its mask (the first one too, from a prefill)"
     return None

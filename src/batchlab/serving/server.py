@@ -11,7 +11,7 @@ stream ends with an error event instead of hanging.
 ``ServerBase`` holds the engine loop, who sent what, the wake-ups, ``submit`` and
 shutdown; ``Server`` adds ``events``, which a learner's ``MyServer(ServerBase)`` writes
 in lesson 7. The rest of the OpenAI-compatible server is beside it: ``protocol`` (the
-request schema and its checks), ``auth`` (the API key), ``app`` (the FastAPI routes)
+request schema and its checks), ``app`` (the FastAPI routes and the API key)
 and ``launch`` (``serve``, ``serve_in_thread`` and their ``ServerConfig``).
 """
 

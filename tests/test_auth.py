@@ -10,8 +10,7 @@ import pytest
 from openai import OpenAI
 
 from batchlab import cli
-from batchlab.serving.auth import check_exposure
-from batchlab.serving.launch import serve_in_thread
+from batchlab.serving.launch import check_exposure, serve_in_thread
 
 KEY = "class-key-7f3a"
 CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 3, "temperature": 0}

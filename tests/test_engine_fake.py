@@ -1,18 +1,21 @@
 """Scheduler and engine logic on the fake model: fast, and exact answers known."""
 
 import random
+import re
 import threading
 import time
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from kinds import kind_configs
 from waiting import happens_within, wait_for
 
 from batchlab import EngineLoop, make_engine
 from batchlab.core.engine import EngineFailing
-from batchlab.core.fake import FakeModel, FakeRunner, reference_output
+from batchlab.core.fake import FakeModel, FakeRunner, reference_output, sequence_hash
 from batchlab.core.request import State
+from batchlab.core.sampling import SamplingParams
 
 LM = FakeModel()
 EOS = frozenset({LM.eos_id})
@@ -691,3 +694,95 @@ def test_the_engine_loop_serves_on_after_a_scheduler_error_but_not_after_its_own
     wait_for(lambda: loop.error is not None, 30, "the loop ending")
     assert "itself is broken" in str(loop.error)
     loop.stop()
+
+
+# -- one SamplingParams from the client to the request ------------------------------------------
+
+
+class SoftRunner(FakeRunner):
+    """Logits that leave a real choice (a seeded spread, by a hash of the sequence): a sampled
+    request's tokens depend on its temperature, top-k, top-p and seed."""
+
+    def logits_row(self, sequence):
+        return np.random.default_rng(sequence_hash(sequence)).normal(0, 2, LM.vocab_size).astype(np.float32)
+
+
+ASKED = dict(
+    max_new_tokens=14, temperature=0.9, top_p=0.95, top_k=20, min_new_tokens=3, stop_token_ids=[5, 9]
+)
+SOFT_PROMPTS = [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8], [1, 6, 1, 8], [9, 9, 8, 2, 4, 4, 3]]
+
+
+def soft_run(kind, asks, **options):
+    """Each prompt of ``SOFT_PROMPTS`` submitted with its keywords from ``asks(i)`` (and priority
+    ``i % 2``) on the soft model: every request's (tokens, status, reason) and priority."""
+    engine = make_engine(kind, LM, runner=SoftRunner, **options)
+    ids = [engine.submit(p, priority=i % 2, **asks(i)) for i, p in enumerate(SOFT_PROMPTS)]
+    engine.run_until_idle()
+    return [(engine.poll(rid), engine.trace.requests[rid].priority) for rid in ids]
+
+
+@pytest.mark.parametrize("kind", ["sequential", "continuous", "stallfree"])
+def test_a_request_given_one_sampling_params_makes_the_tokens_of_the_same_keywords(kind):
+    loose = soft_run(kind, lambda i: {**ASKED, "seed": i})
+    given = soft_run(kind, lambda i: {"params": SamplingParams(**{**ASKED, "seed": i})})
+    assert given == loose
+    # the comparison can fail: what the params ask changes the tokens
+    assert soft_run(kind, lambda i: {"params": SamplingParams(**{**ASKED, "seed": i + 50})}) != loose
+    assert soft_run(kind, lambda i: {"params": SamplingParams(max_new_tokens=14)}) != loose
+    assert any(reason == "stop" for (_, _, reason), _ in loose) and all(len(t) >= 3 for (t, _, _), _ in loose)
+
+
+def test_a_learners_front_takes_one_sampling_params_too():
+    """Lesson 6's front hands ``submit``'s keywords to ``check_request`` as they come, so the
+    server's ``params=`` (and ``priority=``) reach it unchanged."""
+    from learner_pieces import MyEngine
+
+    loose = soft_run("stallfree", lambda i: {**ASKED, "seed": i})
+    given = soft_run(
+        "stallfree", lambda i: {"params": SamplingParams(**ASKED, seed=i)}, engine_class=MyEngine
+    )
+    assert given == loose
+
+
+@pytest.mark.parametrize(
+    "asks, says",
+    [
+        (
+            dict(params=SamplingParams(max_new_tokens=4), max_new_tokens=4),
+            "give params= or the keywords max_new_tokens, not both",
+        ),
+        (dict(params=SamplingParams(), temperature=0.5, top_k=3), "not both"),
+        (dict(params={"max_new_tokens": 4}), "params must be a SamplingParams"),
+        (dict(max_new_tokens=4, max_tokens=4), "a request has no parameter max_tokens"),
+        (dict(stop_token_ids=[LM.vocab_size]), f"stop_token_ids must be token ids in [0, {LM.vocab_size})"),
+        (
+            dict(params=SamplingParams(stop_token_ids=[LM.vocab_size])),
+            "stop_token_ids must be token ids in [0,",
+        ),
+    ],
+)
+def test_check_request_refuses_params_with_loose_keywords_and_unknown_names(asks, says):
+    engine = fake_engine("continuous")
+    with pytest.raises(ValueError, match=re.escape(says)):
+        engine.check_request([1, 2, 3], **asks)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        engine.submit([1, 2, 3], **asks)
+    assert engine.queue_depth() == 0 and not engine.step()
+
+
+def test_check_request_returns_what_enqueue_makes_the_request_of():
+    """A learner's front passes check_request's answer to enqueue untouched (lesson 6)."""
+    engine = fake_engine("continuous")
+    params = SamplingParams(max_new_tokens=5000, min_new_tokens=2, ignore_eos=True, stop_token_ids=[7])
+    prompt = [1 + i % 60 for i in range(4089)]
+    checked = engine.check_request(prompt, params, priority=3)
+    assert checked.params is params and checked.prompt_ids == prompt
+    assert checked.max_new_tokens == 7, "cut so that prompt + output fits the maximum sequence length"
+    assert checked.stop_ids == {7}, "ignore_eos: only its stop tokens end it"
+    with engine._lock:
+        req = engine.enqueue("r", checked, None)
+    assert (req.max_new_tokens, req.sampling, req.priority, req.min_new_tokens) == (7, params, 3, 2)
+    assert req.stop_ids == {7} and req.constraint is None
+    engine.run_until_idle()
+    assert engine.poll("r")[1] == "done"

@@ -107,7 +107,7 @@ BASES = {
     "batchlab.core.engine.EngineBase",
     "batchlab.core.policies.Policy",
     "batchlab.core.policies.AdmissionBase",
-    "batchlab.core.scheduler.on_demand.OnDemandKV",  # a mechanism: its admission rule is the kind's
+    "batchlab.core.scheduler.continuous.OnDemandKV",  # a mechanism: its admission rule is the kind's
     "batchlab.serving.server.ServerBase",
     "batchlab.core.structured.Constraint",
     "builtins.object",

@@ -1,9 +1,12 @@
 """The sampler against an independent reference: a few lines of numpy that write down what
 temperature, top-k and top-p mean, and a chi-square test over many seeded draws. An
 off-by-one in the top-k or top-p cut moves a token in or out of the support, which either
-draws a token the reference never would or starves one it needs: both fail by far."""
+draws a token the reference never would or starves one it needs: both fail by far. At the
+end, ``SamplingParams``' own checks of every per-request parameter."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -131,3 +134,45 @@ def test_the_reference_catches_a_mask_applied_after_the_top_k_cut():
     sampler = MaskAfterTopK(SamplingParams(temperature=1.0, top_k=4, seed=5))
     masked = np.where(MASK, LOGITS, -np.inf)
     assert disagreement(masked_draw(sampler), masked, 1.0, 4, 1.0) is not None
+
+
+# -- SamplingParams: every per-request generation parameter, checked where it is made ----------
+
+
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be an integer >= 1"),
+        ({"max_new_tokens": 2.0}, "max_new_tokens must be an integer >= 1"),
+        ({"min_new_tokens": -1}, "min_new_tokens must be an integer >= 0"),
+        ({"min_new_tokens": True}, "min_new_tokens must be an integer >= 0"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids must be token ids >= 0"),
+        ({"stop_token_ids": [3, "4"]}, "stop_token_ids must be token ids >= 0"),
+        ({"stop_token_ids": 7}, "stop_token_ids must be a list of token ids"),
+        (
+            {"structured_outputs": {"regex": "[0-9]+"}, "ignore_eos": True},
+            "a constrained request ends at EOS once its answer is complete: it cannot ignore_eos",
+        ),
+        ({"structured_outputs": {"grammar": "x"}}, "structured_outputs takes json, regex, choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "exactly one of"),
+        ({"structured_outputs": "[0-9]+"}, "structured_outputs must be a StructuredOutputs or a dict"),
+        ({"temperature": -0.5}, "temperature must be a number >= 0"),
+    ],
+)
+def test_sampling_params_refuse_each_bad_value_with_a_value_error(bad, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        SamplingParams(**bad)
+
+
+def test_sampling_params_keep_their_first_four_fields_in_place_and_store_tuples():
+    from batchlab.core.structured import StructuredOutputs
+
+    params = SamplingParams(0.7, 0.9, 5, 11, stop_token_ids=[3, 4], structured_outputs={"regex": "a+"})
+    assert (params.temperature, params.top_p, params.top_k, params.seed) == (0.7, 0.9, 5, 11)
+    assert (params.max_new_tokens, params.min_new_tokens, params.ignore_eos) == (32, 0, False)
+    assert params.stop_token_ids == (3, 4), "any sequence in, a tuple kept (the params are frozen)"
+    assert (
+        isinstance(params.structured_outputs, StructuredOutputs) and params.structured_outputs.regex == "a+"
+    )
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == ()
+    assert SamplingParams(ignore_eos=True, stop_token_ids=(2,)).ignore_eos  # stop ids still end it

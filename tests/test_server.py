@@ -9,6 +9,7 @@ import random
 import re
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import httpx
@@ -19,7 +20,10 @@ from pydantic import BaseModel
 from pydantic import Field as PydanticField
 
 from batchlab import generate
+from batchlab.core.fake import FakeModel
 from batchlab.core.policies import QueueFull
+from batchlab.core.sampling import SamplingParams
+from batchlab.core.structured import StructuredOutputs
 from batchlab.serving.launch import serve_in_thread
 from batchlab.serving.server import StopMatcher
 
@@ -138,6 +142,88 @@ def test_stop_matcher_holds_back_a_possible_stop_string():
     assert m.feed("xa") == ("x", False)
     assert m.feed("c") == ("ac", False)
     assert m.flush() == ""
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    """A server on the fake model (no real model: quick), for what reaches the engine. Its
+    engine's ``check_request`` records what it is handed (``handed``) and refuses the request
+    with "seen" (the fake model has no detokenizer to stream with)."""
+    handed = []
+
+    def recording(prompt_ids, params=None, priority=0, **fields):
+        handed.append((list(prompt_ids), params, priority, fields))
+        raise ValueError("seen")
+
+    with serve_in_thread(FakeModel(), "continuous", model_id="fake") as handle:
+        handle.engine.check_request = recording
+        yield SimpleNamespace(url=handle.base_url, handed=handed)
+
+
+@pytest.mark.parametrize(
+    "body, params, priority",
+    [
+        ({}, SamplingParams(temperature=1.0, max_new_tokens=512), 0),  # OpenAI's defaults, ours
+        (
+            {
+                "max_tokens": 7,
+                "temperature": 0.5,
+                "top_p": 0.9,
+                "top_k": 7,
+                "seed": 3,
+                "min_tokens": 2,
+                "stop_token_ids": [4, 5],
+                "priority": 2,
+                "stop": ["never"],  # the server's, not the engine's
+                "structured_outputs": {"regex": "[0-9]+"},
+            },
+            SamplingParams(
+                0.5,
+                0.9,
+                7,
+                3,
+                max_new_tokens=7,
+                min_new_tokens=2,
+                stop_token_ids=(4, 5),
+                structured_outputs={"regex": "[0-9]+"},
+            ),
+            2,
+        ),
+        (
+            {
+                "max_tokens": 3,
+                "max_completion_tokens": 9,
+                "min_tokens": 20,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
+            SamplingParams(0.0, max_new_tokens=9, min_new_tokens=9, ignore_eos=True),
+            0,
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "priority": -1},
+            SamplingParams(1.0, max_new_tokens=512, structured_outputs=StructuredOutputs(json_object=True)),
+            -1,
+        ),
+    ],
+)
+def test_the_server_hands_the_engine_one_sampling_params_as_the_body_asked(
+    fake_server, body, params, priority
+):
+    fake_server.handed.clear()
+    r = httpx.post(fake_server.url + "/v1/completions", json={"prompt": [1, 2, 3], **body}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "seen", r.text
+    ((prompt, given, given_priority, loose),) = fake_server.handed
+    assert (prompt, given_priority, loose) == ([1, 2, 3], priority, {}), (
+        "one SamplingParams, no loose keywords"
+    )
+    assert isinstance(given, SamplingParams)
+    # StructuredOutputs compare by identity: compare what they ask
+    assert replace(given, structured_outputs=None) == replace(params, structured_outputs=None)
+    spec, want = given.structured_outputs, params.structured_outputs
+    assert (spec is None) == (want is None)
+    if want is not None:
+        assert (spec.kind, spec.regex, spec.json_object) == (want.kind, want.regex, want.json_object)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):

@@ -316,8 +316,7 @@ def _cmd_demo(args) -> int:
 
 def _cmd_serve(args) -> int:
     from .model.load import load_model
-    from .serving.auth import check_exposure
-    from .serving.launch import serve
+    from .serving.launch import check_exposure, serve
 
     check_exposure(args.host, args.api_key, args.insecure)  # before the model takes its seconds to load
     options = engine_options(args) | serve_pieces(args)  # a bad class fails before the model loads, too

@@ -15,6 +15,7 @@ never waits for the model, and nobody ever reads a half-planned step.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import math
@@ -28,7 +29,7 @@ from .runner import Model, Runner
 from .kv import BlockManager
 from .numbers import is_int
 from .policies import Admission, AdmissionBase
-from .request import Request, check_prompt_ids, clamp_new_tokens
+from .request import CheckedRequest, Request, check_prompt_ids, clamp_new_tokens
 from .sampling import SamplingParams
 from .structured import Constraint, StructuredOutputs, compile_constraint
 from .scheduler import KINDS, Scheduler, import_from_here, scheduler_class  # noqa: F401 (engine's names)
@@ -40,6 +41,29 @@ log = logging.getLogger("batchlab")
 class EngineFailing(RuntimeError):
     """Half or more of an engine's forward passes failed: a bug in the engine or its runner
     (or in a learner's scheduler), not bad luck for one request."""
+
+
+def _sampling_params(params: SamplingParams | None, fields: dict) -> SamplingParams:
+    """A request's ``SamplingParams``: ``params`` itself, or one made of the keywords ``fields``
+    (``submit(ids, max_new_tokens=8, temperature=0.7)``); both, or a keyword that is not one of
+    its fields, is a ValueError."""
+    if params is not None:
+        if fields:
+            raise ValueError(
+                f"give params= or the keywords {', '.join(sorted(fields))}, not both "
+                f"(a SamplingParams holds them all)"
+            )
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {params!r}")
+        return params
+    known = [f.name for f in dataclasses.fields(SamplingParams)]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ValueError(
+            f"a request has no parameter {', '.join(unknown)}: it takes request_id, arrival_s, "
+            f"priority and SamplingParams' fields ({', '.join(known)})"
+        )
+    return SamplingParams(**fields)
 
 
 class EngineBase:
@@ -95,81 +119,62 @@ class EngineBase:
     def check_request(
         self,
         prompt_ids: Sequence[int],
-        max_new_tokens: int = 32,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        ignore_eos: bool = False,
+        params: SamplingParams | None = None,
         priority: int = 0,
-        min_new_tokens: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        structured_outputs: StructuredOutputs | dict | None = None,
-    ) -> dict:
-        """Check every argument of a request and return its fields for ``enqueue``; bad ones
-        raise ValueError (nothing changes: this touches no shared state, so it needs no lock).
+        **fields,
+    ) -> CheckedRequest:
+        """Check a request against this engine and return it for ``enqueue``; a bad argument
+        raises ValueError (nothing changes: this touches no shared state, so it needs no lock).
 
-        ``priority``: lower is more important (as in vLLM); continuous and stall-free
-        engines serve the queue by it and preempt the least important first. Static and
-        sequential engines serve first come, first served. ``stop_token_ids`` end the
-        request too (also with ``ignore_eos``, as in vLLM), and no stop token is sampled
-        before it has ``min_new_tokens`` tokens (vLLM's ``min_tokens``). ``structured_outputs``
-        (a ``StructuredOutputs`` or vLLM's dict of it) constrains the answer to a regex, a
-        choice or a JSON schema; one the grammar library cannot compile is a ValueError naming
-        it. A constrained request ends at EOS once its answer is complete, so it cannot
-        ``ignore_eos``."""
+        ``params`` (a ``SamplingParams``) is everything the request asks of its generation;
+        without it, the keywords ``fields`` make one (``max_new_tokens=8, temperature=0.7``...:
+        ``SamplingParams``'s fields, which check themselves). Giving both is an error.
+        ``priority``: lower is more important (as in vLLM); continuous and stall-free engines
+        serve the queue by it and preempt the least important first. Static and sequential
+        engines serve first come, first served.
+
+        What needs the engine is checked here: the prompt's ids, the stop tokens within the
+        vocabulary, ``max_new_tokens`` cut so that prompt + output fits the maximum sequence
+        length, the KV pool large enough, and ``structured_outputs`` compiled (one the grammar
+        library cannot compile is a ValueError naming it). ``stop_token_ids`` end the request
+        too (also with ``ignore_eos``, as in vLLM), and no stop token is sampled before it has
+        ``min_new_tokens`` tokens (vLLM's ``min_tokens``)."""
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
             raise ValueError("submit takes a list of token ids; encode text with the tokenizer first")
         prompt_ids = list(prompt_ids)
         check_prompt_ids(prompt_ids, self.lm.tokenizer.vocab_size, self.max_seq_len)
-        max_new = clamp_new_tokens(len(prompt_ids), max_new_tokens, self.max_seq_len)
-        sampling = SamplingParams(temperature, top_p, top_k, seed)
+        params = _sampling_params(params, fields)
         if not is_int(priority):
             raise ValueError(f"priority must be an integer (lower is more important), got {priority!r}")
-        if not is_int(min_new_tokens) or min_new_tokens < 0:
-            raise ValueError(f"min_new_tokens must be an integer >= 0, got {min_new_tokens!r}")
-        extra_stops = list(stop_token_ids or ())
         vocab = self.lm.tokenizer.vocab_size
-        bad = [t for t in extra_stops if not is_int(t) or not 0 <= t < vocab]
+        bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[:3]!r}")
+        max_new = clamp_new_tokens(len(prompt_ids), params.max_new_tokens, self.max_seq_len)
         self.scheduler.check_pool_holds(len(prompt_ids) + max_new)  # the pool's size never changes
-        stop = (frozenset() if ignore_eos else self.lm.tokenizer.eos_token_ids) | frozenset(extra_stops)
-        constraint = None
-        if structured_outputs is not None:
-            if isinstance(structured_outputs, dict):
-                structured_outputs = StructuredOutputs.from_dict(structured_outputs)
-            if not isinstance(structured_outputs, StructuredOutputs):
-                raise ValueError(
-                    f"structured_outputs must be a StructuredOutputs or a dict, got {structured_outputs!r}"
-                )
-            if ignore_eos:
-                raise ValueError(
-                    "a constrained request ends at EOS once its answer is complete: it cannot ignore_eos"
-                )
-            constraint = self.compile(structured_outputs)
-        return dict(
-            prompt_ids=prompt_ids,
-            max_new_tokens=max_new,
-            sampling=sampling,
-            stop_ids=stop,
-            priority=priority,
-            min_new_tokens=min_new_tokens,
-            constraint=constraint,
+        eos = frozenset() if params.ignore_eos else self.lm.tokenizer.eos_token_ids
+        spec = params.structured_outputs
+        return CheckedRequest(
+            prompt_ids,
+            params,
+            max_new,
+            eos | frozenset(params.stop_token_ids),
+            priority,
+            constraint=None if spec is None else self.compile(spec),
         )
 
     def new_id(self) -> str:
         """A request id nobody has had (call it under ``self._lock``)."""
         return f"req-{next(self._ids)}"
 
-    def enqueue(self, req_id: str, fields: dict, arrival_s: float | None = None) -> Request:
-        """The request ``req_id`` with ``fields`` (from ``check_request``), arrived now (or at
-        ``arrival_s``, no later than now: a driver that submits between steps gives the time
-        the request was due): known to ``poll`` and ``cancel`` from here on, handed to the
+    def enqueue(self, req_id: str, checked: CheckedRequest, arrival_s: float | None = None) -> Request:
+        """The request ``req_id``, as ``check_request`` returned it (``checked``), arrived now
+        (or at ``arrival_s``, no later than now: a driver that submits between steps gives the
+        time the request was due): known to ``poll`` and ``cancel`` from here on, handed to the
         next step. Call it under ``self._lock``."""
         now = self.clock()
         arrived = now if arrival_s is None else min(float(arrival_s), now)
-        req = Request(req_id, arrival_s=arrived, **fields)
+        req = checked.request(req_id, arrived)
         self._requests[req_id] = req
         self._inbox.append(req)
         self.trace.requests[req_id] = req.record

@@ -125,6 +125,33 @@ class Request:
         self.sampler.banned = self.stop_ids if len(self.output_ids) < self.min_new_tokens else frozenset()
 
 
+@dataclass(frozen=True)
+class CheckedRequest:
+    """A request whose arguments the engine has checked (``EngineBase.check_request``) and
+    that nobody has queued yet: what ``EngineBase.enqueue`` makes a ``Request`` of."""
+
+    prompt_ids: list[int]
+    params: SamplingParams  # as asked
+    max_new_tokens: int  # params.max_new_tokens, cut so that prompt + output fits max_seq_len
+    stop_ids: frozenset[int]  # EOS (unless params.ignore_eos) and params.stop_token_ids
+    priority: int = 0  # lower is more important (as in vLLM)
+    constraint: Constraint | None = None  # params.structured_outputs, compiled for this request
+
+    def request(self, req_id: str, arrival_s: float) -> Request:
+        """The ``Request`` ``req_id``, arrived at ``arrival_s``."""
+        return Request(
+            req_id,
+            self.prompt_ids,
+            self.max_new_tokens,
+            self.params,
+            self.stop_ids,
+            arrival_s,
+            priority=self.priority,
+            min_new_tokens=self.params.min_new_tokens,
+            constraint=self.constraint,
+        )
+
+
 def check_prompt_ids(ids: list, vocab_size: int, max_seq_len: int) -> None:
     """Raise ValueError unless ``ids`` is a usable prompt for a model with these limits."""
     if len(ids) == 0:

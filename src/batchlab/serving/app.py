@@ -4,10 +4,12 @@
 ``/v1/completions`` (each request checked, submitted, then answered in one body or as
 server-sent events, one per token), ``/v1/models``, ``/health``, ``/metrics`` and the
 dashboard. The handlers are module-level and read the server from ``app.state.batchlab``.
+Every /v1 route needs the server's API key when it has one (``require_key``).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import time
@@ -15,11 +17,10 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, StreamingResponse
 
-from .auth import AUTH, Unauthorized, unauthorized
 from .dashboard import add_dashboard
 from ..core.structured import CompileError
 from .protocol import (
@@ -48,6 +49,37 @@ class AppState:
 def app_state(request: Request) -> AppState:
     """The ``AppState`` of the app that received ``request``."""
     return request.app.state.batchlab
+
+
+# -- who may use the server: the API key every /v1 route needs ----------------------------
+class Unauthorized(Exception):
+    """A /v1 request without the server's API key."""
+
+
+async def require_key(request: Request) -> None:
+    """A FastAPI dependency that lets a request through only with ``Authorization: Bearer
+    <api_key>`` (compared in constant time, so response times leak nothing about the key).
+    Without a key (``AppState.api_key`` is None) it lets everything through."""
+    api_key = request.app.state.batchlab.api_key
+    if api_key is None:
+        return
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+        raise Unauthorized
+
+
+AUTH = Depends(require_key)  # on every /v1 route
+
+
+async def unauthorized(request: Request, exc: Unauthorized):
+    """A 401 that tells the client how to send the key."""
+    response = error(
+        401,
+        "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+        code="invalid_api_key",
+    )
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
 
 
 async def _bad_request(request: Request, exc: RequestValidationError):

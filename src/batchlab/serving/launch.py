@@ -8,12 +8,12 @@ always stop the loop again.
 
 from __future__ import annotations
 
+import ipaddress
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .app import create_app
-from .auth import check_exposure
 from .loop import EngineLoop
 from .server import Server, ServerBase
 from ..core.policies import Admission, AdmissionBase
@@ -47,6 +47,24 @@ class ServerConfig:
     server_class: type[ServerBase] = Server  # writes each request's stream (a learner's)
     engine_options: dict = field(default_factory=dict)  # to make_engine (engine_class: a learner's front)
     log_level: str = "info"  # uvicorn's
+
+
+def check_exposure(host: str, api_key: str | None, insecure: bool = False) -> None:
+    """Refuse to listen beyond this machine without an API key (unless ``insecure``)."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("the API key is empty; give a real key, e.g. --api-key $(openssl rand -hex 8)")
+    if api_key or insecure:
+        return
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        loopback = False
+    if not loopback:
+        raise ValueError(
+            f"refusing to listen on {host} without an API key: anyone who can reach this machine "
+            "could use the model and read what others send. Give --api-key KEY (clients then send "
+            "'Authorization: Bearer KEY'), or --insecure if the network is yours alone."
+        )
 
 
 def _uvicorn(server: ServerBase, config: ServerConfig):

@@ -3,7 +3,8 @@
 The pydantic models of both endpoints' bodies (``ChatRequest`` for
 ``/v1/chat/completions``, ``CompletionRequest`` for ``/v1/completions``), the checks that
 refuse a well-formed request asking for what this server does not do (``refusal``,
-``chat_turns``), vLLM's extensions as the engine's arguments, and OpenAI's error body.
+``chat_turns``), a body's ``SamplingParams`` for the engine (``sampling_params``), and
+OpenAI's error body.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..core.sampling import SamplingParams
 from ..core.structured import StructuredOutputs
 
 DEFAULT_MAX_TOKENS = 512  # an answer's length when the request gives no max_tokens
@@ -187,16 +189,24 @@ def _refuse(message: str, param: str):
     raise Unsupported(message, param)
 
 
-def vllm_extensions(req: SamplingFields, max_new: int) -> dict:
-    """The engine's arguments for vLLM's ``ignore_eos``, ``min_tokens``, ``stop_token_ids`` and
-    structured output, only those the request sets (an engine of a learner's may not know them)."""
-    given = {
-        "ignore_eos": req.ignore_eos,
-        "min_new_tokens": min(req.min_tokens, max_new),
-        "stop_token_ids": list(req.stop_token_ids or ()),
-        "structured_outputs": structured(req),
-    }
-    return {k: v for k, v in given.items() if v}
+def sampling_params(req: SamplingFields) -> SamplingParams:
+    """The engine's ``SamplingParams`` for a request's body: OpenAI's fields and vLLM's
+    extensions (``top_k``, ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, structured
+    output). ``priority`` is the engine's order, given beside it; stop strings are the
+    server's (the engine sees tokens only). A value the engine cannot take is a ValueError;
+    call ``refusal`` first, or a malformed structured output raises ``Unsupported``."""
+    max_new = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
+    return SamplingParams(
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        seed=req.seed,
+        max_new_tokens=max_new,
+        min_new_tokens=min(req.min_tokens, max_new),
+        ignore_eos=req.ignore_eos,
+        stop_token_ids=req.stop_token_ids or (),
+        structured_outputs=structured(req),
+    )
 
 
 def chat_turns(messages: list[ChatMessage]) -> list[dict]:

@@ -11,7 +11,7 @@ stream ends with an error event instead of hanging.
 ``ServerBase`` holds the engine loop, who sent what, the wake-ups, ``submit`` and
 shutdown; ``Server`` adds ``events``, which a learner's ``MyServer(ServerBase)`` writes
 in lesson 7. The rest of the OpenAI-compatible server is beside it: ``protocol`` (the
-request schema and its checks), ``auth`` (the API key), ``app`` (the FastAPI routes)
+request schema and its checks), ``app`` (the FastAPI routes and the API key)
 and ``launch`` (``serve``, ``serve_in_thread`` and their ``ServerConfig``).
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from .loop import EngineLoop
-from .protocol import DEFAULT_MAX_TOKENS, SamplingFields, vllm_extensions
+from .protocol import SamplingFields, sampling_params
 from ..core.trace import RequestRecord
 from ..model.load import LoadedModel
 
@@ -149,17 +149,7 @@ class ServerBase:
                 f"{who} already has {limit} unfinished request(s), the most this "
                 "server allows per user; wait for one to finish"
             )
-        max_new = req.max_completion_tokens or req.max_tokens or DEFAULT_MAX_TOKENS
-        rid = self.loop.submit(
-            prompt_ids,
-            max_new_tokens=max_new,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=req.seed,
-            priority=req.priority,
-            **vllm_extensions(req, max_new),
-        )
+        rid = self.loop.submit(prompt_ids, params=sampling_params(req), priority=req.priority)
         client = self.clients[rid] = Client(req.user, prompt_ids, self.loop.engine.trace.requests[rid])
         for listener in self.on_submit:
             listener(rid, client)

@@ -33,14 +33,13 @@ the keyword arguments of its constructor after ``(blocks, clock)``, with their d
 The kinds batchlab ships are registered below, one line each (``register``), into ``KINDS``,
 the registry every command, the bench and the README read.
 
-The package, a file a job: ``base`` (the shared flow, no decision in it), ``on_demand`` (KV
-blocks taken as requests grow, preemption), one file per kind, and ``registry``.
+The package, a file a job: ``base`` (the shared flow, no decision in it, and ``StopRules``,
+the shipped kinds' finishing rules), one file per kind (``continuous`` also holds
+``OnDemandKV``: KV blocks taken as requests grow, preemption), and ``registry``.
 """
 
-from .base import Option, Scheduler
-from .continuous import ContinuousScheduler
-from .finishing import StopRules
-from .on_demand import OnDemandKV
+from .base import Option, Scheduler, StopRules
+from .continuous import ContinuousScheduler, OnDemandKV
 from .registry import KINDS, import_from_here, register, scheduler_class
 from .sequential import SequentialScheduler
 from .stallfree import StallFreeScheduler

@@ -2,7 +2,8 @@
 slots, the KV blocks (reserved whole: ``fits``, ``start``), and the flow of a pass: ``grow``
 and ``prepare`` before the runner, ``postprocess`` after it (asking the kind's
 ``finish_reason``, and its ``accept`` for a verify row), ``remove`` / ``release`` when a
-request leaves, ``fail`` when a pass raises."""
+request leaves, ``fail`` when a pass raises. Beside it, ``StopRules``: the finishing rules
+that the shipped kinds mix in."""
 
 from __future__ import annotations
 
@@ -372,3 +373,19 @@ class Scheduler:
             "prefix_cache_hits": b.hit_blocks,
             "prefix_cache_hit_tokens": b.hit_tokens,
         }
+
+
+# The finishing rules of the shipped kinds: when a new token ends a request. (A learner's
+# engine has its own, written in lesson 1.)
+class StopRules:
+    """A request ends with "stop" on one of its stop tokens (EOS unless ``ignore_eos``, and
+    its ``stop_token_ids``), else with "length" once it has ``max_new_tokens`` tokens. The
+    engine cut ``max_new_tokens`` at submit so that prompt + output fits ``max_seq_len``, and
+    the sampler picks no stop token before ``min_new_tokens``. Mixed into a ``Scheduler``."""
+
+    def finish_reason(self, req: Request, token: int) -> str | None:
+        if token in req.stop_ids:
+            return "stop"
+        if len(req.output_ids) >= req.max_new_tokens:
+            return "length"
+        return None

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from ..batch import Batch
 from ..kv import BlockManager
-from .base import Option, Scheduler
-from .finishing import StopRules
+from .base import Option, Scheduler, StopRules
 
 
 class SequentialScheduler(StopRules, Scheduler):

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from ..batch import Batch
-from .base import Scheduler
-from .finishing import StopRules
+from .base import Scheduler, StopRules
 
 
 class StaticScheduler(StopRules, Scheduler):

@@ -218,3 +218,61 @@ def test_a_kind_writes_planning_only():
             k for k, v in extra.items() if isinstance(v, (list, dict, set, tuple)) or hasattr(v, "popleft")
         ]
         assert not containers, f"{kind} keeps its own containers: {containers}"
+
+
+ROAD_FILES = 21  # issue 42: 24 before the merges of stop 54 (finishing, on_demand and auth moved)
+
+
+def test_a_streamed_chat_completion_runs_code_in_few_files(lm_two_layers):
+    """The road of one request: trace which of the package's files run code while an
+    in-process server answers one streamed chat completion (after a first request has done
+    every lazy import). A new file on the road fails this until ``ROAD_FILES`` is raised on
+    purpose. ``pytest tests/test_structure.py -k road -s`` prints the files."""
+    import collections
+    import json
+    import threading
+    import urllib.request
+
+    from batchlab.serving.launch import serve_in_thread
+
+    root = str(PACKAGE)
+    hits: dict[str, set] = collections.defaultdict(set)
+
+    def tracer(frame, event, arg):
+        name = frame.f_code.co_filename
+        if name.startswith(root):
+            hits[name].add(frame.f_code.co_name)
+
+    body = json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4, "stream": True}
+    ).encode()
+
+    def send(url: str) -> list[bytes]:
+        request = urllib.request.Request(
+            f"{url}/v1/chat/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.read().splitlines()
+
+    threading.settrace(tracer)  # the server's threads start after this, traced
+    try:
+        with serve_in_thread(lm_two_layers, "stallfree") as server:
+            send(server.base_url)
+            hits.clear()
+            sys.settrace(tracer)
+            lines = send(server.base_url)
+            sys.settrace(None)
+    finally:
+        threading.settrace(None)
+        sys.settrace(None)
+    road = {str(Path(f).relative_to(PACKAGE)): sorted(names) for f, names in hits.items()}
+    for path, names in sorted(road.items()):
+        print(f"{path}: {', '.join(names)}")
+    assert b"data: [DONE]" in [x.strip() for x in lines]  # the stream ran to its end
+    assert {
+        "core/engine.py",
+        "serving/app.py",
+        "core/scheduler/stallfree.py",
+        "model/model_runner.py",
+    } <= set(road)
+    assert len(road) <= ROAD_FILES, f"{len(road)} files on a request's road: {sorted(road)}"

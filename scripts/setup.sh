@@ -36,7 +36,10 @@ fi
 # passed on.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "uv>=0.5"
 links=$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)
-install() { .venv/bin/uv pip install --quiet ${links:+--find-links "$links"} "$@"; }
+# --compile-bytecode: uv, unlike pip, leaves the installed packages' .py files uncompiled, and where
+# PYTHONDONTWRITEBYTECODE is set (this machine image sets it) Python then compiles them again in
+# every process it starts: loading the model took 7.0 s in a fresh process here, 3.2 s compiled.
+install() { .venv/bin/uv pip install --quiet --compile-bytecode ${links:+--find-links "$links"} "$@"; }
 if [ $with_tests = 1 ]; then install --python .venv/bin/python -e ".[test]"; else install --python .venv/bin/python -e .; fi
 # --test also installs NVIDIA's aiperf (tests/test_aiperf.py runs it against the server) in an
 # environment of its own: it brings Dash, whose unbuilt JupyterLab extension in .venv would stop

@@ -271,13 +271,13 @@ class MyEngine(EngineBase):
     enqueues it under one hold of the lock."""
 
     def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
-        fields = self.check_request(prompt_ids, **params)
+        checked = self.check_request(prompt_ids, **params)
         with self._lock:
             rid = request_id if request_id is not None else self.new_id()
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             self.admission.check_room(self._queue_depth)
-            self.enqueue(rid, fields, arrival_s)
+            self.enqueue(rid, checked, arrival_s)
         return rid
 
     def poll(self, req_id):

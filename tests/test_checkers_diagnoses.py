@@ -544,13 +544,13 @@ class CancelEndsAsStop(MyEngine):
 
 class ReturnsTheRequest(MyEngine):
     def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
-        fields = self.check_request(prompt_ids, **params)
+        checked = self.check_request(prompt_ids, **params)
         with self._lock:
             rid = request_id if request_id is not None else self.new_id()
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             self.admission.check_room(self._queue_depth)
-            return self.enqueue(rid, fields, arrival_s)
+            return self.enqueue(rid, checked, arrival_s)
 
 
 class IgnoresTheGivenId(MyEngine):
@@ -574,13 +574,13 @@ class IdFromTheStep(MyEngine):
     """Names a request by the engine's step count; refuses only a given id in use."""
 
     def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
-        fields = self.check_request(prompt_ids, **params)
+        checked = self.check_request(prompt_ids, **params)
         with self._lock:
             if request_id is not None and request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
             rid = request_id if request_id is not None else f"req-{self._step_index}"
             self.admission.check_room(self._queue_depth)
-            self.enqueue(rid, fields, arrival_s)
+            self.enqueue(rid, checked, arrival_s)
         return rid
 
 
@@ -588,14 +588,14 @@ class IdFromTheCountUnlocked(MyEngine):
     """Names a request by how many it knows, read before taking the lock."""
 
     def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
-        fields = self.check_request(prompt_ids, **params)
+        checked = self.check_request(prompt_ids, **params)
         if request_id is not None and request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         rid = request_id if request_id is not None else f"req-{len(self._requests)}"
         time.sleep(0.02)  # whatever runs between reading the count and taking the lock
         with self._lock:
             self.admission.check_room(self._queue_depth)
-            self.enqueue(rid, fields, arrival_s)
+            self.enqueue(rid, checked, arrival_s)
         return rid
 
 

@@ -112,13 +112,13 @@ class RoomOutsideTheLock(MyEngine):
     """Checks the queue's room, then enqueues in another hold: two threads can take the last place."""
 
     def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
-        fields = self.check_request(prompt_ids, **params)
+        checked = self.check_request(prompt_ids, **params)
         self.admission.check_room(self.queue_depth)
         with self._lock:
             rid = request_id if request_id is not None else self.new_id()
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-            self.enqueue(rid, fields, arrival_s)
+            self.enqueue(rid, checked, arrival_s)
         return rid
 
 
@@ -126,11 +126,11 @@ class TakesAnyId(MyEngine):
     """Never refuses an id in use: the second request replaces the first in self._requests."""
 
     def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
-        fields = self.check_request(prompt_ids, **params)
+        checked = self.check_request(prompt_ids, **params)
         with self._lock:
             rid = request_id if request_id is not None else self.new_id()
             self.admission.check_room(self._queue_depth)
-            self.enqueue(rid, fields, arrival_s)
+            self.enqueue(rid, checked, arrival_s)
         return rid
 
 
@@ -140,14 +140,14 @@ class IdFromTheCount(MyEngine):
     def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
         import time
 
-        fields = self.check_request(prompt_ids, **params)
+        checked = self.check_request(prompt_ids, **params)
         rid = request_id if request_id is not None else f"r{len(self._requests)}"
         time.sleep(0.0005)  # whatever happens between reading the count and taking the lock
         with self._lock:
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             self.admission.check_room(self._queue_depth)
-            self.enqueue(rid, fields, arrival_s)
+            self.enqueue(rid, checked, arrival_s)
         return rid
 
 
@@ -155,16 +155,16 @@ class EnqueuesLater(MyEngine):
     """Returns the id before the request is known: a poll right after says 'unknown'."""
 
     def submit(self, prompt_ids, request_id=None, arrival_s=None, **params):
-        fields = self.check_request(prompt_ids, **params)
+        checked = self.check_request(prompt_ids, **params)
         with self._lock:
             rid = request_id if request_id is not None else self.new_id()
-        self._later = getattr(self, "_later", []) + [(rid, fields, arrival_s)]
+        self._later = getattr(self, "_later", []) + [(rid, checked, arrival_s)]
         return rid
 
     def step(self):
         with self._lock:
-            for rid, fields, arrival_s in getattr(self, "_later", []):
-                self.enqueue(rid, fields, arrival_s)
+            for rid, checked, arrival_s in getattr(self, "_later", []):
+                self.enqueue(rid, checked, arrival_s)
             self._later = []
         return super().step()
 

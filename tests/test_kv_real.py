@@ -1,12 +1,21 @@
 """Paged KV on the real model: a pool too small for the batch forces preemptions, and
 every request still gets the sequential engine's greedy tokens (and a seeded sampled
-request its tokens); a prefix cache gives the same tokens as no cache."""
+request its tokens); a prefix cache gives the same tokens as no cache.
+
+On the model's first two layers (``lm_two_layers``): these compare engines with each other (who
+gives way, which blocks are shared), not what the model says (``test_model.py``, thirty layers).
+"""
 
 import pytest
 
 from batchlab import make_engine
 from batchlab.measurement.workloads import corpus_paragraphs, shared_prefix
 from near_tie import near_tie_for, parting_problem
+
+
+@pytest.fixture(scope="module")
+def lm(lm_two_layers):
+    return lm_two_layers
 
 
 @pytest.fixture(scope="module")

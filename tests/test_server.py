@@ -607,16 +607,22 @@ def test_langchain_chat_openai_invokes_and_streams(lm, server):
     assert sent[0]["max_completion_tokens"] == 24
 
 
+@pytest.fixture(scope="module")
+def hi_greedy(lm):
+    """The greedy answer to HI alone, 40 tokens past its EOS: the length tests' reference."""
+    return generate(lm, lm.tokenizer.encode_chat([HI]), 40, ignore_eos=True).token_ids
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_vllm_length_extensions_fix_the_answer_length(lm, server, path, stream):
+def test_vllm_length_extensions_fix_the_answer_length(lm, server, hi_greedy, path, stream):
     """What benchmark clients send to fix output lengths: ``ignore_eos`` runs to
     ``max_tokens`` past EOS; ``min_tokens`` keeps the answer from stopping early without
     putting a stop token inside it; ``stop_token_ids`` end it at a token of the client's
     choosing. The usage the server reports counts exactly those tokens."""
     ids = lm.tokenizer.encode_chat([HI])
     hi = {"prompt": ids} if path == "/v1/completions" else {"messages": [HI]}
-    greedy = generate(lm, ids, 40, ignore_eos=True).token_ids  # the reference, past its EOS
+    greedy = hi_greedy  # the reference, past its EOS
     natural = next(i for i, t in enumerate(greedy) if t in lm.tokenizer.eos_token_ids) + 1
 
     def ask(**extra):

@@ -24,7 +24,7 @@ _EXPORTS = {
     "Engine": "core.engine",
     "make_engine": "core.engine",
     "SamplingParams": "core.sampling",
-    "EngineLoop": "serving.loop",
+    "EngineLoop": "serving.server",
     "Generation": "model.baseline",
     "generate": "model.baseline",
     "LoadedModel": "model.load",

@@ -483,13 +483,13 @@ class Engine(EngineBase):
         the id is chosen and refused if in use, the queue's room checked (``QueueFull``) and
         the request enqueued: no other thread can take the same id or the last place in the
         queue in between, and ``poll`` knows the request as soon as ``submit`` returns."""
-        fields = self.check_request(prompt_ids, **params)
+        checked = self.check_request(prompt_ids, **params)
         with self._lock:
             rid = request_id if request_id is not None else self.new_id()
             if rid in self._requests:
                 raise ValueError(f"request id {rid!r} is already in use")
             self.admission.check_room(self._queue_depth)
-            self.enqueue(rid, fields, arrival_s)
+            self.enqueue(rid, checked, arrival_s)
         return rid
 
     def poll(self, req_id: str) -> tuple[list[int], str, str | None]:

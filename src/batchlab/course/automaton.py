@@ -42,6 +42,7 @@ class Automaton:
                 live.add(s)
                 todo.append(s)
         self._live = frozenset(live)
+        self._steps: dict[tuple[int, str], int | None] = {}  # (state, ch) -> step's answer, once worked out
 
     @classmethod
     def from_choices(cls, choices) -> "Automaton":
@@ -50,8 +51,12 @@ class Automaton:
 
     def step(self, state: int, ch: str) -> int | None:
         """The state after reading ``ch`` in ``state``; None if no text can match any more."""
-        nxt = self._map.get(state, {}).get(self._symbol[ch])
-        return nxt if nxt in self._live else None
+        try:  # a mask reads every token's characters: the same few pairs, millions of times
+            return self._steps[state, ch]
+        except KeyError:
+            nxt = self._map.get(state, {}).get(self._symbol[ch])
+            nxt = self._steps[state, ch] = nxt if nxt in self._live else None
+            return nxt
 
     def accepting(self, state: int) -> bool:
         """The text read so far is a whole match."""

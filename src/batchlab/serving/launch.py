@@ -14,8 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .app import create_app
-from .loop import EngineLoop
-from .server import Server, ServerBase
+from .server import EngineLoop, Server, ServerBase
 from ..core.policies import Admission, AdmissionBase
 from ..model.load import LoadedModel
 

@@ -11,7 +11,7 @@ from typing import Any, Callable
 from ...core.engine import Engine, EngineBase, make_engine
 from ...core.policies import Admission, QueueFull
 from ...core.fake import FakeModel, FakeRunner, reference_output
-from ...serving.loop import EngineLoop
+from ...serving.server import EngineLoop
 from ._core import Case, Verdict, answer_compare, run_cases, show
 from ._lineage import lineage_case
 from ._pieces import piece_case

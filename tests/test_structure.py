@@ -198,6 +198,22 @@ def test_the_readme_code_map_is_generated_from_the_tree():
             assert f"`{rel.stem}`" in table, rel
 
 
+LONGEST_SERVING_FUNCTION = 60  # issue 42: server.py's five jobs were split by job, none over 60 lines
+
+
+def test_no_function_in_serving_is_over_60_lines():
+    """A reader of the server meets functions that fit on a screen: none in ``serving/`` is over
+    ``LONGEST_SERVING_FUNCTION`` lines (decorators left out, its docstring counted)."""
+    long = [
+        f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted((PACKAGE / "serving").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > LONGEST_SERVING_FUNCTION
+    ]
+    assert not long, f"functions in serving/ over {LONGEST_SERVING_FUNCTION} lines: {long}"
+
+
 def test_a_kind_writes_planning_only():
     """One flow: the shipped kinds override none of the shared steps of a pass (preparing
     it, its result, leaving), and keep no containers of requests of their own -- who is

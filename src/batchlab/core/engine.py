@@ -514,7 +514,8 @@ class Engine(EngineBase):
 
     def cancel(self, req_id: str) -> bool:
         """Stop a request in any state; True if it was running, False if finished or unknown.
-        Its slot and KV blocks are freed at the start of the next step."""
+        Its slot and KV blocks are freed by the next sweep, before the engine plans its next pass
+        (right after the pass running now, or first in the next step)."""
         with self._lock:
             req = self._requests.get(req_id)
             if req is None or req.finished:

@@ -36,21 +36,23 @@ def mixed(lm):
     return requests
 
 
-@pytest.fixture(scope="module")
-def sequential(lm, mixed):
+def run_sequential(lm, requests):
+    """Each (prompt, max_new_tokens) through the sequential engine: its greedy tokens, in order."""
     engine = make_engine("sequential", lm)
-    ids = [engine.submit(p, max_new_tokens=m) for p, m in mixed]
+    ids = [engine.submit(p, max_new_tokens=m) for p, m in requests]
     engine.run_until_idle()
     return [engine.poll(i)[0] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def sequential(lm, mixed):
+    return run_sequential(lm, mixed)
 
 
 @pytest.fixture(scope="module")
 def sequential_two_layers(lm_two_layers, mixed):
     """The reference of the comparisons between engines: the sequential engine, two layers."""
-    engine = make_engine("sequential", lm_two_layers)
-    ids = [engine.submit(p, max_new_tokens=m) for p, m in mixed]
-    engine.run_until_idle()
-    return [engine.poll(i)[0] for i in ids]
+    return run_sequential(lm_two_layers, mixed)
 
 
 def test_sequential_engine_equals_generate(lm, mixed, sequential):

@@ -223,7 +223,7 @@ def test_the_server_hands_the_engine_one_sampling_params_as_the_body_asked(
     spec, want = given.structured_outputs, params.structured_outputs
     assert (spec is None) == (want is None)
     if want is not None:
-        assert (spec.kind, spec.regex, spec.json_object) == (want.kind, want.regex, want.json_object)
+        assert (spec.form, spec.regex, spec.json_object) == (want.form, want.regex, want.json_object)
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):

@@ -27,7 +27,7 @@ import numpy as np
 # JSON answers are written compactly, one space after ',' and ':', no other whitespace: a
 # flexible-whitespace grammar lets a small model emit newlines for ever and never close.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-KINDS = ("json", "regex", "choice", "json_object")
+FORMS = ("json", "regex", "choice", "json_object")
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,10 +42,10 @@ class StructuredOutputs:
     json_object: bool = False
 
     def __post_init__(self):
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k in FORMS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise ValueError(
-                f"structured output takes exactly one of {', '.join(KINDS)}; got "
+                f"structured output takes exactly one of {', '.join(FORMS)}; got "
                 f"{', '.join(given) if given else 'none'}"
             )
         if self.json is not None:
@@ -70,17 +70,17 @@ class StructuredOutputs:
             raise ValueError(f"json_object must be true or false, got {self.json_object!r}")
 
     @property
-    def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+    def form(self) -> str:
+        return next(k for k in FORMS if getattr(self, k) not in (None, False))
 
     @classmethod
     def from_dict(cls, fields: dict) -> "StructuredOutputs":
         """From vLLM's ``structured_outputs`` request field; unknown keys are an error."""
         if not isinstance(fields, dict):
             raise ValueError(f"structured_outputs must be an object, got {type(fields).__name__}")
-        unknown = sorted(set(fields) - set(KINDS))
+        unknown = sorted(set(fields) - set(FORMS))
         if unknown:
-            raise ValueError(f"structured_outputs takes {', '.join(KINDS)}; unknown: {', '.join(unknown)}")
+            raise ValueError(f"structured_outputs takes {', '.join(FORMS)}; unknown: {', '.join(unknown)}")
         return cls(**fields)
 
     def grammar(self) -> str:
@@ -167,11 +167,11 @@ def compile_constraint(spec: StructuredOutputs, tokenizer) -> GrammarConstraint:
     grammar = spec.grammar()
     error = llguidance.LLMatcher.validate_grammar(grammar, ll)
     if error:
-        raise CompileError(f"the {spec.kind} cannot be compiled: {error.strip().splitlines()[0]}")
+        raise CompileError(f"the {spec.form} cannot be compiled: {error.strip().splitlines()[0]}")
     matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
     if matcher.is_error():
         raise CompileError(
-            f"the {spec.kind} cannot be compiled: {matcher.get_error().strip().splitlines()[0]}"
+            f"the {spec.form} cannot be compiled: {matcher.get_error().strip().splitlines()[0]}"
         )
     return GrammarConstraint(matcher, tokenizer.vocab_size)
 

@@ -157,8 +157,8 @@ class CpuLlama:
     def _context(self, pk: np.ndarray, pv: np.ndarray, span) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values ``[length, KH, D]`` of one context: views of the pool for a slice,
         copies of the blocks (one copy a block) otherwise."""
-        kind, where, length = span
-        if kind == "slice":
+        layout, where, length = span
+        if layout == "slice":
             return pk[where : where + length], pv[where : where + length]
         shape = (-1, self.block_size) + pk.shape[1:]
         return (

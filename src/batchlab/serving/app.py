@@ -178,7 +178,7 @@ class Reply:
         )
 
     @property
-    def kind(self) -> str:
+    def object_name(self) -> str:
         """OpenAI's ``object`` of the whole answer."""
         return "chat.completion" if self.chat else "text_completion"
 
@@ -191,7 +191,7 @@ class Reply:
         }
 
     def choice(self, text: str, reason: str | None, final: bool) -> dict:
-        """The one choice: a chat answer's ``message`` (or a chunk's ``delta``), or a
+        """The one choice: a chat answer's ``message`` (or a stream event's ``delta``), or a
         completion's ``text``."""
         if self.chat:
             body = (
@@ -207,19 +207,19 @@ class Reply:
         """The whole answer, not streamed."""
         return {
             "id": self.ident,
-            "object": self.kind,
+            "object": self.object_name,
             "created": self.created,
             "model": self.model,
             "choices": [self.choice(text, reason, final=True)],
             "usage": self.usage(count),
         }
 
-    def chunk(self, choices: list, count: int = 0, **extra) -> str:
+    def event(self, choices: list, count: int = 0, **extra) -> str:
         """One event of the stream; ``count`` is the tokens so far, for the usage that
         every chunk with a choice carries when ``usage_every_chunk``."""
         if self.usage_every_chunk and choices:
             extra["usage"] = self.usage(count)
-        obj = self.kind + (".chunk" if self.chat else "")
+        obj = self.object_name + (".chunk" if self.chat else "")
         return sse(
             {
                 "id": self.ident,
@@ -267,14 +267,14 @@ async def streamed_answer(
     an error event, as OpenAI's and vLLM's servers send."""
     options = req.stream_options or StreamOptions()
     if reply.chat:
-        yield reply.chunk(
+        yield reply.event(
             [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
         )
     count = 0
     try:
         async for piece, reason, count in server.events(rid, req.stop):
             if piece or reason:
-                yield reply.chunk([reply.choice(piece, reason, final=False)], count)
+                yield reply.event([reply.choice(piece, reason, final=False)], count)
     except StreamEnded as e:
         yield sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": e.status}})
         yield SSE_DONE
@@ -293,7 +293,7 @@ async def streamed_answer(
         yield SSE_DONE
         return
     if options.include_usage:
-        yield reply.chunk([], usage=reply.usage(count))
+        yield reply.event([], usage=reply.usage(count))
     yield SSE_DONE
 
 

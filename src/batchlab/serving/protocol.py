@@ -162,21 +162,21 @@ def structured(req: SamplingFields) -> StructuredOutputs | None:
     both); None for plain text. A malformed one raises ``Unsupported`` naming its field. (Whether
     the grammar library can compile it is the engine's question: ``structured.CompileError``.)"""
     form = req.response_format
-    kind = None if form is None else form.get("type")
-    if kind not in (None, "text") and req.structured_outputs is not None:
+    form_type = None if form is None else form.get("type")
+    if form_type not in (None, "text") and req.structured_outputs is not None:
         return _refuse("give response_format or structured_outputs, not both", "structured_outputs")
     if req.structured_outputs is not None:
         try:
             return StructuredOutputs.from_dict(req.structured_outputs)
         except ValueError as e:
             return _refuse(f"structured_outputs: {e}", "structured_outputs")
-    if kind in (None, "text"):
+    if form_type in (None, "text"):
         return None
-    if kind == "json_object":
+    if form_type == "json_object":
         return StructuredOutputs(json_object=True)
-    if kind != "json_schema":
+    if form_type != "json_schema":
         return _refuse(
-            f"response_format type {kind!r} is not supported (text, json_object or json_schema)",
+            f"response_format type {form_type!r} is not supported (text, json_object or json_schema)",
             "response_format",
         )
     spec = form.get("json_schema")
@@ -234,11 +234,11 @@ def chat_turns(messages: list[ChatMessage]) -> list[dict]:
 def error(
     status: int,
     message: str,
-    kind: str = "invalid_request_error",
+    error_type: str = "invalid_request_error",
     param: str | None = None,
     code: str | None = None,
 ):
     return JSONResponse(
         status_code=status,
-        content={"error": {"message": message, "type": kind, "param": param, "code": code}},
+        content={"error": {"message": message, "type": error_type, "param": param, "code": code}},
     )

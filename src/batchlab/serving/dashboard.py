@@ -140,12 +140,12 @@ class Dashboard:
         span = min(RATE_WINDOW_S, now - steps[0].start_s) if steps else RATE_WINDOW_S
         tokens = sum(len(t) for s in steps for t in s.emitted.values())
         last = self.columns[-1] if self.columns else None
-        running = [c for c in self.clients.values() if c.record.finished_s is None]
+        in_flight = [c for c in self.clients.values() if c.record.finished_s is None]  # queued or running
         return {
             "tokens_per_s": tokens / span if span > 0 else 0.0,
             "queued": self.engine.queue_depth(),
-            "running": len(running),
-            "users": len({c.user for c in running}),
+            "in_flight": len(in_flight),
+            "users": len({c.user for c in in_flight}),
             "kv_used": last["kv"] if last else 0,
             "slots_busy": self.engine.slots_busy(),
             **self.summary(),
@@ -153,7 +153,7 @@ class Dashboard:
 
     def summary(self) -> dict:
         """The class's recent requests: how many finished, and the TTFT, time between tokens
-        and tokens/s of each that has them (running ones too)."""
+        and tokens/s of each that has them (unfinished ones too)."""
         records = [c.record for c in self.clients.values()]
         ttft = [(r.first_token_s - r.arrival_s) * 1000 for r in records if r.first_token_s is not None]
         times = [list(r.token_times_s) for r in records]
@@ -301,7 +301,7 @@ td.prompt{color:#666;max-width:0;width:100%}
       <div><b id="slots">–</b><span>slots busy</span></div>
       <div><b id="ttft">–</b><span>TTFT p50 (ms)</span></div>
       <div><b id="tbt">–</b><span>TBT p50 (ms)</span></div>
-      <div><b id="users">–</b><span>users running</span></div>
+      <div><b id="users">–</b><span>users with open requests</span></div>
     </div>
     <div><span id="kvtext">KV blocks</span><div id="kvbar"><div></div></div></div>
     <!--LEGEND-->

@@ -326,22 +326,25 @@ def test_drafts_take_only_free_blocks_and_never_preempt():
     prompts = [[41, 42, 43, 44, 45] * 2, [46, 47, 48, 49, 50] * 2]  # 10 tokens + 30 new: 10 blocks
     engine = engine_for(PureEchoRunner, num_speculative_tokens=5, max_batch_size=2, num_kv_blocks=13)
     sched, cut = engine.scheduler, 0
-    real = sched.drafts
+    real = sched.fit_drafts
 
-    def drafts(decode, budget):
+    def fit_drafts(batch):  # after growth: the drafts' blocks
         nonlocal cut
         before, free = sched.num_preemptions, sched.blocks.num_free
-        out = real(decode, budget)
+        for r in batch.decode:  # what prompt lookup proposed (the budget, 24, never cuts here)
+            left = r.max_new_tokens - len(r.output_ids) - 1
+            assert batch.drafts.get(r.id, []) == propose_ngram(
+                r.token_ids(0, r.prompt_len + len(r.output_ids)), min(5, left)
+            )
+        wanted = {rid: len(d) for rid, d in batch.drafts.items()}
+        out = real(batch)
         assert sched.num_preemptions == before, "a draft preempted somebody"
         taken = free - sched.blocks.num_free
         assert 0 <= taken <= free
-        for r in decode:
-            left = r.max_new_tokens - len(r.output_ids) - 1
-            want = propose_ngram(r.token_ids(0, r.prompt_len + len(r.output_ids)), min(5, left))
-            cut += len(out.get(r.id, [])) < len(want)  # the budget (24) is never what cuts here
+        cut += sum(len(out.drafts.get(rid, [])) < n for rid, n in wanted.items())
         return out
 
-    sched.drafts = drafts
+    sched.fit_drafts = fit_drafts
     results = run(engine, [(p, 30) for p in prompts], check_each_step=True)
     for prompt, got in zip(prompts, results):
         assert got == (reference(PureEchoRunner, prompt, 30), "done", "length")

@@ -232,8 +232,8 @@ class Scheduler:
     # -- one pass: before and after the runner --------------------------------------------
     def prepare(self, batch: Batch) -> list[Chunk]:
         """Take the KV blocks ``batch`` writes and describe it to the runner: one chunk per
-        request, in ``batch.requests`` order. (On-demand kinds took them while planning,
-        with ``make_room``; for up-front kinds this is where reserved blocks are taken.)"""
+        request, in ``batch.requests`` order. (On-demand kinds took them in ``grow``; for
+        up-front kinds this is where reserved blocks are taken.)"""
         # A decode row: its last token, then its drafts if it has any (a verify row). An empty
         # list of drafts is no verify row. A row whose stop tokens are still banned
         # (``min_new_tokens`` not reached) verifies none: the ban is the same at every position

@@ -145,8 +145,8 @@ class ContinuousScheduler(StopRules, OnDemandKV, Scheduler):
     def grow(self, batch: Batch) -> Batch:
         """Take the blocks every row of ``batch`` writes, the most important rows first, so
         that when the pool is short the least important give way (``make_room``). Returns the
-        batch without the rows that were preempted. (Our planning took them already, so
-        here this finds nothing to do; a planner that did not gets them here.)"""
+        batch without the rows that were preempted. The one place a pass's rows get their
+        blocks: planners only choose rows (admission, ``start``, takes a first chunk's)."""
         rows = [(r, 1) for r in batch.decode] + list(batch.prefill)
         for req, n in sorted(rows, key=lambda row: self.policy.importance(row[0])):
             if req in self.running:
@@ -189,9 +189,7 @@ class ContinuousScheduler(StopRules, OnDemandKV, Scheduler):
         """3. One chunk of the prefilling request, a pass of its own; the chunk that ends
         the prompt samples its first token (then it awaits a slot)."""
         for req in self.in_state(State.PREFILLING)[:1]:
-            n = min(self.prefill_step, req.prefill_left)
-            if self.make_room(req, n):
-                yield Batch(prefill=[(req, n)])
+            yield Batch(prefill=[(req, min(self.prefill_step, req.prefill_left))])
 
     def place(self) -> None:
         """4. Move prefilled requests into free slots, first come first placed."""
@@ -202,11 +200,7 @@ class ContinuousScheduler(StopRules, OnDemandKV, Scheduler):
             req.set_state(State.DECODING, self.clock())
 
     def decode_rows(self) -> Iterator[Batch]:
-        """5. One decode step for every occupied slot. Blocks go to the most important
-        rows first, so if the pool is short the least important give way."""
-        for req in sorted((r for r in self.slots if r is not None), key=self.policy.importance):
-            if req.slot is not None:  # not preempted for a more important row
-                self.make_room(req, 1)
+        """5. One decode step for every occupied slot."""
         rows = [r for r in self.slots if r is not None]
         if rows:
             yield Batch(decode=rows)

@@ -102,21 +102,15 @@ class StallFreeScheduler(ContinuousScheduler):
             yield batch
 
     def plan(self) -> Batch:
-        """The step's one pass: decodes (with their drafts, when speculating), then partial
-        prefills, then admissions."""
-        decode = self.decodes()
+        """The step's one pass: every decode (with its drafts, when speculating), then partial
+        prefills, then admissions. Its rows get their KV blocks after, in ``grow``."""
+        decode = self.in_state(State.DECODING)
         budget = self.token_budget - len(decode)
         drafts = self.drafts(decode, budget)
         budget -= sum(len(d) for d in drafts.values())
         prefill = self.continue_prefills(budget)
         prefill += self.admit_within(budget - sum(n for _, n in prefill))
-        held = set(map(id, self.running))  # a later phase may have preempted an earlier pick
-        decode = [r for r in decode if id(r) in held]
-        return Batch(
-            decode=decode,
-            prefill=[(r, n) for r, n in prefill if id(r) in held],
-            drafts={r.id: drafts[r.id] for r in decode if r.id in drafts},
-        )
+        return Batch(decode=decode, prefill=prefill, drafts=drafts)
 
     def drafts(self, decode: list[Request], budget: int) -> dict[str, list[int]]:
         """Speculative decoding by prompt lookup (vLLM's "ngram" method): each decode row, the
@@ -124,16 +118,10 @@ class StallFreeScheduler(ContinuousScheduler):
         (``propose_ngram`` over its prompt and output), verified in this same pass. As vLLM V1
         does, drafts are paid from the token budget before partial prefills and admissions.
         A row gets at most one draft fewer than the tokens it has left (the verify pass adds
-        one token of the model's own), none while its stop tokens are banned (``min_new_tokens``
-        not reached), and only as many as FREE KV blocks hold: a draft never preempts anyone,
-        and the blocks the partial prefills may need this step stay free for them."""
+        one token of the model's own) and none while its stop tokens are banned
+        (``min_new_tokens`` not reached); ``grow`` cuts drafts to what FREE KV blocks hold."""
         if not self.num_speculative_tokens:
             return {}
-        bs = self.blocks.block_size
-        spare = self.blocks.num_free - sum(
-            self.blocks.blocks_to_grow(r.id, r.num_computed + min(r.prefill_left, budget))
-            for r in self.in_state(State.PREFILLING)
-        )
         drafts = {}
         for req in sorted(decode, key=self.policy.importance):
             tokens_left = req.max_new_tokens - len(req.output_ids)
@@ -144,15 +132,28 @@ class StallFreeScheduler(ContinuousScheduler):
             proposal = propose_ngram(
                 req.token_ids(0, length), k, self.prompt_lookup_min, self.prompt_lookup_max
             )
-            end = req.num_computed + 1  # its row's input token; decodes() took its block
-            room = (len(self.blocks.tables[req.id]) + max(spare, 0)) * bs - end
-            proposal = proposal[: max(room, 0)]
             if proposal:
-                spare -= self.blocks.blocks_to_grow(req.id, end + len(proposal))
-                self.blocks.ensure(req.id, end + len(proposal))
                 drafts[req.id] = proposal
                 budget -= len(proposal)
         return drafts
+
+    def grow(self, batch: Batch) -> Batch:
+        """Every row's blocks, the most important first, preempting while the pool is short
+        (``ContinuousScheduler.grow``); then the drafts' (``fit_drafts``)."""
+        return self.fit_drafts(super().grow(batch))
+
+    def fit_drafts(self, batch: Batch) -> Batch:
+        """Each draft list's blocks, the most important rows first, from FREE blocks only: a
+        draft is a guess and preempts nobody, so a list is cut to what is free (the budget it
+        was planned with goes unused this pass)."""
+        for req in sorted(batch.decode, key=self.policy.importance):
+            if req.id not in batch.drafts:
+                continue
+            end = req.num_computed + 1  # its row's input token; its block was taken above
+            room = (len(self.blocks.tables[req.id]) + self.blocks.num_free) * self.blocks.block_size - end
+            batch.drafts[req.id] = batch.drafts[req.id][: max(room, 0)]
+            self.blocks.ensure(req.id, end + len(batch.drafts[req.id]))
+        return batch
 
     def accept(self, req: Request, drafts: list[int], picks: list[int]) -> list[int]:
         """The tokens a verify row adds: the drafts its picks confirm, then the model's own
@@ -160,27 +161,19 @@ class StallFreeScheduler(ContinuousScheduler):
         rule = accept_greedy if req.sampler.params.greedy else accept_sampled
         return rule(drafts, picks)
 
-    def decodes(self) -> list[Request]:
-        """Every decoding request, one token each (blocks to the most important first)."""
-        decode = self.in_state(State.DECODING)
-        for req in sorted(decode, key=self.policy.importance):
-            if req.slot is not None:
-                self.make_room(req, 1)
-        return [r for r in decode if r.slot is not None]
-
     def continue_prefills(self, budget: int) -> list[tuple[Request, int]]:
         """Partial prefills continue, in admission order, while the budget lasts."""
         prefill = []
         for req in self.in_state(State.PREFILLING):
             n = min(budget, req.prefill_left)
-            if n > 0 and req.state is State.PREFILLING and self.make_room(req, n):
+            if n > 0:
                 prefill.append((req, n))
                 budget -= n
         return prefill
 
     def admit_within(self, budget: int) -> list[tuple[Request, int]]:
         """New requests while budget, a free slot and free blocks for a first chunk remain.
-        A request preempted while planning this step waits for the next one."""
+        A request preempted in this step waits for the next one."""
         prefill = []
         while budget > 0 and self.queue and self.free_slot() is not None:
             req = self.policy.next_queued(self.queue)

@@ -7,6 +7,7 @@ from typing import Callable
 import numpy as np
 
 from ...core.batch import Batch
+from ...core.request import State
 from ...core.runner import Chunk
 from ...core.scheduler import Scheduler, StallFreeScheduler
 from ...core.trace import StepRecord, Trace
@@ -174,7 +175,7 @@ class _PrefillFirst(StallFreeScheduler):
         prefill = self.continue_prefills(self.token_budget)
         prefill += self.admit_within(self.token_budget - sum(n for _, n in prefill))
         budget = self.token_budget - sum(n for _, n in prefill)
-        return Batch(decode=self.decodes()[: max(budget, 0)], prefill=prefill)
+        return Batch(decode=self.in_state(State.DECODING)[: max(budget, 0)], prefill=prefill)
 
 
 def _fake_trace(scheduler_cls, batch: int, budget: int, seed: int) -> Trace:

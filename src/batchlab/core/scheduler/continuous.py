@@ -134,7 +134,8 @@ class ContinuousScheduler(StopRules, OnDemandKV, Scheduler):
     def fits(self, req, max_tokens: float) -> bool:
         """Admission by free blocks: the pool must hold the first chunk (at most
         ``max_tokens``, after any cached prefix) and still keep one block of headroom for
-        every decoding request, so that admitting does not at once force a preemption."""
+        every decoding request, room for its next token (a prefill still under way is not
+        counted: its next chunk may preempt)."""
         hits, cached, n = self.first_chunk(req, max_tokens)
         taken = (
             self.blocks.blocks_for(cached + n) - len(hits) + sum(self.blocks.ref_counts[b] == 0 for b in hits)

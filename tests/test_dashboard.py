@@ -206,7 +206,7 @@ def test_the_summary_gives_the_class_latencies(lm):
         summary = wait_for(settled, 30, "the dashboard counting three finished requests", poll_s=0.05)
         table = [d for name, d in read_events(handle.base_url, an_update) if name == "update"][-1]["table"]
     assert summary["finished"] == 3 and summary["finished_users"] == 3
-    assert summary["in_flight"] == summary["slots_busy"] == summary["queued"] == 0
+    assert summary["in_flight"] == summary["running"] == summary["slots_busy"] == summary["queued"] == 0
     assert {row["user"] for row in table} == set(client_ttft)
     for row in table:
         assert 0 < row["ttft_ms"] <= client_ttft[row["user"]]

@@ -434,8 +434,16 @@ class EngineBase:
         with self._lock:
             return sum(r is not None for r in self.scheduler.slots)
 
+    def num_running(self) -> int:
+        """Requests admitted and not finished (for /metrics and the dashboard)."""
+        with self._lock:
+            return self._running()
+
     def _queue_depth(self) -> int:
         return sum(not r.finished for r in (*self._inbox, *self.scheduler.queue))
+
+    def _running(self) -> int:
+        return sum(1 for r in self._requests.values() if not r.finished) - self._queue_depth()
 
     # -- what happened ----------------------------------------------------------------------
     def stats(self) -> dict:
@@ -447,7 +455,7 @@ class EngineBase:
                 self.trace.kind, self.trace.max_batch_size, list(self.trace.steps), dict(self.trace.requests)
             )
             queued = self._queue_depth()
-            running = sum(1 for r in self._requests.values() if not r.finished) - queued  # admitted
+            running = self._running()
             finished = dict(self.finished_by_reason)
             kv = self.scheduler.kv_usage()
         return {

@@ -144,6 +144,7 @@ class Dashboard:
         return {
             "tokens_per_s": tokens / span if span > 0 else 0.0,
             "queued": self.engine.queue_depth(),
+            "running": self.engine.num_running(),  # admitted, not finished (as /metrics)
             "in_flight": len(in_flight),
             "users": len({c.user for c in in_flight}),
             "kv_used": last["kv"] if last else 0,

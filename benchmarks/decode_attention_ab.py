@@ -1,5 +1,5 @@
 """The CPU runner's decode attention two ways, interleaved in one process on the real model:
-today's ``attention.decode_rows_views`` (every row's scores in one padded array, one softmax
+today's ``cpu_llama.decode_rows_views`` (every row's scores in one padded array, one softmax
 for all rows, two matrix products a row) against a softmax per row (five numpy calls more a
 row, the version before 2026-12-03). B=16 decode rows at context 256, as in
 ``step_profile.py``; each round runs both, ``--reps`` timed steps each; medians.
@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import step_profile  # noqa: E402  (imports batchlab first: OpenBLAS before MLX)
 
-from batchlab.model import attention  # noqa: E402
+from batchlab.model import cpu_llama  # noqa: E402
 from batchlab.core.kv import BlockManager  # noqa: E402
 from batchlab.model.load import load_model  # noqa: E402
 from batchlab.model.model_runner import ModelRunner  # noqa: E402
@@ -34,7 +34,7 @@ def softmax_per_row(q, contexts, scale):
     qg = (q * np.float32(scale)).reshape(R, KH, H // KH, D)
     out = np.empty_like(qg)
     for r, (keys, values) in enumerate(contexts):
-        out[r] = attention.softmax_(qg[r] @ keys.transpose(1, 2, 0)) @ values.transpose(1, 0, 2)
+        out[r] = cpu_llama.softmax_(qg[r] @ keys.transpose(1, 2, 0)) @ values.transpose(1, 0, 2)
     return out.reshape(R, H * D)
 
 
@@ -47,10 +47,10 @@ def main() -> None:
     blocks = BlockManager(-(-(16 * (step_profile.CONTEXT + 8) + 400) // 16), 16)
     runner = ModelRunner(lm, blocks.num_blocks, 16)
     rows = step_profile.passes(runner, blocks)["decode B=16"]
-    ways = {"padded softmax (today)": attention.decode_rows_views, "softmax per row": softmax_per_row}
+    ways = {"padded softmax (today)": cpu_llama.decode_rows_views, "softmax per row": softmax_per_row}
     logits = {}
     for name, way in ways.items():
-        attention.decode_rows_views = way
+        cpu_llama.decode_rows_views = way
         logits[name] = np.asarray(runner.forward(rows))
     a, b = logits.values()
     print(
@@ -61,7 +61,7 @@ def main() -> None:
     attn = {name: [] for name in ways}
     for _ in range(args.rounds):
         for name, way in ways.items():
-            attention.decode_rows_views = way
+            cpu_llama.decode_rows_views = way
             runner.forward(rows)  # warm-up
             for _ in range(args.reps):
                 runner.profile = {}
@@ -70,7 +70,7 @@ def main() -> None:
                 steps[name].append(time.perf_counter() - start)
                 attn[name].append(runner.profile["attention"])
             runner.profile = None
-    attention.decode_rows_views = ways["padded softmax (today)"]
+    cpu_llama.decode_rows_views = ways["padded softmax (today)"]
     for name in ways:
         print(
             f"{name:24s} step {statistics.median(steps[name]) * 1e3:6.1f} ms   "

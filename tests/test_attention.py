@@ -1,4 +1,5 @@
-"""``batchlab.model.attention`` (the CPU attention the runner uses) against float64 numpy
+"""The runner's attention (``model_runner.prefill_chunk`` / ``decode_rows``, the CPU path's
+numpy ``cpu_llama.softmax_`` / ``decode_rows_views``) against float64 numpy
 references written independently: plain per-head softmax attention with GQA by
 ``h // G`` and explicit causal / padding rules, and ``mx.fast``'s own attention."""
 
@@ -6,7 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchlab.model import attention
+from batchlab.model.cpu_llama import decode_rows_views, softmax_
+from batchlab.model.model_runner import additive_mask, decode_rows, prefill_chunk
 
 H, KH, D = 9, 3, 64
 SCALE = D**-0.5
@@ -30,7 +32,7 @@ def test_softmax_matches_float64_and_gives_masked_keys_exactly_zero():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((4, 3, 257)) * 30).astype(np.float32)  # wide range: underflows too
     x[..., 100:] = -np.inf
-    got = attention.softmax_(x.copy())
+    got = softmax_(x.copy())
     x64 = x.astype(np.float64)
     want = np.exp(x64 - x64.max(-1, keepdims=True))
     want /= want.sum(-1, keepdims=True)
@@ -47,8 +49,8 @@ def test_prefill_chunk(start, L):
     k, v = (rng.standard_normal((S, KH, D)).astype(np.float32) for _ in range(2))
     allowed = np.arange(S)[None, :] <= (start + np.arange(L))[:, None]
     want = reference(q, k, v, allowed)
-    mask = None if start == 0 else attention.additive_mask(allowed)  # None: the causal case
-    got = np.array(attention.prefill_chunk(mx.array(q), mx.array(k), mx.array(v), mask, SCALE))
+    mask = None if start == 0 else additive_mask(allowed)  # None: the causal case
+    got = np.array(prefill_chunk(mx.array(q), mx.array(k), mx.array(v), mask, SCALE))
     assert got.shape == (L, H * D)
     assert np.max(np.abs(got - want)) < 2e-6
     fast = mx.fast.scaled_dot_product_attention(
@@ -69,9 +71,7 @@ def test_decode_rows_each_row_sees_only_its_own_context():
     k, v = (rng.standard_normal((len(lengths), S, KH, D)).astype(np.float32) for _ in range(2))
     allowed = np.arange(S)[None, :] < np.array(lengths)[:, None]
     k[~allowed] = 1e4  # padding holds garbage: a mask that leaked would show
-    got = np.array(
-        attention.decode_rows(mx.array(q), mx.array(k), mx.array(v), attention.additive_mask(allowed), SCALE)
-    )
+    got = np.array(decode_rows(mx.array(q), mx.array(k), mx.array(v), additive_mask(allowed), SCALE))
     for r, n in enumerate(lengths):
         want = reference(q[r : r + 1], k[r, :n], v[r, :n], np.ones((1, n), bool))
         assert np.max(np.abs(got[r] - want[0])) < 2e-6, r
@@ -87,7 +87,7 @@ def test_decode_rows_views_each_row_over_its_own_keys_of_its_own_length():
     starts = [0, 10, 400, 500, 700]
     q = rng.standard_normal((len(lengths), H, D)).astype(np.float32)
     contexts = [(pool_k[s : s + n], pool_v[s : s + n]) for s, n in zip(starts, lengths)]
-    got = attention.decode_rows_views(q, contexts, SCALE)
+    got = decode_rows_views(q, contexts, SCALE)
     assert got.shape == (len(lengths), H * D)
     for r, (s, n) in enumerate(zip(starts, lengths)):
         want = reference(q[r : r + 1], pool_k[s : s + n], pool_v[s : s + n], np.ones((1, n), bool))

@@ -13,7 +13,7 @@ from dataclasses import replace
 import mlx.core as mx
 import numpy as np
 
-from ..model import attention
+from ..model import cpu_llama
 from ..model.backend import gpu_path
 from .driver import capped, interleaved_order
 from ..core.kv import BlockManager
@@ -239,7 +239,7 @@ def one_row_linears(lm: LoadedModel, repeats: int = 5) -> dict:
         mx.eval([rows[w.shape[1]] @ w.T for w in weights])
         mlx_s = time.perf_counter() - start
         time.sleep(0.3)
-        with attention.numpy_blas_threads(attention.CORES):
+        with cpu_llama.numpy_blas_threads(cpu_llama.CORES):
             start = time.perf_counter()
             for w in arrays:
                 np_rows[w.shape[1]] @ w.T

@@ -3,23 +3,33 @@
 On the CPU, MLX's own layers are slow everywhere but in their matrix multiplies: its
 element-wise kernels are scalar loops off Apple, and its attention runs at a few GFLOP/s.
 So on Linux the runner (``model_runner.ModelRunner``) hands each pass to ``CpuLlama``: a
-Llama written in numpy (RMSNorm, rotary embeddings, SwiGLU, attention from
-``batchlab.model.attention``) whose weight matrices multiply in MLX with OpenBLAS, or in numpy's
-GEMV for a single row. Same inputs, same outputs as MLX's own layers, to float32 rounding
-(``tests/test_model.py``). The measurements behind each choice are in
-``docs/results/cpu_path_measurements.md``.
+Llama written in numpy (RMSNorm, rotary embeddings, SwiGLU, attention) whose weight matrices
+multiply in MLX with OpenBLAS, or in numpy's GEMV for a single row. Same inputs, same outputs
+as MLX's own layers, to float32 rounding (``tests/test_model.py``).
+
+Attention, at the end of this file, is exact to float32 rounding: two batched matmuls, one per
+KV head with its group of query heads stacked as rows (``[KH, G*L, D] @ [KH, D, S]``: GQA
+without copying keys), an additive float mask, and a softmax done in place, on one thread,
+with numpy's own OpenBLAS held to one thread beside MLX's. The measurements behind each choice
+are in ``docs/results/cpu_path_measurements.md``.
 """
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from threadpoolctl import ThreadpoolController
 
-from . import attention
 from .backend import gpu_path
 from ..core.runner import Chunk, Model
 
+# numpy's wheel bundles its own OpenBLAS (symbols prefixed scipy_openblas); MLX's is another
+_NUMPY_BLAS = ThreadpoolController().select(prefix="libscipy_openblas")
+_NUMPY_BLAS.limit(limits=1)
+CORES = min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 8)
 NUMPY_MATMUL_MAX_ROWS = 1  # at most this many rows, a weight matrix multiplies in numpy's GEMV
 
 
@@ -110,7 +120,7 @@ class CpuLlama:
             if R:  # each row over its own context: a view of the pool where its blocks are consecutive
                 contexts = [self._context(pk, pv, span) for span in row_spans]
                 tick("context gather")
-                out[:R] = attention.decode_rows_views(q[:R], contexts, self.scale)
+                out[:R] = decode_rows_views(q[:R], contexts, self.scale)
                 tick("attention")
             offset = R
             for c, span in zip(prefills, spans):
@@ -121,9 +131,7 @@ class CpuLlama:
                     kc, vc = self._context(pk, pv, span[0])
                     mask = span[1]
                 tick("context gather")
-                out[offset : offset + L] = attention.prefill_chunk_np(
-                    q[offset : offset + L], kc, vc, mask, self.scale
-                )
+                out[offset : offset + L] = prefill_chunk_np(q[offset : offset + L], kc, vc, mask, self.scale)
                 tick("attention")
                 offset += L
             (o,) = self._matmuls(out, lw.o)
@@ -217,3 +225,86 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     np.divide(gate, act, out=act)
     act *= up
     return act
+
+
+# Attention on the CPU path, in numpy (shapes: queries ``[N, H, D]``, token-major as the runner packs
+# them; keys and values ``[S, KH, D]``, or ``[R, S, KH, D]`` for padded decode rows; query head ``h`` reads
+# KV head ``h // G`` with ``G = H // KH``, as in mlx-lm).
+
+
+def numpy_blas_threads(threads: int):
+    """A context in which numpy's own BLAS uses ``threads`` threads (one outside it)."""
+    return _NUMPY_BLAS.limit(limits=threads)
+
+
+def softmax_(scores: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis of float32 ``scores``, in place; -inf scores get
+    weight 0."""
+    np.subtract(scores, scores.max(axis=-1, keepdims=True), out=scores)
+    np.exp(scores, out=scores)
+    scores *= 1.0 / scores.sum(axis=-1, keepdims=True, dtype=np.float32)
+    return scores
+
+
+def prefill_chunk_np(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray | None, scale: float
+) -> np.ndarray:
+    """``prefill_chunk`` on float32 numpy arrays (the CPU runner's own call): queries
+    ``[L, H, D]``, keys and values ``[S, KH, D]``, additive ``mask`` ``[L, S]`` or None
+    (causal over the chunk's own keys). Returns ``[L, H * D]``."""
+    L, H, D = q.shape
+    S, KH, _ = keys.shape
+    G = H // KH
+    if mask is None:  # the keys are the chunk's own: causal
+        mask = np.where(np.tril(np.ones((L, S), dtype=bool)), np.float32(0), np.float32(-np.inf))
+    # [KH, G*L, D]: each KV head's query heads stacked as rows of one matrix; row m is
+    # the query at chunk position m % L
+    qg = (q * np.float32(scale)).reshape(L, KH, G, D).transpose(1, 2, 0, 3).reshape(KH, G * L, D)
+    keys_t, values_h = keys.transpose(1, 2, 0), values.transpose(1, 0, 2)  # [KH, D, S], [KH, S, D]
+
+    scores = qg @ keys_t  # [KH, G*L, S]
+    scores += mask[np.arange(G * L) % L]
+    out = softmax_(scores) @ values_h  # [KH, G*L, D]
+    return out.reshape(KH, G, L, D).transpose(2, 0, 1, 3).reshape(L, H * D)
+
+
+def decode_rows_np(
+    q: np.ndarray, keys: np.ndarray, values: np.ndarray, mask: np.ndarray, scale: float
+) -> np.ndarray:
+    """``decode_rows`` on float32 numpy arrays (the CPU runner's own call): queries
+    ``[R, H, D]``, padded contexts ``[R, S, KH, D]``, additive ``mask`` ``[R, S]``.
+    Returns ``[R, H * D]``."""
+    R, H, D = q.shape
+    _, S, KH, _ = keys.shape
+    G = H // KH
+    qg = (q * np.float32(scale)).reshape(R, KH, G, D)
+    keys_t, values_h = keys.transpose(0, 2, 3, 1), values.transpose(0, 2, 1, 3)  # [R, KH, D|S, S|D]
+
+    scores = qg @ keys_t  # [R, KH, G, S]
+    scores += mask[:, None, None, :]
+    out = softmax_(scores) @ values_h  # [R, KH, G, D]
+    return out.reshape(R, H * D)
+
+
+def decode_rows_views(
+    q: np.ndarray, contexts: list[tuple[np.ndarray, np.ndarray]], scale: float
+) -> np.ndarray:
+    """Attention of ``R`` decode rows ``[R, H, D]`` (float32 numpy), row ``r`` over its own
+    keys and values ``contexts[r]`` (each ``[S_r, KH, D]``, typically views of the KV pool:
+    nothing gathered, no mask). Each row's scores go into one ``[R, KH, G, max S_r]``
+    array whose unused tail stays -inf, so the softmax is one pass over all rows, and each
+    row costs two matrix multiplies (measured against a softmax per row and against
+    ``decode_rows_np``: ``docs/results/cpu_path_measurements.md``)."""
+    R, H, D = q.shape
+    KH = contexts[0][0].shape[1] if R else 1
+    G = H // KH
+    qg = (q * np.float32(scale)).reshape(R, KH, G, D)
+    lengths = [keys.shape[0] for keys, _ in contexts]
+    scores = np.full((R, KH, G, max(lengths, default=0)), -np.inf, dtype=np.float32)
+    for r, (keys, _) in enumerate(contexts):
+        np.matmul(qg[r], keys.transpose(1, 2, 0), out=scores[r, :, :, : lengths[r]])
+    softmax_(scores)
+    out = np.empty((R, KH, G, D), dtype=np.float32)
+    for r, (_, values) in enumerate(contexts):
+        np.matmul(scores[r, :, :, : lengths[r]], values.transpose(1, 0, 2), out=out[r])
+    return out.reshape(R, H * D)

@@ -10,7 +10,13 @@ rows: decode rows ride along on a prefill chunk's matrix multiplies. Only attent
 is per sequence, because each sequence attends to its own keys and values:
 - decode rows together: their contexts gathered from the KV pool, padded, masked;
 - each prefill chunk: causal attention over its own earlier tokens plus itself.
-Both go through ``batchlab.model.attention`` (fast CPU attention; ``mx.fast`` on Metal).
+Both go through ``decode_rows`` and ``prefill_chunk`` at the end of this file: on the GPU path
+(``backend.gpu_path``: the GPU, or ``BATCHLAB_GPU_PATH=1`` on the CPU) MLX's fused
+``mx.fast.scaled_dot_product_attention``, the graph staying lazy; elsewhere numpy's
+(``cpu_llama``), where MLX's CPU attention is slow. The fused kernel's additive mask must have the
+queries' dtype (float16 on a Mac): MLX refuses a float32 mask with float16 queries ("Mask type
+must promote to output type"), so the mask is cast where it is used. On Linux the CPU path
+(``cpu_llama.CpuLlama``) runs the whole pass in numpy instead.
 
 The runner decides nothing: which chunks run is the scheduler's job.
 """
@@ -22,9 +28,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from . import attention
 from .backend import gpu_path
-from .cpu_llama import CpuLlama, cpu_path_applies, silu_mul
+from .cpu_llama import CpuLlama, cpu_path_applies, decode_rows_np, prefill_chunk_np, silu_mul
 from ..core.runner import Chunk, Model, Runner
 from ..core.sampling import Sampler, sample_rows
 
@@ -203,9 +208,7 @@ class ModelRunner(Runner):
         outputs = []
         if num_rows:  # decode rows: one query each, over its gathered, padded context
             gather, mask = row_context
-            outputs.append(
-                attention.decode_rows(q[:num_rows], keys[gather], values[gather], mask, self.scale)
-            )
+            outputs.append(decode_rows(q[:num_rows], keys[gather], values[gather], mask, self.scale))
         offset = num_rows
         for chunk, (gather, mask) in zip(prefills, prefill_context):
             L = len(chunk.tokens)
@@ -213,7 +216,7 @@ class ModelRunner(Runner):
                 kc, vc = k[offset : offset + L], v[offset : offset + L]
             else:
                 kc, vc = keys[gather], values[gather]
-            outputs.append(attention.prefill_chunk(q[offset : offset + L], kc, vc, mask, self.scale))
+            outputs.append(prefill_chunk(q[offset : offset + L], kc, vc, mask, self.scale))
             offset += L
         return mx.concatenate(outputs)[None] if len(outputs) > 1 else outputs[0][None]
 
@@ -225,7 +228,7 @@ class ModelRunner(Runner):
         for r, c in enumerate(rows):
             gather[r, : lengths[r]] = c.kv_addresses(0, lengths[r], self.block_size)
         allowed = np.arange(longest)[None, :] < np.array(lengths)[:, None]
-        return mx.array(gather), attention.additive_mask(allowed)
+        return mx.array(gather), additive_mask(allowed)
 
     def _prefill_context(self, chunk: Chunk):
         """Gather indices of the chunk's whole context and its additive causal mask (query i,
@@ -236,7 +239,7 @@ class ModelRunner(Runner):
         total = chunk.start + L
         gather = mx.array(chunk.kv_addresses(0, total, self.block_size))
         allowed = np.arange(total)[None, :] <= (chunk.start + np.arange(L))[:, None]
-        return gather, attention.additive_mask(allowed)
+        return gather, additive_mask(allowed)
 
     def _lm_head(self, h: mx.array) -> mx.array:
         model = self.lm.model
@@ -250,5 +253,54 @@ def mlp(block, x: mx.array) -> mx.array:
     numpy, where MLX's sigmoid is a scalar ``exp`` loop (``docs/results/cpu_path_measurements.md``)."""
     if gpu_path():
         return block(x)
-    gate, up = attention.to_numpy(block.gate_proj(x), block.up_proj(x))
+    gate, up = to_numpy(block.gate_proj(x), block.up_proj(x))
     return block.down_proj(mx.array(silu_mul(gate, up)).astype(x.dtype))
+
+
+def additive_mask(allowed: np.ndarray) -> mx.array:
+    """A boolean mask (True: may attend) as 0 / -inf to add to the scores."""
+    return mx.array(np.where(allowed, 0.0, -np.inf).astype(np.float32))
+
+
+def to_numpy(*arrays: mx.array) -> list[np.ndarray]:
+    """float32 numpy views of MLX arrays, evaluated together (copies only to convert a dtype)."""
+    arrays = [a if a.dtype == mx.float32 else a.astype(mx.float32) for a in arrays]
+    mx.eval(*arrays)
+    return [np.asarray(a) for a in arrays]
+
+
+def prefill_chunk(q: mx.array, keys: mx.array, values: mx.array, mask, scale: float) -> mx.array:
+    """Attention of one prefill chunk's ``L`` queries ``[L, H, D]`` over its context
+    ``[S, KH, D]``; ``mask`` is additive ``[L, S]`` (None: the keys are exactly the chunk's
+    own, causal). Returns ``[L, H * D]``."""
+    L, H, D = q.shape
+    if gpu_path():
+        out = mx.fast.scaled_dot_product_attention(
+            q.transpose(1, 0, 2)[None],
+            keys.transpose(1, 0, 2)[None],
+            values.transpose(1, 0, 2)[None],
+            scale=scale,
+            mask="causal" if mask is None else mask.astype(q.dtype),
+        )
+        return out[0].transpose(1, 0, 2).reshape(L, H * D)
+    qn, kn, vn = to_numpy(q, keys, values)
+    out = prefill_chunk_np(qn, kn, vn, None if mask is None else to_numpy(mask)[0], scale)
+    return mx.array(out).astype(q.dtype)
+
+
+def decode_rows(q: mx.array, keys: mx.array, values: mx.array, mask: mx.array, scale: float) -> mx.array:
+    """Attention of ``R`` decode rows, one query each ``[R, H, D]``, over their padded
+    contexts ``[R, S, KH, D]``; ``mask`` is additive ``[R, S]`` hiding each row's padding.
+    Returns ``[R, H * D]``."""
+    R, H, D = q.shape
+    if gpu_path():
+        out = mx.fast.scaled_dot_product_attention(
+            q[:, :, None],
+            keys.transpose(0, 2, 1, 3),
+            values.transpose(0, 2, 1, 3),
+            scale=scale,
+            mask=mask[:, None, None, :].astype(q.dtype),
+        )
+        return out.reshape(R, H * D)
+    qn, kn, vn, mn = to_numpy(q, keys, values, mask)
+    return mx.array(decode_rows_np(qn, kn, vn, mn, scale)).astype(q.dtype)

@@ -115,8 +115,9 @@ class StallFreeScheduler(ContinuousScheduler):
     def drafts(self, decode: list[Request], budget: int) -> dict[str, list[int]]:
         """Speculative decoding by prompt lookup (vLLM's "ngram" method): each decode row, the
         most important first, gets up to ``num_speculative_tokens`` draft tokens
-        (``propose_ngram`` over its prompt and output), verified in this same pass. As vLLM V1
-        does, drafts are paid from the token budget before partial prefills and admissions.
+        (``propose_ngram`` over its prompt and output), verified in this same pass. Drafts are
+        paid from the token budget before partial prefills and admissions (vLLM V1 pays its
+        running requests, drafts included, in their order, before it admits new ones).
         A row gets at most one draft fewer than the tokens it has left (the verify pass adds
         one token of the model's own) and none while its stop tokens are banned
         (``min_new_tokens`` not reached); ``grow`` cuts drafts to what FREE KV blocks hold."""
@@ -172,12 +173,11 @@ class StallFreeScheduler(ContinuousScheduler):
         return prefill
 
     def admit_within(self, budget: int) -> list[tuple[Request, int]]:
-        """New requests while budget, a free slot and free blocks for a first chunk remain.
-        A request preempted in this step waits for the next one."""
+        """New requests while budget, a free slot and free blocks for a first chunk remain."""
         prefill = []
         while budget > 0 and self.queue and self.free_slot() is not None:
             req = self.policy.next_queued(self.queue)
-            if req.id in self.preempted or not self.fits(req, budget):
+            if not self.fits(req, budget):
                 break
             n = self.start(req, budget)
             self.take_slot(req)

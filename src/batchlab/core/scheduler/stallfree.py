@@ -103,7 +103,8 @@ class StallFreeScheduler(ContinuousScheduler):
 
     def plan(self) -> Batch:
         """The step's one pass: every decode (with its drafts, when speculating), then partial
-        prefills, then admissions. Its rows get their KV blocks after, in ``grow``."""
+        prefills, then admissions. Admission (``start``) takes a newcomer's first chunk's KV
+        blocks; the other rows get theirs after, in ``grow``."""
         decode = self.in_state(State.DECODING)
         budget = self.token_budget - len(decode)
         drafts = self.drafts(decode, budget)

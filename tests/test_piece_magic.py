@@ -220,3 +220,45 @@ def test_an_unwritten_piece_is_said_to_be_unwritten_not_failing(folder, capsys):
     assert "is not written yet" in capsys.readouterr().out
     assert course.mine_or_reference("continuous", check.continuous_scheduler) is ContinuousScheduler
     assert "is not written yet" in capsys.readouterr().out
+
+
+def test_a_piece_built_on_a_missing_earlier_piece_says_to_write_that_one_first(folder, capsys):
+    """Lesson 8 mixes ``OnDemandKV`` into the learner's lesson-5a planner. With lesson 5a's file
+    missing, the library's StallFreeScheduler stands in, and it already holds OnDemandKV, so
+    Python cannot order the bases: the reason names the missing piece, not a riddle."""
+    (folder / "my_engine" / "memory.py").write_text(
+        "from batchlab import course\n"
+        "from batchlab.core.scheduler import OnDemandKV\n"
+        "MyStallFreeScheduler = course.earlier('stallfree')\n"
+        "class MyMemoryScheduler(OnDemandKV, MyStallFreeScheduler):\n"
+        "    pass\n"
+        "class MyVictimPolicy:\n"
+        "    pass\n"
+    )
+    missing = course.piece("memory", "MyMemoryScheduler")
+    assert not missing
+    reason = missing.missing_reason
+    assert "builds on lesson 5a's MyStallFreeScheduler (my_engine/stallfree.py), which is not written yet" in reason
+    assert "Make that piece work first" in reason
+    assert missing.waiting_on == "lesson 5a's MyStallFreeScheduler (my_engine/stallfree.py)"
+    # the checker and the lesson's choice say it cannot run yet, not that it is unwritten
+    from batchlab.core.policies import PriorityPolicy
+    from batchlab.core.scheduler import StallFreeScheduler
+    from batchlab.course import checks
+
+    verdict = checks.memory_scheduler(missing, course.piece("memory", "MyVictimPolicy"))
+    assert not verdict and "memory_scheduler: cannot run yet (my_engine/memory.py cannot be built yet" in str(
+        verdict.message
+    )
+    assert course.choose(missing, verdict, StallFreeScheduler) is StallFreeScheduler
+    policy = course.piece("memory", "MyVictimPolicy")
+    assert course.choose(policy, verdict, PriorityPolicy) is PriorityPolicy
+    said = capsys.readouterr().out
+    assert (
+        "Your MyMemoryScheduler cannot be built until lesson 5a's MyStallFreeScheduler "
+        "(my_engine/stallfree.py) works: the runs below use the reference StallFreeScheduler" in said
+    )
+    assert "Your MyVictimPolicy cannot be built until" in said and "not written" not in said.split("stands in")[-1]
+    # an error of the learner's own, with every earlier piece there, is reported as it is
+    (folder / "my_engine" / "memory.py").write_text("class A: pass\nclass B(A, A): pass\n")
+    assert "builds on" not in course.piece("memory", "A").missing_reason

@@ -59,6 +59,10 @@ OTHERS: dict[tuple[str, str], str] = {
     ("speculative", "propose"): "batchlab.core.speculative:propose_ngram",
 }
 _STUB = re.compile(r"^\s*# YOUR CODE HERE\s*\n\s*raise NotImplementedError\(", re.M)
+# the earlier pieces references stood in for (``earlier``), newest last, each with why: a
+# piece that mixes a library part into one of them cannot be built on the reference (``_load``)
+_stood_in: list[tuple[str, str]] = []
+_WAITS = "cannot be built yet"
 
 
 COURSE_DIR_ENV = "BATCHLAB_COURSE_DIR"  # where my_engine/ goes instead of "." (the test suite's nbval runs)
@@ -167,10 +171,11 @@ def _keep(path: Path, text: str) -> Path:
 
 class Missing:
     """Stands for a piece that cannot be used yet; ``missing_reason`` says why. Checkers
-    report it as "not written yet" with that reason."""
+    report it as "not written yet" with that reason, or as "cannot run yet" when it is written
+    but builds on an earlier piece that is not (``waiting_on`` names that one)."""
 
-    def __init__(self, name: str, reason: str):
-        self.__name__, self.missing_reason = name, reason
+    def __init__(self, name: str, reason: str, waiting_on: str | None = None):
+        self.__name__, self.missing_reason, self.waiting_on = name, reason, waiting_on
 
     def __bool__(self) -> bool:
         return False
@@ -195,7 +200,8 @@ def piece(module: str, name: str):
         return Missing(name, f"{PACKAGE}/{module}.py does not exist yet: run the {_where(module)}")
     found, why = _load(module)
     if why:
-        return Missing(name, f"{PACKAGE}/{module}.py {why}")
+        waiting_on = _stood_in[-1][0] if why.startswith(_WAITS) else None
+        return Missing(name, f"{PACKAGE}/{module}.py {why}", waiting_on)
     if not hasattr(found, name):
         return Missing(name, f"{PACKAGE}/{module}.py defines no {name}")
     return getattr(found, name)
@@ -212,12 +218,20 @@ def _load(module: str):
         for m in loaded:
             del sys.modules[m]
         importlib.invalidate_caches()
-    before = guard.snapshot()
+    before, stood_in = guard.snapshot(), len(_stood_in)
     outcome = guard.run_guarded(lambda: importlib.import_module(f"{PACKAGE}.{module}"))
     changed = guard.restore(before)
     e = outcome.error
     if outcome.late:
         return None, f"does not finish importing: it {outcome.late}"
+    said = " ".join(str(e).split())  # Python wraps this message over two lines
+    if isinstance(e, TypeError) and "method resolution order" in said and len(_stood_in) > stood_in:
+        # e.g. lesson 8's ``class MyMemoryScheduler(OnDemandKV, MyStallFreeScheduler)`` where the
+        # library's StallFreeScheduler, which already holds OnDemandKV, stood in for lesson 5a's
+        return None, (
+            f"{_WAITS}: it builds on {_stood_in[-1][0]}, which {_stood_in[-1][1]}, and the library's "
+            f"class cannot take its place beneath yours (Python: {said}). Make that piece work first"
+        )
     if e is not None:  # a learner's file that does not import: say what and where
         return None, f"does not import: {type(e).__name__}: {e}{guard.where_raised(e)}"
     if changed:
@@ -257,6 +271,7 @@ def earlier(module: str, name: str | None = None, quiet: bool = True):
             f"Lesson {lesson}'s {name} ({PACKAGE}/{module}.py) {why}: the reference "
             f"{ref.__name__} stands in for it."
         )
+        _stood_in.append((f"lesson {lesson}'s {name} ({PACKAGE}/{module}.py)", why))
         return ref
     if not quiet:
         print(f"Building on your {name} from lesson {lesson} ({PACKAGE}/{module}.py).")
@@ -267,6 +282,12 @@ def choose(mine, verdict, reference):
     """The learner's piece if its checker passed, else ``reference``; prints which, in
     one line, so every measurement below is labelled honestly."""
     label = getattr(mine, "__name__", str(mine))
+    if getattr(mine, "waiting_on", None):
+        print(
+            f"Your {label} cannot be built until {mine.waiting_on} works: the runs below use "
+            f"the reference {reference.__name__} in its place."
+        )
+        return reference
     if verdict and not isinstance(mine, Missing):
         print(f"Using your {label}: the runs below are your engine's.")
         return mine

@@ -238,7 +238,10 @@ def test_a_piece_built_on_a_missing_earlier_piece_says_to_write_that_one_first(f
     missing = course.piece("memory", "MyMemoryScheduler")
     assert not missing
     reason = missing.missing_reason
-    assert "builds on lesson 5a's MyStallFreeScheduler (my_engine/stallfree.py), which is not written yet" in reason
+    assert (
+        "builds on lesson 5a's MyStallFreeScheduler (my_engine/stallfree.py), which is not written yet"
+        in reason
+    )
     assert "Make that piece work first" in reason
     assert missing.waiting_on == "lesson 5a's MyStallFreeScheduler (my_engine/stallfree.py)"
     # the checker and the lesson's choice say it cannot run yet, not that it is unwritten
@@ -258,7 +261,10 @@ def test_a_piece_built_on_a_missing_earlier_piece_says_to_write_that_one_first(f
         "Your MyMemoryScheduler cannot be built until lesson 5a's MyStallFreeScheduler "
         "(my_engine/stallfree.py) works: the runs below use the reference StallFreeScheduler" in said
     )
-    assert "Your MyVictimPolicy cannot be built until" in said and "not written" not in said.split("stands in")[-1]
+    assert (
+        "Your MyVictimPolicy cannot be built until" in said
+        and "not written" not in said.split("stands in")[-1]
+    )
     # an error of the learner's own, with every earlier piece there, is reported as it is
     (folder / "my_engine" / "memory.py").write_text("class A: pass\nclass B(A, A): pass\n")
     assert "builds on" not in course.piece("memory", "A").missing_reason

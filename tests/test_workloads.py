@@ -521,3 +521,16 @@ def test_structured_asks_for_a_json_record_of_a_passage_and_carries_its_schema(t
     assert all(r.structured_outputs is not None for r in a)  # the original is left alone
     with pytest.raises(ValueError, match="size"):
         W.structured(text, size="huge")
+
+
+def test_shared_prefix_shares_the_system_prompt_and_asks_distinct_questions(tok):
+    """Lesson 8's workload: one system prompt for all, no two questions the same (two paragraphs
+    of the text can open with the same sentence: seed 0 drew such a pair once)."""
+    for seed in range(3):
+        w = W.shared_prefix(tok, num_requests=32, seed=seed)
+        systems = {r.messages[0]["content"] for r in w}
+        questions = [r.messages[1]["content"] for r in w]
+        assert len(systems) == 1 and len(set(questions)) == len(questions) == 32
+        assert len({tuple(r.prompt_ids) for r in w}) == 32
+    with pytest.raises(ValueError, match="num_requests: at most"):
+        W.shared_prefix(tok, num_requests=100_000)

@@ -595,9 +595,10 @@ def shared_prefix(
     system_chars: int = 1200,
     output_len: int = 8,
 ) -> Workload:
-    """Requests that share one long system prompt (real text) and differ only in a short
-    question about it: the case a prefix cache is for (lesson 8). All arrive at time 0.
-    8 requests at size "quick", 32 at "full"."""
+    """Requests that share one long system prompt (a passage of real text) and differ only in
+    a short question, each on another sentence of the course's text (no two the same): the case
+    a prefix cache is for (lesson 8). All arrive at time 0. 8 requests at size "quick", 32 at
+    "full"."""
     if size not in SIZES:
         raise ValueError(f"size must be one of {SIZES}, got {size!r}")
     num_requests = num_requests or (8 if size == "quick" else 32)
@@ -605,10 +606,20 @@ def shared_prefix(
     rng = np.random.default_rng(seed)
     system = "Answer questions about the following text.\n\n" + _passage(rng, system_chars)
     paras = corpus_paragraphs()
-    reqs = []
+    def first_sentence(para: str) -> str:
+        topic = para.split(". ")[0]
+        return topic if len(topic) <= 80 else topic[:80].rsplit(" ", 1)[0]
+
+    available = len(set(map(first_sentence, paras)))
+    if num_requests > available:
+        raise ValueError(f"num_requests: at most {available} (distinct questions the text gives), got {num_requests}")
+    reqs, topics = [], set()
     for i in range(num_requests):
-        topic = paras[int(rng.integers(len(paras)))].split(". ")[0]
-        topic = topic if len(topic) <= 80 else topic[:80].rsplit(" ", 1)[0]
+        while True:  # a topic not asked yet (paragraphs can open with the same sentence)
+            topic = first_sentence(paras[int(rng.integers(len(paras)))])
+            if topic not in topics:
+                break
+        topics.add(topic)
         messages = [
             {"role": "system", "content": system},
             {"role": "user", "content": f"What does the text say about this: {topic}?"},

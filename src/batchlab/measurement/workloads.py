@@ -606,13 +606,16 @@ def shared_prefix(
     rng = np.random.default_rng(seed)
     system = "Answer questions about the following text.\n\n" + _passage(rng, system_chars)
     paras = corpus_paragraphs()
+
     def first_sentence(para: str) -> str:
         topic = para.split(". ")[0]
         return topic if len(topic) <= 80 else topic[:80].rsplit(" ", 1)[0]
 
     available = len(set(map(first_sentence, paras)))
     if num_requests > available:
-        raise ValueError(f"num_requests: at most {available} (distinct questions the text gives), got {num_requests}")
+        raise ValueError(
+            f"num_requests: at most {available} (distinct questions the text gives), got {num_requests}"
+        )
     reqs, topics = [], set()
     for i in range(num_requests):
         while True:  # a topic not asked yet (paragraphs can open with the same sentence)

@@ -268,3 +268,32 @@ def test_a_piece_built_on_a_missing_earlier_piece_says_to_write_that_one_first(f
     # an error of the learner's own, with every earlier piece there, is reported as it is
     (folder / "my_engine" / "memory.py").write_text("class A: pass\nclass B(A, A): pass\n")
     assert "builds on" not in course.piece("memory", "A").missing_reason
+
+
+def test_choose_names_the_unwritten_class_of_a_check_shared_by_two(folder, capsys):
+    """Lesson 8 checks MyMemoryScheduler and MyVictimPolicy together: when the check stops at an
+    unwritten method, only the class that holds it is "not written yet"."""
+    from batchlab.core.policies import PriorityPolicy
+    from batchlab.core.scheduler import StallFreeScheduler
+    from batchlab.course.checks._core import Verdict
+
+    (folder / "my_engine" / "memory.py").write_text(
+        "class MyMemoryScheduler:\n"
+        "    def fits(self, req, max_tokens):\n"
+        "        # YOUR CODE HERE\n"
+        "        raise NotImplementedError('fits is not written yet')\n\n\n"
+        "class MyVictimPolicy:\n"
+        "    def victim(self, running):\n"
+        "        return running[-1]\n"
+    )
+    stopped = Verdict("memory_scheduler", 0, 3, "not written yet", [], not_written=True)
+    assert (
+        course.choose(course.piece("memory", "MyMemoryScheduler"), stopped, StallFreeScheduler)
+        is StallFreeScheduler
+    )
+    assert course.choose(course.piece("memory", "MyVictimPolicy"), stopped, PriorityPolicy) is PriorityPolicy
+    first, second = capsys.readouterr().out.strip().splitlines()
+    assert first.startswith("Your MyMemoryScheduler is not written yet:")
+    assert second.startswith(
+        "Your MyVictimPolicy is written, but its checker stopped at another part of its file that is not written yet:"
+    )

@@ -106,7 +106,7 @@ def test_the_lessons_pieces_pass():
 
 def test_fits_without_headroom_is_rejected():
     verdict = checks.memory_scheduler(NoHeadroom, MyVictimPolicy)
-    assert not verdict and "you left no headroom" in verdict.message
+    assert not verdict and "a likely cause: no headroom" in verdict.message
 
 
 def test_fits_that_counts_the_whole_prompt_is_rejected():

@@ -27,8 +27,10 @@ lesson, or (when it is not written yet) the library's, with one line saying whic
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import io
 import os
 import re
 import sys
@@ -219,14 +221,18 @@ def _load(module: str):
         for m in loaded:
             del sys.modules[m]
         importlib.invalidate_caches()
-    before, stood_in = guard.snapshot(), len(_stood_in)
-    outcome = guard.run_guarded(lambda: importlib.import_module(f"{PACKAGE}.{module}"))
+    before, stood_in, printed = guard.snapshot(), len(_stood_in), io.StringIO()
+    with contextlib.redirect_stdout(printed):  # shown below, unless a stand-in could not stand in
+        outcome = guard.run_guarded(lambda: importlib.import_module(f"{PACKAGE}.{module}"))
     changed = guard.restore(before)
     e = outcome.error
+    said = " ".join(str(e).split())  # Python wraps this message over two lines
+    unbuildable = isinstance(e, TypeError) and "method resolution order" in said and len(_stood_in) > stood_in
+    if not unbuildable:  # (else its "stands in" line would be false)
+        sys.stdout.write(printed.getvalue())
     if outcome.late:
         return None, f"does not finish importing: it {outcome.late}"
-    said = " ".join(str(e).split())  # Python wraps this message over two lines
-    if isinstance(e, TypeError) and "method resolution order" in said and len(_stood_in) > stood_in:
+    if unbuildable:
         # e.g. lesson 8's ``class MyMemoryScheduler(OnDemandKV, MyStallFreeScheduler)`` where the
         # library's StallFreeScheduler, which already holds OnDemandKV, stood in for lesson 5a's
         return None, (
@@ -285,18 +291,22 @@ def choose(mine, verdict, reference):
     label = getattr(mine, "__name__", str(mine))
     if getattr(mine, "waiting_on", None):
         print(
-            f"Your {label} cannot be built until {mine.waiting_on} works: the runs below use "
+            f"Your {label} cannot be built until {mine.waiting_on} works (its file builds on it): the runs below use "
             f"the reference {reference.__name__} in its place."
         )
         return reference
     if verdict and not isinstance(mine, Missing):
         print(f"Using your {label}: the runs below are your engine's.")
         return mine
-    why = "is not written yet" if getattr(verdict, "not_written", False) else "does not pass its checker yet"
-    if getattr(verdict, "not_written", False) and not isinstance(mine, Missing) and not _holds_stub(mine):
-        # one checker for two classes of a file (lesson 8): the other one is the unwritten part
-        why = "is written, but its checker stopped at another part of its file that is not written yet"
-    print(f"Your {label} {why}: the runs below use the reference {reference.__name__} in its place.")
+    # a checker may cover several classes of a file (lesson 8): say what is true of this one
+    checker = getattr(verdict, "name", "its checker")
+    if not getattr(verdict, "not_written", False):
+        why = f"Your {label}'s checker, {checker}, does not pass yet"
+    elif isinstance(mine, Missing) or _holds_stub(mine):
+        why = f"Your {label} is not written yet"
+    else:
+        why = f"Your {label}'s checker, {checker}, stopped at a part not written yet"
+    print(f"{why}: the runs below use the reference {reference.__name__} in its place.")
     return reference
 
 
@@ -321,9 +331,6 @@ def mine_or_reference(module: str, check_fn=None):
     elif is_stub((_root / PACKAGE / f"{module}.py").read_text(encoding="utf-8")):
         why = "is not written yet"
     elif check_fn is not None:
-        import contextlib
-        import io
-
         with contextlib.redirect_stdout(io.StringIO()):
             ok = check_fn(cls)
         if not ok:

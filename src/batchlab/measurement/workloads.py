@@ -630,8 +630,8 @@ def shared_prefix(
         reqs.append(WorkloadRequest(f"shared-{i:03d}", tok.encode_chat(messages), output_len, 0.0, messages))
     return Workload(
         "shared_prefix",
-        f"{num_requests} requests sharing a system prompt of about "
-        f"{system_chars} characters; outputs of {output_len} tokens",
+        f"{num_requests} requests sharing a system prompt of {len(system)} characters "
+        f"({len(tok.encode(system))} tokens); outputs of {output_len} tokens",
         reqs,
         seed,
         dict(num_requests=num_requests, system_chars=system_chars, output_len=output_len, arrivals="all"),

@@ -146,11 +146,14 @@ def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
     situation = f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, {len(hits)} cached block(s), "
     situation += f"{decoding} decoding, {sched.blocks.num_free} free block(s)) your fits said {got}"
     if not got and hits:
-        return f"{situation}: cached prefix blocks are shared, not taken: they cost no free block"
+        return (
+            f"{situation}; a likely cause: cached prefix blocks that a request holds are shared, not taken "
+            "(they cost no free block; only an evictable one, held by nobody, leaves the free pool)"
+        )
     if not got and req.prefill_len > max_tokens:
-        return f"{situation}: count only the first chunk after the cached prefix, not the whole prompt"
+        return f"{situation}; a likely cause: count only the first chunk after the cached prefix, not the whole prompt"
     if got and decoding:
-        return f"{situation}: you left no headroom; keep one free block for every DECODING request"
+        return f"{situation}; a likely cause: no headroom (keep one free block for every DECODING request)"
     return situation
 
 

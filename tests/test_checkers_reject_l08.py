@@ -45,6 +45,20 @@ class IgnoresCache(MyMemoryScheduler):
         return self.blocks.blocks_for(n) + _headroom(self) <= self.blocks.num_free
 
 
+class PromptOnly(MyMemoryScheduler):
+    """Counts the prompt alone: right at every first admission, wrong for a preempted request,
+    which prefills its prompt and the tokens it generated."""
+
+    def fits(self, req, max_tokens):
+        hits = self.blocks.lookup(req.token_ids(0, req.prompt_len))
+        cached = len(hits) * self.blocks.block_size
+        n = min(max_tokens, req.prompt_len - cached)
+        taken = (
+            self.blocks.blocks_for(cached + n) - len(hits) + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        )
+        return taken + _headroom(self) <= self.blocks.num_free
+
+
 class OldestVictim(Policy):
     def victim(self, running):
         return min(running, key=lambda r: (-r.priority, r.arrival_s))
@@ -107,6 +121,8 @@ def test_the_lessons_pieces_pass():
 def test_fits_without_headroom_is_rejected():
     verdict = checks.memory_scheduler(NoHeadroom, MyVictimPolicy)
     assert not verdict and "a likely cause: no headroom" in verdict.message
+    # its first wrong admission is a preempted request's: the message counts what it prefills again
+    assert "a 25-token prefill (18 of prompt, 7 generated before a preemption)" in verdict.message
 
 
 def test_fits_that_counts_the_whole_prompt_is_rejected():
@@ -276,3 +292,10 @@ def test_a_preempt_that_only_calls_super_is_not_written():
 
     verdict = checks.memory_scheduler(OnlySuper, MyVictimPolicy)
     assert not verdict and verdict.not_written and "must write preempt(req)" in verdict.message
+
+
+def test_fits_that_counts_the_prompt_alone_is_rejected():
+    verdict = checks.memory_scheduler(PromptOnly, MyVictimPolicy)
+    assert not verdict and verdict.failed
+    # its first wrong admission overdraws the pool: the message says so, where
+    assert "the KV pool ran out" in verdict.message and "MemoryError" in verdict.message, verdict.message

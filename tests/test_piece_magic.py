@@ -297,3 +297,31 @@ def test_choose_names_the_unwritten_class_of_a_check_shared_by_two(folder, capsy
     assert second.startswith(
         "Your MyVictimPolicy's checker, memory_scheduler, stopped at a part not written yet:"
     )
+
+
+def test_a_written_file_that_does_not_import_cannot_run_yet_it_is_not_unwritten(folder, capsys):
+    """A slip in a saved piece (here an IndentationError): the checker and the lesson say it
+    cannot run yet and why, not that the learner has still to write it."""
+    from batchlab.core.scheduler import ContinuousScheduler
+    from batchlab.course import checks as check
+
+    course.write_piece("my_engine/continuous.py", WRITTEN + "  LIMIT = 1\n")  # unindent matches no level
+    mine = course.piece("continuous", "MyContinuousScheduler")
+    assert not mine and mine.written and "IndentationError" in mine.missing_reason
+    verdict = check.continuous_scheduler(mine)
+    assert (
+        not verdict
+        and "continuous_scheduler: cannot run yet (my_engine/continuous.py does not import"
+        in str(verdict.message)
+    )
+    capsys.readouterr()
+    assert course.choose(mine, verdict, ContinuousScheduler) is ContinuousScheduler
+    said = capsys.readouterr().out
+    assert said.startswith(
+        "Your MyContinuousScheduler cannot run yet (my_engine/continuous.py does not import"
+    )
+    assert "not written" not in said
+    # a file that does not exist is still "not written yet", and says which cell writes it
+    missing = course.piece("chunked", "MyChunkedScheduler")
+    assert not missing.written and "run lesson 4's cell that starts with %%piece" in missing.missing_reason
+    assert "not written yet" in str(check.continuous_scheduler(missing).message)

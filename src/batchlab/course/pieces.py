@@ -174,11 +174,13 @@ def _keep(path: Path, text: str) -> Path:
 
 class Missing:
     """Stands for a piece that cannot be used yet; ``missing_reason`` says why. Checkers
-    report it as "not written yet" with that reason, or as "cannot run yet" when it is written
-    but builds on an earlier piece that is not (``waiting_on`` names that one)."""
+    report it as "not written yet" with that reason, or as "cannot run yet" when its file is
+    written but does not import (``written``); ``waiting_on`` names the earlier piece it builds
+    on when that one is what is missing."""
 
-    def __init__(self, name: str, reason: str, waiting_on: str | None = None):
+    def __init__(self, name: str, reason: str, waiting_on: str | None = None, written: bool = False):
         self.__name__, self.missing_reason, self.waiting_on = name, reason, waiting_on
+        self.written = written or waiting_on is not None
 
     def __bool__(self) -> bool:
         return False
@@ -189,7 +191,7 @@ class Missing:
 
 def _where(module: str) -> str:
     entry = PIECES.get(module)
-    lesson = f"lesson {entry[0]}'s " if entry else ""
+    lesson = f"lesson {entry[0]}'s " if entry else "the "
     return f"{lesson}cell that starts with %%piece {PACKAGE}/{module}.py"
 
 
@@ -200,11 +202,11 @@ def piece(module: str, name: str):
         setup()
     path = _root / PACKAGE / f"{module}.py"
     if not path.exists():
-        return Missing(name, f"{PACKAGE}/{module}.py does not exist yet: run the {_where(module)}")
+        return Missing(name, f"{PACKAGE}/{module}.py does not exist yet: run {_where(module)}")
     found, why = _load(module)
     if why:
         waiting_on = _stood_in[-1][0] if why.startswith(_WAITS) else None
-        return Missing(name, f"{PACKAGE}/{module}.py {why}", waiting_on)
+        return Missing(name, f"{PACKAGE}/{module}.py {why}", waiting_on, written=True)
     if not hasattr(found, name):
         return Missing(name, f"{PACKAGE}/{module}.py defines no {name}")
     return getattr(found, name)
@@ -293,6 +295,12 @@ def choose(mine, verdict, reference):
         print(
             f"Your {label} cannot be built until {mine.waiting_on} works (its file builds on it): the runs below use "
             f"the reference {reference.__name__} in its place."
+        )
+        return reference
+    if getattr(mine, "written", False):
+        print(
+            f"Your {label} cannot run yet ({mine.missing_reason}): the runs below use the reference "
+            f"{reference.__name__} in its place."
         )
         return reference
     if verdict and not isinstance(mine, Missing):

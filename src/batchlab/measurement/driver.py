@@ -48,7 +48,7 @@ def run_workload(
     ``EngineClock``, the simulator's ``VirtualClock``) jumps forward to it, since nothing runs
     meanwhile; any other clock is slept on. A request refused at the door (``QueueFull``) gets a record
     finished with reason ``"rejected"``, so the trace accounts for every request.
-    ``priorities`` maps request ids to a ``submit`` priority. After ``timeout_s`` seconds
+    ``priorities`` maps request ids to a ``submit`` priority (0 for an id it leaves out). After ``timeout_s`` seconds
     the requests still running are cancelled. ``max_idle_steps`` steps in a row that run
     no forward pass raise ``EngineStuck``. ``after_step(engine, records)``, if given, is
     called after every step with the records of the requests submitted so far (id to
@@ -113,7 +113,7 @@ def _submit_due(
     while nxt < len(reqs) and t0 + reqs[nxt].arrival_s <= wall:
         r, due = reqs[nxt], t0 + reqs[nxt].arrival_s
         nxt += 1
-        extra = {} if priorities is None else {"priority": priorities[r.id]}
+        extra = {} if priorities is None else {"priority": priorities.get(r.id, 0)}
         if r.structured_outputs is not None:
             extra["structured_outputs"] = r.structured_outputs
         try:

@@ -114,7 +114,7 @@ def _run(name: str, fn: Any, cases: list[Case]) -> Verdict:
     total, labels = len(cases), [c.label for c in cases]
     missing = getattr(fn, "missing_reason", None)  # course.Missing: no usable piece yet
     if missing is not None:
-        state = "cannot run yet" if getattr(fn, "waiting_on", None) else "not written yet"
+        state = "cannot run yet" if getattr(fn, "written", False) else "not written yet"
         why = f"{FAIL} {name}: {state} ({missing})."
         return Verdict(name, 0, total, why, labels, not_written=True)
     if not callable(fn):

@@ -143,8 +143,11 @@ def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
     """The likely mistake when the learner's fits disagrees with ours, from the situation."""
     hits, _, _ = sched.first_chunk(req, max_tokens)
     decoding = len(sched.in_state(State.DECODING))
-    situation = f"(a {req.prefill_len}-token prompt, max_tokens {max_tokens}, {len(hits)} cached block(s), "
-    situation += f"{decoding} decoding, {sched.blocks.num_free} free block(s)) your fits said {got}"
+    again = len(req.output_ids)  # tokens it generated before a preemption, to prefill again
+    what = f"a {req.prefill_len}-token prefill ({req.prompt_len} of prompt, {again} generated before a preemption)"
+    situation = f"({what if again else f'a {req.prefill_len}-token prompt'}, max_tokens {max_tokens}, "
+    situation += f"{len(hits)} cached block(s), {decoding} decoding, {sched.blocks.num_free} free block(s)) "
+    situation += f"your fits said {got}"
     if not got and hits:
         return (
             f"{situation}; a likely cause: cached prefix blocks that a request holds are shared, not taken "

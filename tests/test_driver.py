@@ -244,3 +244,14 @@ def test_a_constrained_request_is_submitted_with_its_constraint_and_eos_honoured
             assert (free.finish_reason, len(free.output_ids)) == ("stop", 1)
         else:
             assert (free.finish_reason, len(free.output_ids)) == ("length", 6)
+
+
+def test_priorities_for_some_requests_leave_the_others_at_zero():
+    """Lesson 8's "Going further" gives priorities to a few requests only: the rest submit at 0."""
+    work = small_workload()
+    first = work.requests[0].id
+    engine = make_engine("continuous", LM, runner=FakeRunner, max_batch_size=2)
+    trace = run_workload(engine, work, progress=False, priorities={first: 3})
+    assert len(trace.requests) == len(work.requests)
+    assert trace.requests[first].priority == 3
+    assert {r.priority for rid, r in trace.requests.items() if rid != first} == {0}

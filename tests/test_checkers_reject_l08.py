@@ -59,6 +59,17 @@ class PromptOnly(MyMemoryScheduler):
         return taken + _headroom(self) <= self.blocks.num_free
 
 
+class PrefillHeadroom(MyMemoryScheduler):
+    """Keeps headroom for prefills still under way too, which the lesson says not to count."""
+
+    def fits(self, req, max_tokens):
+        hits, cached, n = self.first_chunk(req, max_tokens)
+        taken = (
+            self.blocks.blocks_for(cached + n) - len(hits) + sum(self.blocks.ref_counts[b] == 0 for b in hits)
+        )
+        return taken + len(self.running) <= self.blocks.num_free
+
+
 class OldestVictim(Policy):
     def victim(self, running):
         return min(running, key=lambda r: (-r.priority, r.arrival_s))
@@ -120,7 +131,10 @@ def test_the_lessons_pieces_pass():
 
 def test_fits_without_headroom_is_rejected():
     verdict = checks.memory_scheduler(NoHeadroom, MyVictimPolicy)
-    assert not verdict and "a likely cause: no headroom" in verdict.message
+    assert (
+        not verdict
+        and "a likely cause (it gives your answer here): keep one free block of headroom" in verdict.message
+    )
     # its first wrong admission is a preempted request's: the message counts what it prefills again
     assert "a 25-token prefill (18 of prompt, 7 generated before a preemption)" in verdict.message
 
@@ -299,3 +313,9 @@ def test_fits_that_counts_the_prompt_alone_is_rejected():
     assert not verdict and verdict.failed
     # its first wrong admission overdraws the pool: the message says so, where
     assert "the KV pool ran out" in verdict.message and "MemoryError" in verdict.message, verdict.message
+
+
+def test_fits_that_keeps_headroom_for_prefills_is_rejected_and_told_so():
+    verdict = checks.memory_scheduler(PrefillHeadroom, MyVictimPolicy)
+    assert not verdict
+    assert "count a prefill still under way as needing no headroom" in verdict.message, verdict.message

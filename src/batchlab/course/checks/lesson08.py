@@ -139,25 +139,64 @@ SCENARIOS = {  # name: (in words, requests arriving at once, (engine options, pr
 }
 
 
+def _prompt_only_fits(sched, req, max_tokens, decoding: int) -> bool:
+    """The lesson's rule applied to the prompt alone, forgetting a preempted request's tokens."""
+    hits = sched.blocks.lookup(req.token_ids(0, req.prompt_len))
+    cached = len(hits) * sched.blocks.block_size
+    n = min(max_tokens, req.prompt_len - cached)
+    taken = (
+        sched.blocks.blocks_for(cached + n) - len(hits) + sum(sched.blocks.ref_counts[b] == 0 for b in hits)
+    )
+    return taken + decoding <= sched.blocks.num_free
+
+
 def _why_fits_differs(sched, req, max_tokens, got: bool) -> str:
-    """The likely mistake when the learner's fits disagrees with ours, from the situation."""
-    hits, _, _ = sched.first_chunk(req, max_tokens)
+    """The situation where the learner's fits disagrees with ours, and each mistake the lesson
+    warns about whose rule gives the learner's answer there (none named if none does)."""
+    hits, cached, n = sched.first_chunk(req, max_tokens)
+    blocks, free = sched.blocks, sched.blocks.num_free
     decoding = len(sched.in_state(State.DECODING))
+    evictable = sum(blocks.ref_counts[b] == 0 for b in hits)
+    taken = blocks.blocks_for(cached + n) - len(hits) + evictable  # what the first chunk takes from the pool
     again = len(req.output_ids)  # tokens it generated before a preemption, to prefill again
     what = f"a {req.prefill_len}-token prefill ({req.prompt_len} of prompt, {again} generated before a preemption)"
     situation = f"({what if again else f'a {req.prefill_len}-token prompt'}, max_tokens {max_tokens}, "
-    situation += f"{len(hits)} cached block(s), {decoding} decoding, {sched.blocks.num_free} free block(s)) "
-    situation += f"your fits said {got}"
-    if not got and hits:
-        return (
-            f"{situation}; a likely cause: cached prefix blocks that a request holds are shared, not taken "
-            "(they cost no free block; only an evictable one, held by nobody, leaves the free pool)"
+    situation += (
+        f"{len(hits)} cached block(s), {decoding} decoding, {free} free block(s)) your fits said {got}"
+    )
+    mistakes = [  # (what to do instead, the answer the mistaken rule gives here)
+        (
+            "cached prefix blocks that a request holds are shared, not taken (they cost no free block)",
+            blocks.blocks_for(min(max_tokens, req.prefill_len)) + decoding <= free,
+        ),
+        (
+            "an evictable cached block (held by nobody) leaves the free pool",
+            taken - evictable + decoding <= free,
+        ),
+        (
+            "count only the first chunk after the cached prefix, not the whole prompt",
+            blocks.blocks_for(req.prefill_len) - len(hits) + evictable + decoding <= free,
+        ),
+        ("keep one free block of headroom for every DECODING request", taken <= free),
+        (
+            "count a prefill still under way as needing no headroom (only DECODING requests)",
+            taken + decoding + len(sched.in_state(State.PREFILLING)) <= free,
+        ),
+    ]
+    if again:
+        mistakes.append(
+            (
+                "a preempted request prefills its prompt and the tokens it generated (req.prefill_len), not its "
+                "prompt alone",
+                _prompt_only_fits(sched, req, max_tokens, decoding),
+            )
         )
-    if not got and req.prefill_len > max_tokens:
-        return f"{situation}; a likely cause: count only the first chunk after the cached prefix, not the whole prompt"
-    if got and decoding:
-        return f"{situation}; a likely cause: no headroom (keep one free block for every DECODING request)"
-    return situation
+    causes = [fix for fix, answer in mistakes if answer == got]
+    return (
+        f"{situation}; a likely cause (it gives your answer here): {'; or: '.join(causes)}"
+        if causes
+        else situation
+    )
 
 
 def _whole_run(scheduler_cls, policy_cls, name) -> str | None:

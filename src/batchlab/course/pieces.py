@@ -291,16 +291,12 @@ def choose(mine, verdict, reference):
     """The learner's piece if its checker passed, else ``reference``; prints which, in
     one line, so every measurement below is labelled honestly."""
     label = getattr(mine, "__name__", str(mine))
-    if getattr(mine, "waiting_on", None):
+    if getattr(mine, "written", False):  # a saved file that cannot be used as it stands
+        waits = mine.waiting_on
+        why = f"cannot be built until {waits} works (its file builds on it)" if waits else "cannot run yet"
+        said = "" if waits else f" ({mine.missing_reason})"
         print(
-            f"Your {label} cannot be built until {mine.waiting_on} works (its file builds on it): the runs below use "
-            f"the reference {reference.__name__} in its place."
-        )
-        return reference
-    if getattr(mine, "written", False):
-        print(
-            f"Your {label} cannot run yet ({mine.missing_reason}): the runs below use the reference "
-            f"{reference.__name__} in its place."
+            f"Your {label} {why}{said}: the runs below use the reference {reference.__name__} in its place."
         )
         return reference
     if verdict and not isinstance(mine, Missing):

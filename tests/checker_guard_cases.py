@@ -14,8 +14,7 @@ import pytest
 
 import learner_pieces
 from batchlab import course
-from batchlab.core.batch import Batch
-from batchlab.core.scheduler import KINDS, Scheduler, StaticScheduler
+from batchlab.core.scheduler import KINDS, Batch, Scheduler, StaticScheduler
 from batchlab.course import checks, guard
 
 FOREVER = threading.Event()  # never set while a test runs: what a blocking piece waits on

@@ -10,13 +10,12 @@ import math
 import numpy as np
 from dataclasses import dataclass
 
-from batchlab.core.batch import Batch
 from batchlab.core.engine import EngineBase
 from batchlab.core.policies import AdmissionBase, Policy, QueueFull
 from batchlab.core.request import State
 from batchlab.core.structured import Constraint, compile_constraint
 from batchlab.course.automaton import Automaton, token_texts
-from batchlab.core.scheduler import OnDemandKV, Scheduler
+from batchlab.core.scheduler import Batch, OnDemandKV, Scheduler
 from batchlab.serving.server import HEARTBEAT_S, ServerBase, StopMatcher, StreamEnded
 
 

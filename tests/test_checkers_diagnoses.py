@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from batchlab.core.batch import Batch
+from batchlab.core.scheduler import Batch
 from batchlab.core.fake import FakeRunner
 from batchlab.core.request import State
 from batchlab.course import checks

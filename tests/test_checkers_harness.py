@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from batchlab.core.batch import Batch
 from batchlab.course.checks import _pieces
-from batchlab.core.scheduler import ContinuousScheduler, StallFreeScheduler, StaticScheduler
+from batchlab.core.scheduler import Batch, ContinuousScheduler, StallFreeScheduler, StaticScheduler
 
 
 class EmptyPassesForever(ContinuousScheduler):

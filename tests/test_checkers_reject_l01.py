@@ -8,8 +8,7 @@ import io
 import pytest
 
 from batchlab.course import checks
-from batchlab.core.batch import Batch
-from batchlab.core.scheduler import Scheduler, StaticScheduler
+from batchlab.core.scheduler import Batch, Scheduler, StaticScheduler
 
 import learner_pieces
 

@@ -9,9 +9,8 @@ import math
 import pytest
 
 from batchlab.course import checks
-from batchlab.core.batch import Batch
 from batchlab.core.request import State
-from batchlab.core.scheduler import ContinuousScheduler, Scheduler
+from batchlab.core.scheduler import Batch, ContinuousScheduler, Scheduler
 from learner_pieces import MyContinuousScheduler
 
 

@@ -10,9 +10,8 @@ import pytest
 
 from batchlab.course import checks as check
 from batchlab import course
-from batchlab.core.batch import Batch
 from batchlab.core.request import State
-from batchlab.core.scheduler import ContinuousScheduler
+from batchlab.core.scheduler import Batch, ContinuousScheduler
 from learner_pieces import MyChunkedScheduler, MyContinuousScheduler
 
 

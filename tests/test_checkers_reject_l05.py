@@ -8,9 +8,8 @@ import pytest
 
 from batchlab.course import checks as check
 from batchlab import course
-from batchlab.core.batch import Batch
 from batchlab.core.request import State
-from batchlab.core.scheduler import StallFreeScheduler
+from batchlab.core.scheduler import Batch, StallFreeScheduler
 from learner_pieces import MyStallFreeScheduler
 
 

@@ -210,7 +210,7 @@ class PreemptsTheNewestAlways(MyMemoryScheduler):
     preempting whoever asks last, ignoring the policy."""
 
     def grow(self, batch):
-        from batchlab.core.batch import Batch
+        from batchlab.core.scheduler import Batch
 
         rows = [(r, 1) for r in batch.decode] + list(batch.prefill)
         for req, n in rows:

@@ -14,8 +14,7 @@ from waiting import happens_within, wait_for
 from batchlab import EngineLoop, make_engine
 from batchlab.core.engine import EngineFailing
 from batchlab.core.fake import FakeModel, FakeRunner, reference_output, sequence_hash
-from batchlab.core.request import State
-from batchlab.core.sampling import SamplingParams
+from batchlab.core.request import SamplingParams, State
 
 LM = FakeModel()
 EOS = frozenset({LM.eos_id})

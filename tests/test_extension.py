@@ -111,7 +111,7 @@ class Threshold(StopRules, OnDemandKV, Scheduler):
             yield from self.one_pass(decode=rows)
 
     def one_pass(self, **work):
-        from batchlab.core.batch import Batch
+        from batchlab.core.scheduler import Batch
 
         yield Batch(**work)
 

@@ -29,7 +29,7 @@ class TwoAdmissionsAStep(MyContinuousScheduler):
                 super().prefill()
                 if False
                 else [
-                    __import__("batchlab.core.batch", fromlist=["Batch"]).Batch(
+                    __import__("batchlab.core.scheduler", fromlist=["Batch"]).Batch(
                         prefill=[(req, self.chunk(req))]
                     )
                 ]

@@ -601,7 +601,7 @@ def test_cpu_path_matches_mlx_layers_on_mixed_passes(lm):
     and inside ``run`` the LM head runs only for the chunks that sample."""
     from batchlab.model.model_runner import ModelRunner
     from batchlab.core.runner import Chunk
-    from batchlab.core.sampling import Sampler, SamplingParams
+    from batchlab.core.request import Sampler, SamplingParams
 
     text = [(i * 7919) % 1000 + 100 for i in range(400)]
     tables = {

@@ -325,3 +325,42 @@ def test_a_written_file_that_does_not_import_cannot_run_yet_it_is_not_unwritten(
     missing = course.piece("chunked", "MyChunkedScheduler")
     assert not missing.written and "run lesson 4's cell that starts with %%piece" in missing.missing_reason
     assert "not written yet" in str(check.continuous_scheduler(missing).message)
+
+
+def test_a_piece_saved_with_an_import_batchlab_has_since_merged_says_where_the_name_is_now(folder):
+    """Issue 42 merged ``core.batch`` into ``core.scheduler`` (and three more): a learner's file
+    saved before that upgrade cannot import; the reason names the new home of what it wanted."""
+    from batchlab.course.pieces import MERGED
+
+    old = WRITTEN.replace(
+        "from batchlab.core.scheduler import ContinuousScheduler\n",
+        "from batchlab.core.batch import Batch\nfrom batchlab.core.scheduler import ContinuousScheduler\n",
+    )
+    course.write_piece("my_engine/continuous.py", old)
+    mine = course.piece("continuous", "MyContinuousScheduler")
+    assert not mine and mine.written
+    assert "No module named 'batchlab.core.batch'" in mine.missing_reason, mine.missing_reason
+    assert "Batch is in batchlab.core.scheduler now: change that import line" in mine.missing_reason
+    # every merged path is really gone, and every name it points to is where it says
+    import importlib
+
+    homes = {
+        "batchlab.core.batch": [("Batch", "batchlab.core.scheduler")],
+        "batchlab.core.sampling": [
+            ("SamplingParams", "batchlab.core.request"),
+            ("Sampler", "batchlab.core.request"),
+            ("sample_rows", "batchlab.core.runner"),
+        ],
+        "batchlab.core.numbers": [
+            ("is_int", "batchlab.core.request"),
+            ("is_number", "batchlab.core.request"),
+        ],
+        "batchlab.core.scheduler.stallfree": [("StallFreeScheduler", "batchlab.core.scheduler")],
+    }
+    assert set(homes) == set(MERGED)
+    for path, names in homes.items():
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(path)
+        for name, home in names:
+            assert name in MERGED[path] and home in MERGED[path], (path, MERGED[path])
+            assert hasattr(importlib.import_module(home), name), (name, home)

@@ -11,7 +11,8 @@ import re
 import numpy as np
 import pytest
 
-from batchlab.core.sampling import Sampler, SamplingParams, sample_rows
+from batchlab.core.request import Sampler, SamplingParams
+from batchlab.core.runner import sample_rows
 
 DRAWS = 20_000
 LOGITS = np.array([2.0, 1.2, 3.1, -0.5, 0.7, 2.6, 0.1, 1.9, -2.0, 1.5], dtype=np.float32)

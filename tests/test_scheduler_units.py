@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 
 from batchlab.core.kv import BlockManager
-from batchlab.core.request import Request, State
-from batchlab.core.sampling import SamplingParams
+from batchlab.core.request import Request, SamplingParams, State
 from batchlab.core.scheduler import (
     ContinuousScheduler,
     SequentialScheduler,
@@ -139,7 +138,7 @@ def test_prepare_refuses_to_write_into_a_shared_block():
     a = request("a", 6, 2)
     s.blocks.tables["a"] = [0, 1]
     s.blocks.ref_counts[0] = s.blocks.ref_counts[1] = 2  # as if a prefix-cached twin held them
-    from batchlab.core.batch import Batch
+    from batchlab.core.scheduler import Batch
 
     with pytest.raises(RuntimeError, match="would overwrite KV block 0"):
         s.prepare(Batch(prefill=[(a, 6)]))

@@ -22,7 +22,7 @@ from pydantic import Field as PydanticField
 from batchlab import generate
 from batchlab.core.fake import FakeModel
 from batchlab.core.policies import QueueFull
-from batchlab.core.sampling import SamplingParams
+from batchlab.core.request import SamplingParams
 from batchlab.core.structured import StructuredOutputs
 from batchlab.serving.launch import serve_in_thread
 from batchlab.serving.server import StopMatcher

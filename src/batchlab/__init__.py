@@ -23,7 +23,7 @@ from . import _blas  # noqa: F401  (first: before anything imports mlx)
 _EXPORTS = {
     "Engine": "core.engine",
     "make_engine": "core.engine",
-    "SamplingParams": "core.sampling",
+    "SamplingParams": "core.request",
     "EngineLoop": "serving.server",
     "Generation": "model.baseline",
     "generate": "model.baseline",

@@ -255,7 +255,7 @@ def serve_pieces(args) -> dict:
 def _cmd_generate(args) -> int:
     from .core.engine import make_engine
     from .model.load import load_model
-    from .core.sampling import SamplingParams
+    from .core.request import SamplingParams
 
     SamplingParams(args.temperature, args.top_p, 0, args.seed)  # bad flags: said before the model loads
     if args.max_new_tokens < 1:

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .numbers import is_int, is_number
+from .request import is_int, is_number
 from .runner import Chunk
 
 COST_MODEL_FILE = Path(__file__).parents[1] / "data" / "cost_model.json"

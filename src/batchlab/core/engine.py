@@ -24,15 +24,12 @@ import time
 from typing import Sequence
 
 from . import metrics
-from .batch import Batch
 from .runner import Model, Runner
 from .kv import BlockManager
-from .numbers import is_int
 from .policies import Admission, AdmissionBase
-from .request import CheckedRequest, Request, check_prompt_ids, clamp_new_tokens
-from .sampling import SamplingParams
+from .request import CheckedRequest, Request, SamplingParams, check_prompt_ids, clamp_new_tokens, is_int
 from .structured import Constraint, StructuredOutputs, compile_constraint
-from .scheduler import KINDS, Scheduler, import_from_here, scheduler_class  # noqa: F401 (engine's names)
+from .scheduler import KINDS, Batch, Scheduler, import_from_here, scheduler_class  # noqa: F401 (engine's names)
 from .trace import StepRecord, Trace
 
 log = logging.getLogger("batchlab")

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from .runner import Chunk, Runner
-from .sampling import sample_rows
+from .runner import sample_rows
 
 
 def sequence_hash(sequence: list[int]) -> int:

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .numbers import is_int
+from .request import is_int
 
 
 class BlockManager:

@@ -23,8 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from .numbers import is_number
-from .request import Request, State
+from .request import Request, State, is_number
 
 
 class Policy:

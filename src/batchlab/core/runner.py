@@ -1,5 +1,6 @@
 """The runner's interface (pure Python, no MLX): what the engine asks of whatever runs
-the forward passes, and the ``Chunk`` it hands over.
+the forward passes, the ``Chunk`` it hands over, and the picking of one token a row that
+every runner shares (``sample_rows``).
 
 ``Model`` is what the engine needs to know of a model (its vocabulary, EOS ids, context
 length, and what runs it): a ``model.load.LoadedModel`` or a ``fake.FakeModel``.
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from .sampling import Sampler
+    from .request import Sampler
 
 
 class Model(Protocol):
@@ -140,3 +141,17 @@ def picks_by_chunk(chunks: list[Chunk], picks: list[int]) -> list[int | list[int
         at += c.head
         out.append(mine if c.num_drafts else mine[0])
     return out
+
+
+def sample_rows(logits: np.ndarray, samplers: list[Sampler]) -> list[int]:
+    """One token per row of ``logits`` [N, vocab]: argmax for greedy rows, the row's own
+    sampler for the others; a row's ruled-out ids (``Sampler.restrict``) get no weight."""
+    picks = np.argmax(logits, axis=-1).tolist()
+    for i, s in enumerate(samplers):
+        row = logits[i]
+        if s.restricted:
+            row = s.restrict(row)
+            picks[i] = int(np.argmax(row))
+        if not s.params.greedy:
+            picks[i] = s.sample(row)
+    return picks

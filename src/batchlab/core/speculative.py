@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .numbers import is_int
+from .request import is_int
 
 
 def _check_int(name: str, value, lowest: int) -> None:

@@ -242,10 +242,23 @@ def _load(module: str):
             f"class cannot take its place beneath yours (Python: {said}). Make that piece work first"
         )
     if e is not None:  # a learner's file that does not import: say what and where
-        return None, f"does not import: {type(e).__name__}: {e}{guard.where_raised(e)}"
+        moved = f" ({MERGED[e.name]}: change that import line)" if getattr(e, "name", None) in MERGED else ""
+        return None, f"does not import: {type(e).__name__}: {e}{moved}{guard.where_raised(e)}"
     if changed:
         return None, f"does not import cleanly: {guard.library_changed(changed)}"
     return outcome.value, None
+
+
+# Modules a piece saved with an earlier batchlab may import, which batchlab has since merged
+# into others (issue 42: a request's road in fewer files): where their names are now.
+MERGED = {
+    "batchlab.core.batch": "Batch is in batchlab.core.scheduler now",
+    "batchlab.core.sampling": (
+        "SamplingParams and Sampler are in batchlab.core.request now, sample_rows in batchlab.core.runner"
+    ),
+    "batchlab.core.numbers": "is_int and is_number are in batchlab.core.request now",
+    "batchlab.core.scheduler.stallfree": "StallFreeScheduler is in batchlab.core.scheduler",
+}
 
 
 def _reference(spec: str):

@@ -13,10 +13,9 @@ from typing import Any
 import mlx.core as mx
 
 from .load import LoadedModel
-from ..core.request import clamp_new_tokens
+from ..core.request import Sampler, SamplingParams, clamp_new_tokens
 from .prompts import prompt_ids
 from .model_runner import sample
-from ..core.sampling import Sampler, SamplingParams
 
 
 @dataclass

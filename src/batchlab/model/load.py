@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import llama
 
-from ..core.numbers import is_int
+from ..core.request import is_int
 from .backend import device as backend, gpu_path
 from .model_runner import ModelRunner
 from .tokenizer import Tokenizer

@@ -14,7 +14,7 @@ from typing import Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..core.sampling import SamplingParams
+from ..core.request import SamplingParams
 from ..core.structured import StructuredOutputs
 
 DEFAULT_MAX_TOKENS = 512  # an answer's length when the request gives no max_tokens

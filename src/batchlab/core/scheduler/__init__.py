@@ -33,16 +33,17 @@ the keyword arguments of its constructor after ``(blocks, clock)``, with their d
 The kinds batchlab ships are registered below, one line each (``register``), into ``KINDS``,
 the registry every command, the bench and the README read.
 
-The package, a file a job: ``base`` (the shared flow, no decision in it, and ``StopRules``,
-the shipped kinds' finishing rules), one file per kind (``continuous`` also holds
-``OnDemandKV``: KV blocks taken as requests grow, preemption), and ``registry``.
+The package, a file a job: ``base`` (the shared flow, no decision in it, the ``Batch`` a kind
+plans, and ``StopRules``, the shipped kinds' finishing rules), ``sequential`` and ``static``
+(a kind each), ``continuous`` (the iteration-level kinds: continuous and stall-free, which
+builds on it, and ``OnDemandKV``: KV blocks taken as requests grow, preemption), and
+``registry``.
 """
 
-from .base import Option, Scheduler, StopRules
-from .continuous import ContinuousScheduler, OnDemandKV
+from .base import Batch, Option, Scheduler, StopRules
+from .continuous import ContinuousScheduler, OnDemandKV, StallFreeScheduler
 from .registry import KINDS, import_from_here, register, scheduler_class
 from .sequential import SequentialScheduler
-from .stallfree import StallFreeScheduler
 from .static import StaticScheduler
 
 # The kinds batchlab ships, in the order the CLI, the bench and the README list them.
@@ -53,6 +54,7 @@ register(StallFreeScheduler)
 
 __all__ = [
     "KINDS",
+    "Batch",
     "ContinuousScheduler",
     "OnDemandKV",
     "Option",

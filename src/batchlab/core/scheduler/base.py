@@ -2,22 +2,48 @@
 slots, the KV blocks (reserved whole: ``fits``, ``start``), and the flow of a pass: ``grow``
 and ``prepare`` before the runner, ``postprocess`` after it (asking the kind's
 ``finish_reason``, and its ``accept`` for a verify row), ``remove`` / ``release`` when a
-request leaves, ``fail`` when a pass raises. Beside it, ``StopRules``: the finishing rules
-that the shipped kinds mix in."""
+request leaves, ``fail`` when a pass raises. Beside it, ``Batch``: what a kind plans for one
+pass, and ``StopRules``: the finishing rules that the shipped kinds mix in."""
 
 from __future__ import annotations
 
 import inspect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ..batch import Batch
 from ..kv import BlockManager
-from ..numbers import is_int
 from ..policies import Policy, PriorityPolicy
-from ..request import Request, State
+from ..request import Request, State, is_int
 from ..runner import Chunk
+
+
+@dataclass
+class Batch:
+    """The scheduler's word for one forward pass: which *requests* run and how many prompt
+    tokens each. The runner's word for the same pass is ``runner.Chunk`` (which *tokens* run,
+    where their keys and values live); ``Scheduler.prepare`` turns a Batch into Chunks, so the
+    runner never needs to know about requests, queues or the block manager."""
+
+    decode: list[Request] = field(default_factory=list)  # one token each
+    prefill: list[tuple[Request, int]] = field(default_factory=list)  # (request, prompt tokens)
+    padding: list[Request] = field(default_factory=list)  # static: finished rows still computed
+    padding_tokens: int = 0  # static: prompt padding a padded batch would compute (not run)
+    # speculative decoding: request id -> the draft tokens its decode row carries (a verify
+    # row of 1 + k tokens); ``postprocess`` fills ``accepted``: id -> drafts that became output
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this pass pushes through the model: decode rows (with their drafts),
+        padding rows and prefill chunks."""
+        drafted = sum(len(self.drafts.get(r.id, ())) for r in self.decode)
+        return len(self.decode) + drafted + len(self.padding) + sum(n for _, n in self.prefill)
+
+    @property
+    def requests(self) -> list[Request]:
+        return [*self.decode, *(r for r, _ in self.prefill), *self.padding]
 
 
 @dataclass(frozen=True)

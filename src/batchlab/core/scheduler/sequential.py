@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from ..batch import Batch
 from ..kv import BlockManager
-from .base import Option, Scheduler, StopRules
+from .base import Batch, Option, Scheduler, StopRules
 
 
 class SequentialScheduler(StopRules, Scheduler):

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from ..batch import Batch
-from .base import Scheduler, StopRules
+from .base import Batch, Scheduler, StopRules
 
 
 class StaticScheduler(StopRules, Scheduler):

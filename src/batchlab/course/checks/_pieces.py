@@ -12,11 +12,10 @@ from functools import partial
 from typing import Callable
 
 from ...measurement.driver import EngineStuck, run_workload
-from ...core.batch import Batch
 from ...core.engine import make_engine
 from ...core.fake import FakeModel, FakeRunner, TickClock, greedy_output, reference_output
 from ...core.request import Request, clamp_new_tokens
-from ...core.scheduler import Scheduler
+from ...core.scheduler import Batch, Scheduler
 from ...core.trace import Trace
 from ...measurement.workloads import Workload, WorkloadRequest
 from ..guard import describe, kind_of, ours

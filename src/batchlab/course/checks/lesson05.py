@@ -6,10 +6,9 @@ from typing import Callable
 
 import numpy as np
 
-from ...core.batch import Batch
 from ...core.request import State
 from ...core.runner import Chunk
-from ...core.scheduler import Scheduler, StallFreeScheduler
+from ...core.scheduler import Batch, Scheduler, StallFreeScheduler
 from ...core.trace import StepRecord, Trace
 from ._core import Verdict, mistakes, number_compare, run_cases, show, table
 from ._pieces import early_decode_problem, fake_workload, gap_problem, memory_case, output_problem, piece_case

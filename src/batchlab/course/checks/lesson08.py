@@ -8,8 +8,7 @@ from typing import Callable
 from ...core.fake import reference_output
 from ...core.kv import BlockManager
 from ...core.policies import Policy, PriorityPolicy
-from ...core.request import Request, State
-from ...core.sampling import SamplingParams
+from ...core.request import Request, SamplingParams, State
 from ...core.runner import Chunk
 from ...core.scheduler import ContinuousScheduler, OnDemandKV, Scheduler, StallFreeScheduler
 from ...measurement.workloads import Workload, WorkloadRequest as _W

@@ -25,8 +25,7 @@ from ...core.fake import (
     TickClock,
     greedy_output,
 )
-from ...core.request import Request, clamp_new_tokens
-from ...core.sampling import SamplingParams
+from ...core.request import Request, SamplingParams, clamp_new_tokens
 from ...core.scheduler import OnDemandKV, Scheduler
 from ...core.speculative import accept_greedy, propose_ngram
 from ...core.trace import Trace

@@ -16,8 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .runner import Chunk, Runner
-from .runner import sample_rows
+from .runner import Chunk, Runner, sample_rows
 
 
 def sequence_hash(sequence: list[int]) -> int:

@@ -1,6 +1,6 @@
 """The runner's interface (pure Python, no MLX): what the engine asks of whatever runs
 the forward passes, the ``Chunk`` it hands over, and the picking of one token a row that
-every runner shares (``sample_rows``).
+the real and fake runners share (``sample_rows``).
 
 ``Model`` is what the engine needs to know of a model (its vocabulary, EOS ids, context
 length, and what runs it): a ``model.load.LoadedModel`` or a ``fake.FakeModel``.

@@ -257,7 +257,7 @@ MERGED = {
         "SamplingParams and Sampler are in batchlab.core.request now, sample_rows in batchlab.core.runner"
     ),
     "batchlab.core.numbers": "is_int and is_number are in batchlab.core.request now",
-    "batchlab.core.scheduler.stallfree": "StallFreeScheduler is in batchlab.core.scheduler",
+    "batchlab.core.scheduler.stallfree": "StallFreeScheduler is in batchlab.core.scheduler now",
 }
 
 

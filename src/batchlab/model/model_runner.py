@@ -30,9 +30,8 @@ import numpy as np
 
 from .backend import gpu_path
 from .cpu_llama import CpuLlama, cpu_path_applies, decode_rows_np, prefill_chunk_np, silu_mul
-from ..core.runner import Chunk, Model, Runner
 from ..core.request import Sampler
-from ..core.runner import sample_rows
+from ..core.runner import Chunk, Model, Runner, sample_rows
 
 
 class KVPool:
